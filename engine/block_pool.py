@@ -1,0 +1,326 @@
+"""Physical KV blocks: reference counts, the prefix index and least-recently-used eviction.
+
+Pure Python: no torch, no I/O. The pool only does bookkeeping; the KV tensors live in the model runner
+and are addressed by block id.
+
+Every block is in exactly one of three states:
+
+    free        ref_count == 0, no key         -> handed out first by `allocate`
+    evictable   ref_count == 0, key in index   -> kept for prefix hits, evicted LRU-first
+    referenced  ref_count  > 0                 -> held by block tables, never handed out
+
+Invariants (checked by `check_invariants`):
+  * the free deque, the evictable LRU and the referenced blocks are disjoint and cover the pool;
+  * `index[key]` is a full block whose `key` is `key`, whose key is the chained hash of its
+    `parent_key` and its token ids;
+  * the index is a tree: an indexed block's `parent_key` is a registered namespace root, or the key
+    of an indexed block that holds the preceding `block_size` tokens. So a key identifies the exact
+    tokens at the exact positions from the start of the context, in one namespace, and a lookup that
+    confirms the stored token ids and parent key can never be fooled by a hash collision. When a block
+    leaves the index its indexed descendants leave too (they could never match again).
+"""
+
+from __future__ import annotations
+
+import time
+from array import array
+from collections import OrderedDict, deque
+from dataclasses import dataclass, field
+from typing import Callable, Iterable
+
+import xxhash
+
+from engine.events import EventKind, EventLog, EvictReason
+
+
+class NoFreeBlocksError(RuntimeError):
+    """Raised by `allocate` when every block is referenced. Callers check `num_allocatable` first."""
+
+
+def chain_key(parent_key: bytes, token_ids: Iterable[int]) -> bytes:
+    """The cache key of a full block: a 128-bit hash over its parent's key and its token ids."""
+    return xxhash.xxh3_128_digest(parent_key + array("I", token_ids).tobytes())
+
+
+@dataclass(slots=True, eq=False)
+class Block:
+    """One physical KV block of `block_size` token slots."""
+
+    block_id: int
+    token_ids: list[int] = field(default_factory=list)  # filled slots, in order
+    ref_count: int = 0  # number of block-table entries pointing here
+    start_pos: int = 0  # context position of slot 0 for its current holders
+    key: bytes | None = None  # set while the block is in the prefix index
+    parent_key: bytes | None = None  # the key its chain hangs from (namespace root for block 0)
+    created_at: float = 0.0  # when it was last handed out by `allocate`
+    last_used: float = 0.0  # last allocation, hit, fork share or release
+    hit_count: int = 0  # times it was reused (prefix hit or fork share) since allocation
+
+
+class BlockPool:
+    """A fixed pool of blocks with a prefix index and LRU eviction of unreferenced cached blocks."""
+
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        log: EventLog,
+        *,
+        group: str = "full",
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError("num_blocks and block_size must be positive")
+        self.block_size = block_size
+        self.group = group  # the KV group these blocks serve ("full" or "sliding")
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self._log = log
+        self._clock = clock
+        self._free: deque[Block] = deque(self.blocks)  # ref 0, no key; allocated from the left
+        self._evictable: OrderedDict[int, Block] = OrderedDict()  # ref 0, keyed; LRU first
+        self._index: dict[bytes, Block] = {}  # key -> cached block
+        self._children: dict[bytes, set[bytes]] = {}  # key -> keys of indexed blocks hanging from it
+        self._roots: dict[bytes, str] = {}  # namespace root key -> the namespace text it hashes
+        self.num_evictions = 0
+
+    # ------------------------------------------------------------------ capacity
+    @property
+    def num_blocks(self) -> int:
+        return len(self.blocks)
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_evictable(self) -> int:
+        return len(self._evictable)
+
+    @property
+    def num_allocatable(self) -> int:
+        """Blocks `allocate` can hand out now: free ones plus evictable cached ones."""
+        return len(self._free) + len(self._evictable)
+
+    @property
+    def num_cached(self) -> int:
+        """Blocks in the prefix index (referenced or not)."""
+        return len(self._index)
+
+    # ------------------------------------------------------------------ namespaces
+    def register_root(self, root_key: bytes, namespace_text: str) -> None:
+        """Bind a namespace root key to its text; a second text under the same key is refused."""
+        bound = self._roots.setdefault(root_key, namespace_text)
+        if bound != namespace_text:
+            raise RuntimeError("namespace root key collision: refusing to share a key space")
+
+    # ------------------------------------------------------------------ allocation
+    def allocate(self, request_id: str, start_pos: int) -> Block:
+        """Hand out one block with a single reference, taking free blocks first, then evicting LRU.
+
+        Raises:
+            NoFreeBlocksError: every block is referenced.
+        """
+        if self._free:
+            block = self._free.popleft()
+        elif self._evictable:
+            _, block = self._evictable.popitem(last=False)
+            self._uncache(block, EvictReason.LRU, request_id)
+        else:
+            raise NoFreeBlocksError(f"all {self.num_blocks} blocks are referenced")
+        now = self._clock()
+        block.ref_count = 1
+        block.token_ids = []
+        block.start_pos = start_pos
+        block.created_at = now
+        block.last_used = now
+        block.hit_count = 0
+        self._log.emit(EventKind.ALLOCATE, request_id=request_id, block_id=block.block_id, group=self.group)
+        return block
+
+    def touch(self, block: Block, request_id: str) -> None:
+        """Take one more reference on a block that is cached or already referenced (a hit or a fork)."""
+        if block.ref_count == 0:
+            if block.key is None:
+                raise RuntimeError(f"block {block.block_id} is free; only cached or held blocks can be shared")
+            del self._evictable[block.block_id]
+        block.ref_count += 1
+        block.hit_count += 1
+        block.last_used = self._clock()
+
+    def free(self, block: Block, request_id: str) -> None:
+        """Drop one reference. At zero a keyed block becomes evictable (LRU tail); others go free."""
+        if block.ref_count < 1:
+            raise RuntimeError(f"block {block.block_id} released more often than referenced")
+        block.ref_count -= 1
+        block.last_used = self._clock()
+        self._log.emit(
+            EventKind.RELEASE,
+            request_id=request_id,
+            block_id=block.block_id,
+            tokens=len(block.token_ids),
+            ref_count=block.ref_count,
+            group=self.group,
+        )
+        if block.ref_count == 0:
+            if block.key is not None:
+                self._evictable[block.block_id] = block
+            else:
+                self._free.append(block)
+
+    # ------------------------------------------------------------------ prefix index
+    def lookup(self, key: bytes, parent_key: bytes, token_ids: list[int]) -> Block | None:
+        """The cached block for `key`, only if it holds exactly `token_ids` under `parent_key`."""
+        block = self._index.get(key)
+        if block is None or block.parent_key != parent_key or block.token_ids != token_ids:
+            return None
+        return block
+
+    def cache(self, block: Block, key: bytes, parent: Block | None, parent_key: bytes, request_id: str) -> bool:
+        """Put a full, referenced block into the index under `key`.
+
+        Args:
+            block: the full block, held by the caller's table.
+            key: `chain_key(parent_key, block.token_ids)`.
+            parent: the indexed block the chain hangs from, as returned by `lookup` for the caller's
+                preceding block; None for the first block of a context.
+            parent_key: the parent's key, or the namespace root for the first block.
+            request_id: for the event.
+
+        Returns:
+            True when indexed; False when the key is already indexed (an identical block exists; block
+            tables are append-only, so the duplicate is simply left unindexed) or when the parent is not
+            indexed (its chain left the cache, so this block could never be matched).
+        """
+        if block.key is not None or len(block.token_ids) != self.block_size or key in self._index:
+            return False
+        if parent is None:
+            if parent_key not in self._roots:
+                raise RuntimeError("caching under an unregistered namespace root")
+        elif parent.key != parent_key or self._index.get(parent_key) is not parent:
+            return False
+        block.key = key
+        block.parent_key = parent_key
+        self._index[key] = block
+        if parent is not None:
+            self._children.setdefault(parent_key, set()).add(key)
+        self._log.emit(
+            EventKind.CACHE,
+            request_id=request_id,
+            block_id=block.block_id,
+            tokens=self.block_size,
+            key=key.hex(),
+            start_pos=block.start_pos,
+            end_pos=block.start_pos + self.block_size,
+            group=self.group,
+        )
+        return True
+
+    def evict(self, block: Block, reason: EvictReason, request_id: str | None = None) -> None:
+        """Evict one unreferenced cached block (and its indexed descendants) to the free deque."""
+        if block.ref_count != 0 or block.key is None:
+            raise RuntimeError(f"block {block.block_id} is not an evictable cached block")
+        del self._evictable[block.block_id]
+        self._uncache(block, reason, request_id)
+        self._free.append(block)
+
+    def reset(self) -> tuple[int, int]:
+        """Evict every unreferenced cached block.
+
+        Returns:
+            (dropped, still_cached): blocks evicted, and cached blocks kept because they are referenced.
+        """
+        dropped = 0
+        while self._evictable:
+            _, block = self._evictable.popitem(last=False)
+            dropped += 1 + self._uncache(block, EvictReason.RESET, None)
+            self._free.append(block)
+        return dropped, len(self._index)
+
+    def _uncache(self, block: Block, reason: EvictReason, request_id: str | None) -> int:
+        """Remove a block's key and its indexed descendants' keys. Returns how many descendants.
+
+        The block itself must already be out of the evictable LRU; the caller decides where it goes.
+        Unreferenced descendants move from the LRU to the free deque.
+        """
+        key = block.key
+        assert key is not None and block.parent_key is not None
+        del self._index[key]
+        siblings = self._children.get(block.parent_key)
+        if siblings is not None:
+            siblings.discard(key)
+            if not siblings:
+                del self._children[block.parent_key]
+        now = self._clock()
+        self._log.emit(
+            EventKind.EVICT,
+            request_id=request_id,
+            block_id=block.block_id,
+            tokens=len(block.token_ids),
+            reason=reason.value,
+            key=key.hex(),
+            start_pos=block.start_pos,
+            end_pos=block.start_pos + len(block.token_ids),
+            age_s=now - block.created_at,
+            hit_count=block.hit_count,
+            last_used=block.last_used,
+            group=self.group,
+        )
+        self.num_evictions += 1
+        block.key = None
+        block.parent_key = None
+        removed = 0
+        for child_key in self._children.pop(key, ()):
+            child = self._index[child_key]
+            removed += 1 + self._uncache_descendant(child, request_id)
+        return removed
+
+    def _uncache_descendant(self, child: Block, request_id: str | None) -> int:
+        if child.ref_count == 0:
+            del self._evictable[child.block_id]
+        removed = self._uncache(child, EvictReason.PARENT_EVICTED, request_id)
+        if child.ref_count == 0:
+            self._free.append(child)
+        return removed
+
+    # ------------------------------------------------------------------ inspection
+    def state_of(self, block: Block) -> str:
+        """"free", "evictable" or "referenced"."""
+        if block.ref_count > 0:
+            return "referenced"
+        return "evictable" if block.key is not None else "free"
+
+    def evictable_in_lru_order(self) -> list[int]:
+        return list(self._evictable)
+
+    def check_invariants(self) -> None:
+        """Raise AssertionError if any pool invariant (module docstring) is broken."""
+        free_ids = [b.block_id for b in self._free]
+        assert len(free_ids) == len(set(free_ids)), "a block is twice in the free deque"
+        free_set = set(free_ids)
+        evictable_set = set(self._evictable)
+        referenced = {b.block_id for b in self.blocks if b.ref_count > 0}
+        assert not free_set & evictable_set, "free and evictable overlap"
+        assert not free_set & referenced, "a referenced block is free"
+        assert not evictable_set & referenced, "a referenced block is evictable"
+        assert len(free_set) + len(evictable_set) + len(referenced) == self.num_blocks, "states do not cover the pool"
+        for block in self.blocks:
+            assert block.ref_count >= 0
+            assert len(block.token_ids) <= self.block_size
+            if block.block_id in free_set:
+                assert block.key is None, f"free block {block.block_id} has a key"
+            if block.block_id in evictable_set:
+                assert block.key is not None, f"evictable block {block.block_id} has no key"
+            if block.key is not None:
+                assert self._index.get(block.key) is block, f"block {block.block_id} key not indexed"
+        for key, block in self._index.items():
+            assert block.key == key
+            assert len(block.token_ids) == self.block_size, "a partial block is indexed"
+            assert block.parent_key is not None
+            assert chain_key(block.parent_key, block.token_ids) == key, "key is not the hash of its content"
+            if block.parent_key not in self._roots:
+                parent = self._index.get(block.parent_key)
+                assert parent is not None, f"indexed block {block.block_id} hangs from an unindexed parent"
+                assert parent.start_pos + self.block_size == block.start_pos, "chain positions disagree"
+                assert key in self._children.get(block.parent_key, ()), "child link missing"
+            else:
+                assert block.start_pos == 0, "a root block must start at position 0"

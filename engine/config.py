@@ -1,0 +1,65 @@
+"""Engine configuration: one frozen, validated value built once and passed down."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+DEFAULT_MODEL = "smollm2"
+DTYPES = ("float32", "float16", "bfloat16")
+
+# Bounds on every size an operator can type (console and CLI validate against these).
+MAX_BLOCK_SIZE = 256
+MAX_NUM_BLOCKS = 1 << 20
+MAX_NEW_TOKENS = 4096
+MAX_BATCHED_TOKENS = 1 << 16
+
+
+def default_data_dir() -> Path:
+    """Where converted weights and the SQLite history live: $PREFIX_CONSOLE_DATA_DIR or ./data."""
+    return Path(os.environ.get("PREFIX_CONSOLE_DATA_DIR", "data")).resolve()
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything that fixes how the engine computes and how much memory it holds.
+
+    Exactly one of `num_blocks` and `kv_memory_mb` sizes the pool; when both are None a default of
+    1024 blocks is used.
+    """
+
+    model: str = DEFAULT_MODEL  # preset name ("smollm2", "tiny-llama", ...) or a local model directory
+    device: str = "auto"  # "auto" (CUDA when present, else CPU), "cpu", "cuda", "cuda:N"
+    dtype: str = "float32"  # dtype of weights and KV blocks
+    block_size: int = 16  # token slots per KV block
+    num_blocks: int | None = None  # pool size in blocks
+    kv_memory_mb: int | None = None  # pool size as a memory budget (converted to blocks)
+    max_num_batched_tokens: int = 2048  # per-step token budget (chunked prefill + decode)
+    max_num_seqs: int = 64  # most requests running at once
+    seed: int = 0  # seeds random-weight presets and default sampling
+    data_dir: Path | None = None  # None -> default_data_dir()
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if not 1 <= self.block_size <= MAX_BLOCK_SIZE:
+            raise ValueError(f"block_size must be in [1, {MAX_BLOCK_SIZE}], got {self.block_size}")
+        if self.num_blocks is not None and self.kv_memory_mb is not None:
+            raise ValueError("give num_blocks or kv_memory_mb, not both")
+        if self.num_blocks is not None and not 1 <= self.num_blocks <= MAX_NUM_BLOCKS:
+            raise ValueError(f"num_blocks must be in [1, {MAX_NUM_BLOCKS}], got {self.num_blocks}")
+        if self.kv_memory_mb is not None and not 1 <= self.kv_memory_mb <= 1 << 20:
+            raise ValueError(f"kv_memory_mb must be in [1, {1 << 20}], got {self.kv_memory_mb}")
+        if not 1 <= self.max_num_batched_tokens <= MAX_BATCHED_TOKENS:
+            raise ValueError(
+                f"max_num_batched_tokens must be in [1, {MAX_BATCHED_TOKENS}], got {self.max_num_batched_tokens}"
+            )
+        if not 1 <= self.max_num_seqs <= 4096:
+            raise ValueError(f"max_num_seqs must be in [1, 4096], got {self.max_num_seqs}")
+        if not self.device == "auto" and not self.device == "cpu" and not self.device.startswith("cuda"):
+            raise ValueError(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
+
+    @property
+    def resolved_data_dir(self) -> Path:
+        return self.data_dir if self.data_dir is not None else default_data_dir()

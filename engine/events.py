@@ -1,0 +1,108 @@
+"""The one event type that flows out of the engine.
+
+The block manager and the engine append events as state changes; the engine drains them once per step
+and hands them to whoever listens (the storage writer, the console). Events are immutable values.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+
+class EventKind(str, enum.Enum):
+    """What happened. Block-level kinds carry a block id; request-level kinds carry a request id."""
+
+    ALLOCATE = "allocate"  # a free or evicted block was handed to a request
+    HIT = "hit"  # a request reused cached blocks from the prefix index (tokens = hit length)
+    FORK = "fork"  # a child shares its parent's block table (tokens = shared tokens)
+    COW = "cow"  # copy-on-write: a shared partial block was copied before a write
+    CACHE = "cache"  # a full block got its key and entered the prefix index
+    RELEASE = "release"  # a request dropped its reference to a block
+    EVICT = "evict"  # a cached block lost its key (reason in detail)
+    RESET = "reset"  # the prefix cache was reset (detail says how many blocks were dropped)
+    SUBMIT = "submit"  # a request entered the waiting queue
+    SCHEDULE = "schedule"  # a request got its first step (detail: cached/computed tokens)
+    PREEMPT = "preempt"  # a running request lost its blocks and went back to waiting
+    REJECT = "reject"  # a request was refused (detail: reason)
+    FINISH = "finish"  # a request finished (detail: reason, output length)
+    REPLAY = "replay"  # sliding-window state was recomputed on a hit (detail: h, s, e, r, mode)
+    WINDOW_RELEASE = "window_release"  # sliding-layer blocks outside the window were released
+
+
+class EvictReason(str, enum.Enum):
+    """Why a cached block lost its key."""
+
+    LRU = "lru"  # the allocator needed a block and this was the least recently used cached one
+    RESET = "reset"  # an operator reset the prefix cache
+    PARENT_EVICTED = "parent_evicted"  # its chain parent left the index, so its key can never match
+    WINDOW = "window"  # sliding-layer state dropped outside the retained window
+
+
+@dataclass(frozen=True, slots=True)
+class Event:
+    """One state change.
+
+    Attributes:
+        kind: what happened.
+        step: engine step counter when it happened (0 before the first step).
+        time: wall-clock seconds since the epoch.
+        request_id: the request involved, if any.
+        block_id: the physical block involved, if any.
+        tokens: how many tokens the change covers (block fill, hit length, shared tokens, ...).
+        detail: kind-specific values (JSON-serialisable: str, int, float, bool, None, lists, dicts).
+    """
+
+    kind: EventKind
+    step: int
+    time: float
+    request_id: str | None = None
+    block_id: int | None = None
+    tokens: int = 0
+    detail: dict[str, Any] = field(default_factory=dict)
+
+
+# Detail fields by kind (the storage layer relies on these names):
+#   EVICT:  reason (EvictReason value), key (hex str), start_pos, end_pos (token positions [start, end)),
+#           age_s (seconds since the block was filled), hit_count, last_used (epoch s), group.
+#   CACHE:  key (hex str), start_pos, end_pos, group.
+#   HIT:    cached_tokens, num_blocks.          FORK: parent_id, shared_blocks.
+#   COW:    src_block, dst_block, num_slots.    RELEASE: ref_count (after the release), group.
+#   RESET:  dropped_blocks, ok (bool: False when referenced blocks kept it from being complete).
+#   SCHEDULE: cached_tokens, computed_tokens, hit_source.   PREEMPT: num_computed_tokens.
+#   REJECT: reason.   FINISH: reason ("length" | "eos" | "stop"), output_tokens.
+#   REPLAY: h, s, e, r, mode, replayed_tokens.   WINDOW_RELEASE: num_blocks, group.
+
+
+class EventLog:
+    """An append-only buffer of events, stamped with the engine step and wall-clock time.
+
+    The block pool, the KV cache manager and the engine all append to one log; the engine drains it
+    once per step with `take()`. Appending never blocks and never does I/O.
+    """
+
+    def __init__(self, clock: Callable[[], float] = time.time) -> None:
+        self.step = 0  # set by the engine at the start of every step
+        self._clock = clock
+        self._events: list[Event] = []
+
+    def emit(
+        self,
+        kind: EventKind,
+        *,
+        request_id: str | None = None,
+        block_id: int | None = None,
+        tokens: int = 0,
+        **detail: Any,
+    ) -> None:
+        self._events.append(Event(kind, self.step, self._clock(), request_id, block_id, tokens, detail))
+
+    def take(self) -> list[Event]:
+        """Return every event appended since the last call, oldest first, and forget them."""
+        events, self._events = self._events, []
+        return events
+
+    def __len__(self) -> int:
+        return len(self._events)

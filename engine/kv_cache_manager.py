@@ -1,0 +1,290 @@
+"""Block tables: prefix lookup, slot allocation, forks, copy-on-write and release.
+
+Pure Python: no torch. The manager decides which physical block each token's KV lives in; the model
+runner executes the copies it asks for (`take_copies`) before the next forward.
+
+A table maps a request's logical blocks, in order, to physical blocks. Only its last block can be
+partially filled. Invariants (checked by `check_invariants`, on top of the pool's):
+  * every reference on a block is held by exactly one table entry: `ref_count` equals the number of
+    table entries (over running and retained requests) that point at it;
+  * a block shared by several tables holds the same tokens for all of them, so a write into a shared
+    partial block always copies it first (copy-on-write); the holder left alone writes in place;
+  * `table.keys[i]` is the chained key of `table.blocks[i]`'s tokens under the table's namespace root.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+from engine.block_pool import Block, BlockPool, chain_key
+from engine.events import EventKind, EventLog
+from engine.namespace import CacheNamespace
+
+
+@dataclass(frozen=True, slots=True)
+class BlockCopy:
+    """Copy the first `num_slots` slots of block `src` into block `dst` (copy-on-write)."""
+
+    src: int
+    dst: int
+    num_slots: int
+
+
+@dataclass(slots=True)
+class BlockTable:
+    """One request's logical-to-physical block map and the key chain of its full blocks."""
+
+    root_key: bytes  # namespace root (with the request's salt) its keys hang from
+    blocks: list[Block] = field(default_factory=list)
+    keys: list[bytes] = field(default_factory=list)  # keys of blocks[:len(keys)], all full
+
+    def num_tokens(self, block_size: int) -> int:
+        if not self.blocks:
+            return 0
+        return (len(self.blocks) - 1) * block_size + len(self.blocks[-1].token_ids)
+
+
+class KVCacheManager:
+    """Owns every request's block table over one block pool."""
+
+    def __init__(self, pool: BlockPool, namespace: CacheNamespace, log: EventLog) -> None:
+        if namespace.block_size != pool.block_size:
+            raise ValueError("namespace and pool disagree on block_size")
+        self.pool = pool
+        self.namespace = namespace
+        self.block_size = pool.block_size
+        self._log = log
+        self._tables: dict[str, BlockTable] = {}
+        self._copies: list[BlockCopy] = []
+        self.num_cow_copies = 0
+
+    # ------------------------------------------------------------------ reading
+    def has_table(self, request_id: str) -> bool:
+        return request_id in self._tables
+
+    def block_ids(self, request_id: str) -> list[int]:
+        table = self._tables.get(request_id)
+        return [] if table is None else [b.block_id for b in table.blocks]
+
+    def num_tokens(self, request_id: str) -> int:
+        """Slots filled in the request's table (0 when it has none)."""
+        table = self._tables.get(request_id)
+        return 0 if table is None else table.num_tokens(self.block_size)
+
+    def tables(self) -> dict[str, list[int]]:
+        """Every live table as block ids, by request id."""
+        return {rid: [b.block_id for b in t.blocks] for rid, t in self._tables.items()}
+
+    def num_logical_blocks(self) -> int:
+        return sum(len(t.blocks) for t in self._tables.values())
+
+    # ------------------------------------------------------------------ prefix lookup
+    def root_key(self, salt: str | None) -> bytes:
+        root = self.namespace.root_key(salt)
+        self.pool.register_root(root, self.namespace.text(salt))
+        return root
+
+    def find_prefix_hit(self, token_ids: list[int], salt: str | None) -> list[Block]:
+        """The longest run of leading full blocks of `token_ids` found in the prefix index.
+
+        Capped at `(len(token_ids) - 1) // block_size` blocks so at least one token is always computed
+        to produce logits. Has no side effects; pass the result to `allocate_slots`.
+        """
+        bs = self.block_size
+        max_blocks = (len(token_ids) - 1) // bs
+        parent = self.root_key(salt)
+        hits: list[Block] = []
+        for i in range(max_blocks):
+            chunk = token_ids[i * bs : (i + 1) * bs]
+            block = self.pool.lookup(chain_key(parent, chunk), parent, chunk)
+            if block is None:
+                break
+            hits.append(block)
+            parent = block.key  # type: ignore[assignment]
+        return hits
+
+    # ------------------------------------------------------------------ allocation
+    def num_blocks_needed(self, request_id: str, num_new_tokens: int, hits: Sequence[Block] = ()) -> int:
+        """Blocks `allocate_slots` would take from the allocatable pool for these new tokens."""
+        bs = self.block_size
+        table = self._tables.get(request_id)
+        need = 0
+        tail_room = 0
+        if table is not None and table.blocks:
+            tail = table.blocks[-1]
+            tail_room = bs - len(tail.token_ids)
+            if tail_room and tail.ref_count > 1 and num_new_tokens:
+                need += 1  # copy-on-write of the shared partial tail
+        overflow = num_new_tokens - tail_room
+        if overflow > 0:
+            need += -(-overflow // bs)
+        # Hit blocks that sit in the evictable LRU stop being allocatable once touched.
+        need += sum(1 for b in hits if b.ref_count == 0)
+        return need
+
+    def allocate_slots(
+        self, request_id: str, new_token_ids: list[int], *, hits: Sequence[Block] = (), salt: str | None = None
+    ) -> bool:
+        """Reserve slots for `new_token_ids` after the request's current tokens.
+
+        Args:
+            request_id: the request; a table is created on first call.
+            new_token_ids: tokens whose KV the next forward computes, in position order.
+            hits: prefix-index hits from `find_prefix_hit` (first call only); they are shared, not copied.
+            salt: tenant salt (first call only).
+
+        Returns:
+            False, changing nothing, when the pool cannot supply the blocks; True once reserved.
+        """
+        if self.num_blocks_needed(request_id, len(new_token_ids), hits) > self.pool.num_allocatable:
+            return False
+        table = self._tables.get(request_id)
+        if table is None:
+            table = self._tables[request_id] = BlockTable(root_key=self.root_key(salt))
+        elif hits:
+            raise RuntimeError("prefix hits can only seed a new table")
+        if hits:
+            for block in hits:
+                self.pool.touch(block, request_id)
+                table.blocks.append(block)
+                table.keys.append(block.key)  # type: ignore[arg-type]
+            self._log.emit(
+                EventKind.HIT,
+                request_id=request_id,
+                block_id=hits[-1].block_id,
+                tokens=len(hits) * self.block_size,
+                cached_tokens=len(hits) * self.block_size,
+                num_blocks=len(hits),
+            )
+        self._append(table, request_id, new_token_ids)
+        return True
+
+    def _append(self, table: BlockTable, request_id: str, token_ids: list[int]) -> None:
+        bs = self.block_size
+        pos = table.num_tokens(bs)
+        i = 0
+        while i < len(token_ids):
+            tail = table.blocks[-1] if table.blocks else None
+            if tail is None or len(tail.token_ids) == bs:
+                tail = self.pool.allocate(request_id, start_pos=pos)
+                table.blocks.append(tail)
+            elif tail.ref_count > 1:
+                tail = self._copy_on_write(table, request_id)
+            take = min(bs - len(tail.token_ids), len(token_ids) - i)
+            tail.token_ids.extend(token_ids[i : i + take])
+            i += take
+            pos += take
+
+    def _copy_on_write(self, table: BlockTable, request_id: str) -> Block:
+        old = table.blocks[-1]
+        new = self.pool.allocate(request_id, start_pos=old.start_pos)
+        new.token_ids = list(old.token_ids)
+        table.blocks[-1] = new
+        self.pool.free(old, request_id)
+        self._copies.append(BlockCopy(old.block_id, new.block_id, len(new.token_ids)))
+        self.num_cow_copies += 1
+        self._log.emit(
+            EventKind.COW,
+            request_id=request_id,
+            block_id=new.block_id,
+            tokens=len(new.token_ids),
+            src_block=old.block_id,
+            dst_block=new.block_id,
+            num_slots=len(new.token_ids),
+        )
+        return new
+
+    def take_copies(self) -> list[BlockCopy]:
+        """Copies the runner must execute before the next forward, oldest first."""
+        copies, self._copies = self._copies, []
+        return copies
+
+    # ------------------------------------------------------------------ caching, forks, release
+    def cache_full_blocks(self, request_id: str) -> None:
+        """Key every newly full block of the table and offer it to the prefix index.
+
+        Call after the forward that computed their KV: only computed blocks may be hit.
+        """
+        table = self._tables[request_id]
+        bs = self.block_size
+        for i in range(len(table.keys), len(table.blocks)):
+            block = table.blocks[i]
+            if len(block.token_ids) < bs:
+                break
+            parent_key = table.keys[i - 1] if i else table.root_key
+            key = chain_key(parent_key, block.token_ids)
+            table.keys.append(key)
+            parent = None
+            if i:
+                grandparent_key = table.keys[i - 2] if i > 1 else table.root_key
+                parent = self.pool.lookup(parent_key, grandparent_key, table.blocks[i - 1].token_ids)
+                if parent is None:
+                    continue  # the chain above left the index; this block could never be matched
+            self.pool.cache(block, key, parent, parent_key, request_id)
+
+    def fork(self, parent_id: str, child_id: str) -> int:
+        """Give `child_id` a table that shares every block of the parent's. Returns shared tokens."""
+        if child_id in self._tables:
+            raise ValueError(f"request {child_id!r} already has a block table")
+        parent = self._tables.get(parent_id)
+        if parent is None:
+            raise KeyError(f"request {parent_id!r} holds no blocks to fork from")
+        child = BlockTable(root_key=parent.root_key, blocks=list(parent.blocks), keys=list(parent.keys))
+        for block in child.blocks:
+            self.pool.touch(block, child_id)
+        self._tables[child_id] = child
+        shared = child.num_tokens(self.block_size)
+        self._log.emit(
+            EventKind.FORK,
+            request_id=child_id,
+            block_id=child.blocks[-1].block_id if child.blocks else None,
+            tokens=shared,
+            parent_id=parent_id,
+            shared_blocks=len(child.blocks),
+        )
+        return shared
+
+    def free(self, request_id: str) -> None:
+        """Release every reference the request holds, last block first (so tails are evicted first)."""
+        table = self._tables.pop(request_id, None)
+        if table is None:
+            return
+        for block in reversed(table.blocks):
+            self.pool.free(block, request_id)
+
+    def reset_prefix_cache(self) -> tuple[int, int]:
+        """Drop every unreferenced cached block. Returns (dropped, still cached because referenced)."""
+        dropped, kept = self.pool.reset()
+        self._log.emit(EventKind.RESET, tokens=0, dropped_blocks=dropped, ok=kept == 0, kept_blocks=kept)
+        return dropped, kept
+
+    # ------------------------------------------------------------------ inspection
+    def holders(self) -> dict[int, list[str]]:
+        """Request ids holding each referenced block, by block id."""
+        out: dict[int, list[str]] = {}
+        for rid, table in self._tables.items():
+            for block in table.blocks:
+                out.setdefault(block.block_id, []).append(rid)
+        return out
+
+    def check_invariants(self) -> None:
+        """Raise AssertionError if a pool or table invariant (module docstrings) is broken."""
+        self.pool.check_invariants()
+        refs: dict[int, int] = {}
+        bs = self.block_size
+        for rid, table in self._tables.items():
+            for i, block in enumerate(table.blocks):
+                refs[block.block_id] = refs.get(block.block_id, 0) + 1
+                assert block.start_pos == i * bs, f"{rid}: block {block.block_id} at the wrong position"
+                if i < len(table.blocks) - 1:
+                    assert len(block.token_ids) == bs, f"{rid}: a non-tail block is partial"
+            assert len(table.keys) <= len(table.blocks)
+            parent = table.root_key
+            for block, key in zip(table.blocks, table.keys):
+                assert key == chain_key(parent, block.token_ids), f"{rid}: key chain broken"
+                parent = key
+        for block in self.pool.blocks:
+            assert block.ref_count == refs.get(block.block_id, 0), (
+                f"block {block.block_id}: ref_count {block.ref_count} != {refs.get(block.block_id, 0)} holders"
+            )

@@ -1,0 +1,216 @@
+"""Scenario tests for the block pool and KV cache manager: exact block ids, reference counts, orders."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine.block_pool import BlockPool, NoFreeBlocksError
+from engine.events import EventKind, EventLog, EvictReason
+from engine.kv_cache_manager import BlockCopy, KVCacheManager
+from engine.namespace import CacheNamespace
+
+
+def make_manager(num_blocks: int = 8, block_size: int = 4, **ns_overrides) -> KVCacheManager:
+    log = EventLog(clock=iter(range(10**9)).__next__)
+    fields = dict(model_id="m", weights_revision="r1", dtype="float32", block_size=block_size, attention_spec=("full",))
+    fields.update(ns_overrides)
+    return KVCacheManager(BlockPool(num_blocks, block_size, log), CacheNamespace(**fields), log)
+
+
+def refs(m: KVCacheManager, *block_ids: int) -> list[int]:
+    return [m.pool.blocks[b].ref_count for b in block_ids]
+
+
+def prefill(m: KVCacheManager, rid: str, tokens: list[int], salt: str | None = None) -> list:
+    hits = m.find_prefix_hit(tokens, salt)
+    assert m.allocate_slots(rid, tokens[len(hits) * m.block_size :], hits=hits, salt=salt)
+    m.cache_full_blocks(rid)
+    return hits
+
+
+def test_fork_shares_full_and_half_block_then_cow_on_first_append_in_place_on_second():
+    m = make_manager()
+    prefill(m, "a", [1, 2, 3, 4, 5, 6])  # one full block, one half-full block
+    assert m.block_ids("a") == [0, 1]
+
+    m.fork("a", "b")
+    assert m.block_ids("b") == [0, 1]
+    assert refs(m, 0, 1) == [2, 2]
+
+    # First writer into the shared half block gets a private copy; the old block loses one reference.
+    assert m.allocate_slots("a", [7])
+    assert m.block_ids("a") == [0, 2]
+    assert refs(m, 0, 1, 2) == [2, 1, 1]
+    assert m.take_copies() == [BlockCopy(src=1, dst=2, num_slots=2)]
+    assert m.pool.blocks[2].token_ids == [5, 6, 7]
+    assert m.pool.blocks[1].token_ids == [5, 6]
+
+    # The holder left alone writes in place: no copy, no new block.
+    assert m.allocate_slots("b", [8])
+    assert m.block_ids("b") == [0, 1]
+    assert m.take_copies() == []
+    assert m.pool.blocks[1].token_ids == [5, 6, 8]
+    assert refs(m, 0, 1, 2) == [2, 1, 1]
+    m.check_invariants()
+
+    # a finishes: its private copy goes free, the shared full block keeps b's reference.
+    m.free("a")
+    assert refs(m, 0, 1, 2) == [1, 1, 0]
+    assert m.pool.state_of(m.pool.blocks[1]) == "referenced"
+    # b finishes: only now is the old half block released (it was never keyed, so it goes free).
+    m.free("b")
+    assert refs(m, 0, 1) == [0, 0]
+    assert m.pool.state_of(m.pool.blocks[1]) == "free"
+    assert m.pool.state_of(m.pool.blocks[0]) == "evictable"
+    m.check_invariants()
+    assert m.num_cow_copies == 1
+
+
+def test_events_record_fork_cow_and_release():
+    m = make_manager()
+    prefill(m, "a", [1, 2, 3, 4, 5, 6])
+    m.fork("a", "b")
+    m.allocate_slots("b", [9])
+    kinds = [e.kind for e in m._log.take()]
+    assert kinds == [
+        EventKind.ALLOCATE, EventKind.ALLOCATE, EventKind.CACHE,
+        EventKind.FORK,
+        EventKind.ALLOCATE, EventKind.RELEASE, EventKind.COW,
+    ]
+
+
+def test_prefix_hit_is_capped_so_one_token_is_always_computed():
+    m = make_manager()
+    prefill(m, "a", [1, 2, 3, 4, 5, 6, 7, 8, 9])
+    m.free("a")
+    assert len(m.find_prefix_hit([1, 2, 3, 4, 5, 6, 7, 8], None)) == 1  # 8 tokens: cap (8-1)//4 = 1 block
+    assert len(m.find_prefix_hit([1, 2, 3, 4, 5, 6, 7, 8, 42], None)) == 2
+    assert len(m.find_prefix_hit([1, 2, 3, 4], None)) == 0
+    assert len(m.find_prefix_hit([1, 2, 3, 9, 5, 6, 7, 8, 42], None)) == 0  # first block differs
+
+
+def test_hit_shares_blocks_and_takes_them_out_of_the_lru():
+    m = make_manager()
+    prefill(m, "a", [1, 2, 3, 4, 5, 6, 7, 8, 9])
+    m.free("a")
+    assert m.pool.evictable_in_lru_order() == [1, 0]  # released in reverse: tail first
+    hits = prefill(m, "b", [1, 2, 3, 4, 5, 6, 7, 8, 10, 11])
+    assert [b.block_id for b in hits] == [0, 1]
+    assert m.block_ids("b") == [0, 1, 3]  # free blocks are used before evicting cached ones
+    assert refs(m, 0, 1) == [1, 1]
+    assert m.pool.blocks[0].hit_count == 1
+    assert m.pool.evictable_in_lru_order() == []
+    m.check_invariants()
+
+
+def test_lru_eviction_order_and_event_detail():
+    m = make_manager(num_blocks=4)
+    prefill(m, "a", [1, 2, 3, 4, 5, 6, 7, 8, 9])  # blocks 0, 1 cached, block 2 partial
+    m.free("a")  # free order: 2 (free list), 1, 0 (LRU)
+    m._log.take()
+    prefill(m, "b", [20, 21, 22, 23, 24, 25, 26, 27, 28])  # needs 3 blocks: 3, 2, then evicts 1
+    assert m.block_ids("b") == [3, 2, 1]
+    evicts = [e for e in m._log.take() if e.kind == EventKind.EVICT]
+    assert [(e.block_id, e.detail["reason"]) for e in evicts] == [(1, "lru")]
+    assert evicts[0].detail["start_pos"] == 4 and evicts[0].detail["end_pos"] == 8
+    assert evicts[0].request_id == "b"
+    m.check_invariants()
+
+
+def test_evicting_a_parent_drops_its_cached_descendants():
+    m = make_manager(num_blocks=4)
+    prefill(m, "a", [1, 2, 3, 4, 5, 6, 7, 8, 9])
+    m.free("a")
+    m.pool.evict(m.pool.blocks[0], EvictReason.LRU)
+    assert m.pool.num_cached == 0
+    assert m.pool.state_of(m.pool.blocks[1]) == "free"
+    reasons = [e.detail["reason"] for e in m._log.take() if e.kind == EventKind.EVICT]
+    assert reasons == ["lru", "parent_evicted"]
+    m.check_invariants()
+
+
+def test_allocation_failure_changes_nothing():
+    m = make_manager(num_blocks=2)
+    prefill(m, "a", [1, 2, 3, 4, 5])
+    before = (m.block_ids("a"), refs(m, 0, 1), m.pool.num_allocatable)
+    assert not m.allocate_slots("b", list(range(100, 109)))
+    assert not m.has_table("b")
+    assert (m.block_ids("a"), refs(m, 0, 1), m.pool.num_allocatable) == before
+    with pytest.raises(NoFreeBlocksError):
+        m.pool.allocate("x", 0)
+    m.check_invariants()
+
+
+def test_reset_drops_unreferenced_cached_blocks_and_reports_referenced_ones():
+    m = make_manager()
+    prefill(m, "a", [1, 2, 3, 4, 5, 6, 7, 8, 9])
+    prefill(m, "b", [30, 31, 32, 33, 34])
+    m.free("a")
+    dropped, kept = m.reset_prefix_cache()
+    assert (dropped, kept) == (2, 1)  # a's two blocks dropped, b's full block is in use
+    assert m.find_prefix_hit([1, 2, 3, 4, 5, 6, 7, 8, 9], None) == []
+    m.check_invariants()
+
+
+def test_duplicate_content_is_not_indexed_twice_and_chain_continues():
+    m = make_manager()
+    prefill(m, "a", [1, 2, 3, 4, 5])
+    prefill(m, "b", [1, 2, 3, 4, 5, 6, 7, 8, 9])  # hits a's first block
+    assert m.block_ids("b")[0] == m.block_ids("a")[0]
+    assert m.pool.num_cached == 2
+    m.check_invariants()
+
+
+@pytest.mark.parametrize(
+    "override",
+    [
+        {"weights_revision": "r2"},
+        {"dtype": "bfloat16"},
+        {"model_id": "other"},
+        {"attention_spec": ("sliding:4",)},
+        {"kv_layout_version": 2},
+    ],
+)
+def test_same_tokens_under_another_namespace_never_hit(override):
+    log = EventLog()
+    pool = BlockPool(8, 4, log)
+    base = dict(model_id="m", weights_revision="r1", dtype="float32", block_size=4, attention_spec=("full",))
+    first = KVCacheManager(pool, CacheNamespace(**base), log)
+    tokens = [1, 2, 3, 4, 5, 6, 7, 8, 9]
+    prefill(first, "a", tokens)
+    second = KVCacheManager(pool, CacheNamespace(**{**base, **override}), log)
+    assert second.find_prefix_hit(tokens, None) == []
+    assert len(first.find_prefix_hit(tokens, None)) == 2
+
+
+def test_another_block_size_never_hits():
+    a = CacheNamespace("m", "r1", "float32", 4, ("full",))
+    b = CacheNamespace("m", "r1", "float32", 8, ("full",))
+    assert a.root_key() != b.root_key()
+
+
+def test_salt_isolates_tenants():
+    m = make_manager()
+    tokens = [1, 2, 3, 4, 5, 6, 7, 8, 9]
+    prefill(m, "a", tokens, salt="tenant-a")
+    assert m.find_prefix_hit(tokens, "tenant-b") == []
+    assert m.find_prefix_hit(tokens, None) == []
+    assert len(m.find_prefix_hit(tokens, "tenant-a")) == 2
+
+
+def test_lookup_confirms_tokens_so_a_forged_key_cannot_hit():
+    m = make_manager()
+    prefill(m, "a", [1, 2, 3, 4, 5])
+    block = m.pool.blocks[0]
+    # Same key, different tokens (as a hash collision would present it): refused.
+    assert m.pool.lookup(block.key, block.parent_key, [9, 9, 9, 9]) is None
+    assert m.pool.lookup(block.key, b"\0" * 16, [1, 2, 3, 4]) is None
+    assert m.pool.lookup(block.key, block.parent_key, [1, 2, 3, 4]) is block
+
+
+def test_fork_of_unknown_parent_is_an_error_and_changes_nothing():
+    m = make_manager()
+    with pytest.raises(KeyError):
+        m.fork("nope", "child")
+    assert not m.has_table("child")
+    m.check_invariants()

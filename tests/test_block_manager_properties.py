@@ -1,0 +1,133 @@
+"""Property test: random submit / fork / append / finish / retain / release / evict / reset sequences.
+
+After every step the pool and table invariants hold, and every live table's blocks spell out exactly
+its request's context (so sharing and copy-on-write never let one request see another's tokens).
+"""
+
+from __future__ import annotations
+
+from hypothesis import settings, strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from engine.block_pool import BlockPool
+from engine.events import EventKind, EventLog, EvictReason
+from engine.kv_cache_manager import KVCacheManager
+from engine.namespace import CacheNamespace
+
+BLOCK_SIZE = 4
+NUM_BLOCKS = 24
+# A small alphabet and a few shared stems make prefix hits and duplicate blocks common.
+STEMS = [[1, 2, 3, 4, 5, 6, 7, 8], [1, 2, 3, 4, 9, 9, 9, 9], [5, 5, 5, 5]]
+tokens = st.lists(st.integers(0, 6), min_size=1, max_size=14)
+
+
+class BlockManagerMachine(RuleBasedStateMachine):
+    def __init__(self) -> None:
+        super().__init__()
+        self.log = EventLog()
+        ns = CacheNamespace("m", "r", "float32", BLOCK_SIZE, ("full",))
+        self.m = KVCacheManager(BlockPool(NUM_BLOCKS, BLOCK_SIZE, self.log), ns, self.log)
+        self.context: dict[str, list[int]] = {}  # live tables: expected tokens
+        self.retained: set[str] = set()
+        self.counter = 0
+
+    def _new_id(self) -> str:
+        self.counter += 1
+        return f"r{self.counter}"
+
+    @rule(stem=st.sampled_from(STEMS), tail=tokens, salt=st.sampled_from([None, "t1"]))
+    def submit(self, stem, tail, salt):
+        prompt = stem + tail
+        rid = self._new_id()
+        hits = self.m.find_prefix_hit(prompt, salt)
+        assert len(hits) * BLOCK_SIZE <= len(prompt) - 1
+        for i, block in enumerate(hits):
+            assert block.token_ids == prompt[i * BLOCK_SIZE : (i + 1) * BLOCK_SIZE]
+        ok = self.m.allocate_slots(rid, prompt[len(hits) * BLOCK_SIZE :], hits=hits, salt=salt)
+        if ok:
+            self.m.cache_full_blocks(rid)
+            self.context[rid] = prompt
+        else:
+            assert not self.m.has_table(rid)
+
+    @precondition(lambda self: self.context)
+    @rule(data=st.data(), suffix=tokens)
+    def fork(self, data, suffix):
+        parent = data.draw(st.sampled_from(sorted(self.context)))
+        child = self._new_id()
+        self.m.fork(parent, child)
+        self.context[child] = list(self.context[parent])
+        if self.m.allocate_slots(child, suffix):
+            self.m.cache_full_blocks(child)
+            self.context[child] += suffix
+        else:
+            self.m.free(child)
+            del self.context[child]
+
+    @precondition(lambda self: self.context)
+    @rule(data=st.data(), new=tokens)
+    def append(self, data, new):
+        rid = data.draw(st.sampled_from(sorted(self.context)))
+        if rid in self.retained:
+            return
+        if self.m.allocate_slots(rid, new):
+            self.m.cache_full_blocks(rid)
+            self.context[rid] += new
+
+    @precondition(lambda self: self.context)
+    @rule(data=st.data(), retain=st.booleans())
+    def finish(self, data, retain):
+        rid = data.draw(st.sampled_from(sorted(self.context)))
+        if rid in self.retained:
+            return
+        if retain:
+            self.retained.add(rid)
+        else:
+            self.m.free(rid)
+            del self.context[rid]
+
+    @precondition(lambda self: self.retained)
+    @rule(data=st.data())
+    def release(self, data):
+        rid = data.draw(st.sampled_from(sorted(self.retained)))
+        self.retained.discard(rid)
+        self.m.free(rid)
+        del self.context[rid]
+
+    @precondition(lambda self: self.m.pool.num_evictable)
+    @rule()
+    def evict_lru(self):
+        block_id = self.m.pool.evictable_in_lru_order()[0]
+        self.m.pool.evict(self.m.pool.blocks[block_id], EvictReason.LRU)
+
+    @rule()
+    def reset(self):
+        dropped, kept = self.m.reset_prefix_cache()
+        assert self.m.pool.num_evictable == 0
+        assert kept == self.m.pool.num_cached
+
+    @rule()
+    def drain_copies(self):
+        for copy in self.m.take_copies():
+            assert copy.src != copy.dst
+            assert 0 < copy.num_slots < BLOCK_SIZE  # only partial tails are ever copied
+
+    @invariant()
+    def invariants_hold(self):
+        self.m.check_invariants()
+
+    @invariant()
+    def tables_spell_their_contexts(self):
+        for rid, expected in self.context.items():
+            blocks = [self.m.pool.blocks[b] for b in self.m.block_ids(rid)]
+            assert [t for b in blocks for t in b.token_ids] == expected
+
+    @invariant()
+    def evictions_only_touch_unreferenced_blocks(self):
+        for event in self.log.take():
+            if event.kind == EventKind.EVICT and event.detail["reason"] in ("lru", "reset"):
+                assert self.m.pool.blocks[event.block_id].ref_count in (0, 1)  # 1: re-allocated since
+
+
+TestBlockManagerMachine = BlockManagerMachine.TestCase
+TestBlockManagerMachine.settings = settings(max_examples=100, stateful_step_count=40, deadline=None)
