@@ -79,7 +79,7 @@ class BlockPool:
         self._free: deque[Block] = deque(self.blocks)  # ref 0, no key; allocated from the left
         self._evictable: OrderedDict[int, Block] = OrderedDict()  # ref 0, keyed; LRU first
         self._index: dict[bytes, Block] = {}  # key -> cached block
-        self._children: dict[bytes, set[bytes]] = {}  # key -> keys of indexed blocks hanging from it
+        self._children: dict[bytes, dict[bytes, None]] = {}  # key -> keys of indexed children, insertion order
         self._roots: dict[bytes, str] = {}  # namespace root key -> the namespace text it hashes
         self.num_evictions = 0
 
@@ -115,57 +115,94 @@ class BlockPool:
 
     # ------------------------------------------------------------------ allocation
     def allocate(self, request_id: str, start_pos: int) -> Block:
-        """Hand out one block with a single reference, taking free blocks first, then evicting LRU.
+        """Hand out one block with a single reference (see `allocate_blocks`)."""
+        return self.allocate_blocks(1, request_id, start_pos)[0]
+
+    def allocate_blocks(self, num: int, request_id: str, start_pos: int) -> list[Block]:
+        """Hand out `num` empty blocks with one reference each, free blocks first, then evicting LRU.
+
+        Args:
+            num: how many blocks.
+            request_id: the request they are for (events).
+            start_pos: context position of the first block's slot 0; the others follow contiguously.
 
         Raises:
-            NoFreeBlocksError: every block is referenced.
+            NoFreeBlocksError: fewer than `num` blocks are free or evictable; nothing changes.
         """
-        if self._free:
-            block = self._free.popleft()
-        elif self._evictable:
-            _, block = self._evictable.popitem(last=False)
-            self._uncache(block, EvictReason.LRU, request_id)
-        else:
-            raise NoFreeBlocksError(f"all {self.num_blocks} blocks are referenced")
+        if num > len(self._free) + len(self._evictable):
+            raise NoFreeBlocksError(f"{num} blocks asked for, {self.num_allocatable} of {self.num_blocks} available")
+        free_queue, evictable, bs = self._free, self._evictable, self.block_size
         now = self._clock()
-        block.ref_count = 1
-        block.token_ids = []
-        block.start_pos = start_pos
-        block.created_at = now
-        block.last_used = now
-        block.hit_count = 0
-        self._log.emit(EventKind.ALLOCATE, request_id=request_id, block_id=block.block_id, group=self.group)
-        return block
-
-    def touch(self, block: Block, request_id: str) -> None:
-        """Take one more reference on a block that is cached or already referenced (a hit or a fork)."""
-        if block.ref_count == 0:
-            if block.key is None:
-                raise RuntimeError(f"block {block.block_id} is free; only cached or held blocks can be shared")
-            del self._evictable[block.block_id]
-        block.ref_count += 1
-        block.hit_count += 1
-        block.last_used = self._clock()
-
-    def free(self, block: Block, request_id: str) -> None:
-        """Drop one reference. At zero a keyed block becomes evictable (LRU tail); others go free."""
-        if block.ref_count < 1:
-            raise RuntimeError(f"block {block.block_id} released more often than referenced")
-        block.ref_count -= 1
-        block.last_used = self._clock()
-        self._log.emit(
-            EventKind.RELEASE,
-            request_id=request_id,
-            block_id=block.block_id,
-            tokens=len(block.token_ids),
-            ref_count=block.ref_count,
-            group=self.group,
-        )
-        if block.ref_count == 0:
-            if block.key is not None:
-                self._evictable[block.block_id] = block
+        blocks = []
+        for i in range(num):
+            if free_queue:
+                block = free_queue.popleft()
             else:
-                self._free.append(block)
+                _, block = evictable.popitem(last=False)
+                self._uncache(block, EvictReason.LRU, request_id)
+            block.ref_count = 1
+            block.token_ids = []
+            block.start_pos = start_pos + i * bs
+            block.created_at = now
+            block.last_used = now
+            block.hit_count = 0
+            blocks.append(block)
+        if blocks:
+            self._log.emit(
+                EventKind.ALLOCATE,
+                request_id=request_id,
+                block_id=blocks[0].block_id,
+                block_ids=[b.block_id for b in blocks],
+                group=self.group,
+            )
+        return blocks
+
+    def touch_blocks(self, blocks: Iterable[Block]) -> None:
+        """Take one more reference on each block, cached or already referenced (a hit or a fork).
+
+        The caller emits the HIT or FORK event that explains the new references.
+        """
+        now, evictable = self._clock(), self._evictable
+        for block in blocks:
+            if block.ref_count == 0:
+                if block.key is None:
+                    raise RuntimeError(f"block {block.block_id} is free; only cached or held blocks can be shared")
+                del evictable[block.block_id]
+            block.ref_count += 1
+            block.hit_count += 1
+            block.last_used = now
+
+    def free_blocks(self, blocks: Iterable[Block], request_id: str) -> None:
+        """Drop one reference on each block, in order; one RELEASE event for the call.
+
+        At zero a keyed block joins the LRU tail (evictable); an unkeyed one goes back to the free deque.
+        Callers pass a table's blocks last-first, so a chain's tail is evicted before its head.
+        """
+        now, evictable, free_queue = self._clock(), self._evictable, self._free
+        released, freed, tokens = [], 0, 0
+        for block in blocks:
+            if block.ref_count < 1:
+                raise RuntimeError(f"block {block.block_id} released more often than referenced")
+            block.ref_count -= 1
+            block.last_used = now
+            released.append(block.block_id)
+            tokens += len(block.token_ids)
+            if block.ref_count == 0:
+                freed += 1
+                if block.key is not None:
+                    evictable[block.block_id] = block
+                else:
+                    free_queue.append(block)
+        if released:
+            self._log.emit(
+                EventKind.RELEASE,
+                request_id=request_id,
+                block_id=released[0],
+                tokens=tokens,
+                block_ids=released,
+                freed=freed,
+                group=self.group,
+            )
 
     # ------------------------------------------------------------------ prefix index
     def lookup(self, key: bytes, parent_key: bytes, token_ids: list[int]) -> Block | None:
@@ -175,8 +212,8 @@ class BlockPool:
             return None
         return block
 
-    def cache(self, block: Block, key: bytes, parent: Block | None, parent_key: bytes, request_id: str) -> bool:
-        """Put a full, referenced block into the index under `key`.
+    def cache(self, block: Block, key: bytes, parent: Block | None, parent_key: bytes) -> bool:
+        """Put a full, referenced block into the index under `key` (the caller emits the CACHE event).
 
         Args:
             block: the full block, held by the caller's table.
@@ -184,7 +221,6 @@ class BlockPool:
             parent: the indexed block the chain hangs from, as returned by `lookup` for the caller's
                 preceding block; None for the first block of a context.
             parent_key: the parent's key, or the namespace root for the first block.
-            request_id: for the event.
 
         Returns:
             True when indexed; False when the key is already indexed (an identical block exists; block
@@ -202,17 +238,7 @@ class BlockPool:
         block.parent_key = parent_key
         self._index[key] = block
         if parent is not None:
-            self._children.setdefault(parent_key, set()).add(key)
-        self._log.emit(
-            EventKind.CACHE,
-            request_id=request_id,
-            block_id=block.block_id,
-            tokens=self.block_size,
-            key=key.hex(),
-            start_pos=block.start_pos,
-            end_pos=block.start_pos + self.block_size,
-            group=self.group,
-        )
+            self._children.setdefault(parent_key, {})[key] = None
         return True
 
     def evict(self, block: Block, reason: EvictReason, request_id: str | None = None) -> None:
@@ -247,7 +273,7 @@ class BlockPool:
         del self._index[key]
         siblings = self._children.get(block.parent_key)
         if siblings is not None:
-            siblings.discard(key)
+            siblings.pop(key, None)
             if not siblings:
                 del self._children[block.parent_key]
         now = self._clock()

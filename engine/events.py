@@ -8,8 +8,7 @@ from __future__ import annotations
 
 import enum
 import time
-from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 
 class EventKind(str, enum.Enum):
@@ -41,16 +40,15 @@ class EvictReason(str, enum.Enum):
     WINDOW = "window"  # sliding-layer state dropped outside the retained window
 
 
-@dataclass(frozen=True, slots=True)
-class Event:
-    """One state change.
+class Event(NamedTuple):
+    """One state change (an immutable tuple: cheap to build on the hot path, safe to share across threads).
 
     Attributes:
         kind: what happened.
         step: engine step counter when it happened (0 before the first step).
         time: wall-clock seconds since the epoch.
         request_id: the request involved, if any.
-        block_id: the physical block involved, if any.
+        block_id: the physical block involved, if any (the first one for multi-block events).
         tokens: how many tokens the change covers (block fill, hit length, shared tokens, ...).
         detail: kind-specific values (JSON-serialisable: str, int, float, bool, None, lists, dicts).
     """
@@ -58,18 +56,20 @@ class Event:
     kind: EventKind
     step: int
     time: float
-    request_id: str | None = None
-    block_id: int | None = None
-    tokens: int = 0
-    detail: dict[str, Any] = field(default_factory=dict)
+    request_id: str | None
+    block_id: int | None
+    tokens: int
+    detail: dict[str, Any]
 
 
 # Detail fields by kind (the storage layer relies on these names):
 #   EVICT:  reason (EvictReason value), key (hex str), start_pos, end_pos (token positions [start, end)),
 #           age_s (seconds since the block was filled), hit_count, last_used (epoch s), group.
-#   CACHE:  key (hex str), start_pos, end_pos, group.
+#   ALLOCATE: block_ids (every block handed out by one call, in table order), group.
+#   RELEASE: block_ids (in release order: last table entry first), freed (how many reached ref 0), group.
+#   CACHE:  block_ids, keys (hex, one per block), start_pos (first block), end_pos (last block's end), group.
 #   HIT:    cached_tokens, num_blocks.          FORK: parent_id, shared_blocks.
-#   COW:    src_block, dst_block, num_slots.    RELEASE: ref_count (after the release), group.
+#   COW:    src_block, dst_block, num_slots.
 #   RESET:  dropped_blocks, ok (bool: False when referenced blocks kept it from being complete).
 #   SCHEDULE: cached_tokens, computed_tokens, hit_source.   PREEMPT: num_computed_tokens.
 #   REJECT: reason.   FINISH: reason ("length" | "eos" | "stop"), output_tokens.

@@ -15,15 +15,14 @@ partially filled. Invariants (checked by `check_invariants`, on top of the pool'
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 from engine.block_pool import Block, BlockPool, chain_key
 from engine.events import EventKind, EventLog
 from engine.namespace import CacheNamespace
 
 
-@dataclass(frozen=True, slots=True)
-class BlockCopy:
+class BlockCopy(NamedTuple):
     """Copy the first `num_slots` slots of block `src` into block `dst` (copy-on-write)."""
 
     src: int
@@ -57,6 +56,7 @@ class KVCacheManager:
         self._log = log
         self._tables: dict[str, BlockTable] = {}
         self._copies: list[BlockCopy] = []
+        self._root_keys: dict[str | None, bytes] = {}  # salt -> registered root (the namespace is frozen)
         self.num_cow_copies = 0
 
     # ------------------------------------------------------------------ reading
@@ -81,8 +81,12 @@ class KVCacheManager:
 
     # ------------------------------------------------------------------ prefix lookup
     def root_key(self, salt: str | None) -> bytes:
-        root = self.namespace.root_key(salt)
-        self.pool.register_root(root, self.namespace.text(salt))
+        """The namespace root for `salt`, registered with the pool on first use."""
+        root = self._root_keys.get(salt)
+        if root is None:
+            root = self.namespace.root_key(salt)
+            self.pool.register_root(root, self.namespace.text(salt))
+            self._root_keys[salt] = root
         return root
 
     def find_prefix_hit(self, token_ids: list[int], salt: str | None) -> list[Block]:
@@ -94,10 +98,11 @@ class KVCacheManager:
         bs = self.block_size
         max_blocks = (len(token_ids) - 1) // bs
         parent = self.root_key(salt)
+        lookup = self.pool.lookup
         hits: list[Block] = []
-        for i in range(max_blocks):
-            chunk = token_ids[i * bs : (i + 1) * bs]
-            block = self.pool.lookup(chain_key(parent, chunk), parent, chunk)
+        for start in range(0, max_blocks * bs, bs):
+            chunk = token_ids[start : start + bs]
+            block = lookup(chain_key(parent, chunk), parent, chunk)
             if block is None:
                 break
             hits.append(block)
@@ -145,10 +150,9 @@ class KVCacheManager:
         elif hits:
             raise RuntimeError("prefix hits can only seed a new table")
         if hits:
-            for block in hits:
-                self.pool.touch(block, request_id)
-                table.blocks.append(block)
-                table.keys.append(block.key)  # type: ignore[arg-type]
+            self.pool.touch_blocks(hits)
+            table.blocks.extend(hits)
+            table.keys.extend(block.key for block in hits)  # type: ignore[misc]
             self._log.emit(
                 EventKind.HIT,
                 request_id=request_id,
@@ -161,27 +165,28 @@ class KVCacheManager:
         return True
 
     def _append(self, table: BlockTable, request_id: str, token_ids: list[int]) -> None:
+        """Fill the partial tail (copying it first if shared), then whole new blocks, in position order."""
         bs = self.block_size
-        pos = table.num_tokens(bs)
-        i = 0
-        while i < len(token_ids):
-            tail = table.blocks[-1] if table.blocks else None
-            if tail is None or len(tail.token_ids) == bs:
-                tail = self.pool.allocate(request_id, start_pos=pos)
-                table.blocks.append(tail)
-            elif tail.ref_count > 1:
+        start = table.num_tokens(bs)
+        filled = 0  # how many of token_ids are placed
+        if token_ids and table.blocks and len(table.blocks[-1].token_ids) < bs:
+            tail = table.blocks[-1]
+            if tail.ref_count > 1:
                 tail = self._copy_on_write(table, request_id)
-            take = min(bs - len(tail.token_ids), len(token_ids) - i)
-            tail.token_ids.extend(token_ids[i : i + take])
-            i += take
-            pos += take
+            filled = min(bs - len(tail.token_ids), len(token_ids))
+            tail.token_ids.extend(token_ids[:filled])
+        num_new = -(-(len(token_ids) - filled) // bs)
+        new_blocks = self.pool.allocate_blocks(num_new, request_id, start + filled) if num_new > 0 else []
+        for block, i in zip(new_blocks, range(filled, len(token_ids), bs)):
+            block.token_ids = token_ids[i : i + bs]
+        table.blocks.extend(new_blocks)
 
     def _copy_on_write(self, table: BlockTable, request_id: str) -> Block:
         old = table.blocks[-1]
         new = self.pool.allocate(request_id, start_pos=old.start_pos)
         new.token_ids = list(old.token_ids)
         table.blocks[-1] = new
-        self.pool.free(old, request_id)
+        self.pool.free_blocks((old,), request_id)
         self._copies.append(BlockCopy(old.block_id, new.block_id, len(new.token_ids)))
         self.num_cow_copies += 1
         self._log.emit(
@@ -204,24 +209,43 @@ class KVCacheManager:
     def cache_full_blocks(self, request_id: str) -> None:
         """Key every newly full block of the table and offer it to the prefix index.
 
-        Call after the forward that computed their KV: only computed blocks may be hit.
+        Call after the forward that computed their KV: only computed blocks may be hit. Emits one
+        CACHE event listing the blocks that entered the index.
         """
         table = self._tables[request_id]
         bs = self.block_size
-        for i in range(len(table.keys), len(table.blocks)):
-            block = table.blocks[i]
+        blocks, keys, root_key = table.blocks, table.keys, table.root_key
+        lookup, cache = self.pool.lookup, self.pool.cache
+        cached: list[Block] = []
+        for i in range(len(keys), len(blocks)):
+            block = blocks[i]
             if len(block.token_ids) < bs:
                 break
-            parent_key = table.keys[i - 1] if i else table.root_key
+            parent_key = keys[i - 1] if i else root_key
             key = chain_key(parent_key, block.token_ids)
-            table.keys.append(key)
+            keys.append(key)
             parent = None
             if i:
-                grandparent_key = table.keys[i - 2] if i > 1 else table.root_key
-                parent = self.pool.lookup(parent_key, grandparent_key, table.blocks[i - 1].token_ids)
-                if parent is None:
-                    continue  # the chain above left the index; this block could never be matched
-            self.pool.cache(block, key, parent, parent_key, request_id)
+                parent = blocks[i - 1]
+                if parent.key != parent_key:  # our previous block is a duplicate: find the indexed twin
+                    grandparent_key = keys[i - 2] if i > 1 else root_key
+                    parent = lookup(parent_key, grandparent_key, parent.token_ids)
+                    if parent is None:
+                        continue  # the chain above left the index; this block could never be matched
+            if cache(block, key, parent, parent_key):
+                cached.append(block)
+        if cached:
+            self._log.emit(
+                EventKind.CACHE,
+                request_id=request_id,
+                block_id=cached[0].block_id,
+                tokens=len(cached) * bs,
+                block_ids=[b.block_id for b in cached],
+                keys=[b.key.hex() for b in cached],  # type: ignore[union-attr]
+                start_pos=cached[0].start_pos,
+                end_pos=cached[-1].start_pos + bs,
+                group=self.pool.group,
+            )
 
     def fork(self, parent_id: str, child_id: str) -> int:
         """Give `child_id` a table that shares every block of the parent's. Returns shared tokens."""
@@ -231,8 +255,7 @@ class KVCacheManager:
         if parent is None:
             raise KeyError(f"request {parent_id!r} holds no blocks to fork from")
         child = BlockTable(root_key=parent.root_key, blocks=list(parent.blocks), keys=list(parent.keys))
-        for block in child.blocks:
-            self.pool.touch(block, child_id)
+        self.pool.touch_blocks(child.blocks)
         self._tables[child_id] = child
         shared = child.num_tokens(self.block_size)
         self._log.emit(
@@ -250,8 +273,7 @@ class KVCacheManager:
         table = self._tables.pop(request_id, None)
         if table is None:
             return
-        for block in reversed(table.blocks):
-            self.pool.free(block, request_id)
+        self.pool.free_blocks(reversed(table.blocks), request_id)
 
     def reset_prefix_cache(self) -> tuple[int, int]:
         """Drop every unreferenced cached block. Returns (dropped, still cached because referenced)."""

@@ -65,6 +65,8 @@ class Request:
     cow_copies: int = 0
     preemptions: int = 0
     finish_reason: str | None = None
+    final_block_table: list[int] = field(default_factory=list)  # the table as it was when it finished
+    prefilling: bool = True  # no token sampled since the last admission (fresh or after preemption)
     arrival_time: float = 0.0
     first_scheduled_time: float | None = None
     first_token_time: float | None = None

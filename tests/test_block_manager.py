@@ -71,12 +71,15 @@ def test_events_record_fork_cow_and_release():
     prefill(m, "a", [1, 2, 3, 4, 5, 6])
     m.fork("a", "b")
     m.allocate_slots("b", [9])
-    kinds = [e.kind for e in m._log.take()]
-    assert kinds == [
-        EventKind.ALLOCATE, EventKind.ALLOCATE, EventKind.CACHE,
+    events = m._log.take()
+    assert [e.kind for e in events] == [
+        EventKind.ALLOCATE, EventKind.CACHE,
         EventKind.FORK,
         EventKind.ALLOCATE, EventKind.RELEASE, EventKind.COW,
     ]
+    assert events[0].detail["block_ids"] == [0, 1]  # one event for the call that took both blocks
+    assert events[2].detail == {"parent_id": "a", "shared_blocks": 2}
+    assert events[4].detail["block_ids"] == [1] and events[4].detail["freed"] == 0
 
 
 def test_prefix_hit_is_capped_so_one_token_is_always_computed():

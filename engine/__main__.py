@@ -1,0 +1,56 @@
+"""Command line: `python -m engine run-trace TRACE.jsonl [--model ...] [--db URL]`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from engine.config import DEFAULT_MODEL, EngineConfig
+from engine.engine import Engine
+from engine.trace import TraceError, replay, summary_record
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m engine")
+    sub = parser.add_subparsers(dest="command", required=True)
+    run = sub.add_parser("run-trace", help="replay a JSONL workload and print one JSON line per request")
+    run.add_argument("trace", help="path to the JSONL trace ('-' for stdin)")
+    run.add_argument("--model", default=DEFAULT_MODEL, help="preset name or local model directory")
+    run.add_argument("--block-size", type=int, default=16)
+    run.add_argument("--num-blocks", type=int, default=None)
+    run.add_argument("--device", default="auto")
+    run.add_argument("--dtype", default="float32")
+    run.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+
+    try:
+        config = EngineConfig(
+            model=args.model,
+            device=args.device,
+            dtype=args.dtype,
+            block_size=args.block_size,
+            num_blocks=args.num_blocks,
+            seed=args.seed,
+        )
+    except ValueError as exc:
+        parser.error(str(exc))
+    engine = Engine(config)
+
+    def emit(record: dict) -> None:
+        print(json.dumps(record), flush=True)
+
+    source = sys.stdin if args.trace == "-" else open(args.trace, encoding="utf-8")
+    status = 0
+    with source:
+        try:
+            replay(engine, source, emit)
+        except TraceError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            status = 2
+    emit(summary_record(engine))
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,303 @@
+"""The torch side of the engine: the KV block memory and one packed forward per step.
+
+The runner knows block ids and positions, never requests, hashes or tokenization. Memory is allocated
+once::
+
+    kv[layer, 0 = K | 1 = V, block, slot, kv_head, head_dim]
+
+    position p of a sequence -> block_table[p // block_size], slot p % block_size
+
+`execute` packs the tokens of every chunk into one sequence (batch 1, per-token position ids) and runs
+the transformers model with a paged attention function registered through `AttentionInterface`; the
+per-step plan travels to it through the forward's keyword arguments. In each layer the function first
+writes the new K/V of all tokens into their slots, then, per group of chunks, gathers the K/V of the
+positions the group can see from its blocks and calls SDPA. A prefill chunk is a group of its own; all
+single-token (decode) chunks form one padded group. Only the last token of each chunk reaches the LM head.
+
+Invariants the caller keeps: no two chunks in one call write the same slot, and no chunk reads a slot
+another chunk of the same call writes (copy-on-write happens before, through `copy_blocks`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface
+
+from engine.models import LoadedModel, sliding_window
+
+PAGED_ATTENTION = "prefix_console_paged"
+
+
+@dataclass(frozen=True)
+class SeqChunk:
+    """Tokens of one sequence to compute in this step.
+
+    The tokens sit at positions `start_pos .. start_pos + len(token_ids) - 1`; positions before
+    `start_pos` must already hold K/V in the blocks. `block_table` covers at least positions
+    [0, start_pos + len(token_ids)); entries wholly before every sliding window of an all-sliding model
+    are never read.
+    """
+
+    token_ids: list[int]  # non-empty
+    start_pos: int  # position of token_ids[0]
+    block_table: list[int]  # physical block id for each block_size positions of the sequence
+
+
+class _Span(NamedTuple):
+    """The positions one chunk computes and the blocks it reads, for layers with one window."""
+
+    start: int  # first query position
+    end: int  # one past the last query position
+    first_visible: int  # earliest key position any of its queries sees
+    first_block: int  # block-table index of the first block to gather
+    end_block: int  # one past the last block-table index to gather
+    base: int  # position of the first gathered key
+
+    @classmethod
+    def of(cls, start: int, num_queries: int, window: int | None, block_size: int) -> _Span:
+        end = start + num_queries
+        first_visible = 0 if window is None else max(0, start - window + 1)
+        first_block = first_visible // block_size
+        end_block = -(-end // block_size)
+        return cls(start, end, first_visible, first_block, end_block, first_block * block_size)
+
+
+@dataclass(frozen=True)
+class _Group:
+    """Chunks with one query length that share one SDPA call (queries padded to none, keys to the longest)."""
+
+    rows: torch.Tensor  # [B * n] packed-sequence rows of the queries, chunk-major
+    num_queries: int  # n: tokens per chunk
+    block_ids: torch.Tensor | None  # [B * M] blocks to gather, chunk-major, padded with block 0; None if causal
+    num_keys: int  # keys kept per chunk after the gather (<= M * block_size)
+    mask: torch.Tensor | None  # [B, 1, n, num_keys] bool (True = visible); None with is_causal or all visible
+    is_causal: bool  # a lone chunk whose visible keys are exactly its own tokens
+
+
+@dataclass(frozen=True)
+class PagedContext:
+    """Everything the attention function needs for one forward; passed as the `paged_context` kwarg."""
+
+    kv: torch.Tensor  # the runner's block memory
+    slots: torch.Tensor  # [T] cache slot of every packed token
+    windows: tuple[int | None, ...]  # per layer: None (full) or the sliding window
+    groups: dict[int | None, tuple[_Group, ...]]  # per distinct window
+
+
+class ModelRunner:
+    """Owns the KV blocks of one model and runs packed forwards over them.
+
+    Creating a runner switches `loaded.model` to paged attention: from then on the model only runs
+    through this runner.
+    """
+
+    def __init__(self, loaded: LoadedModel, num_blocks: int, block_size: int) -> None:
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError(f"need num_blocks >= 1 and block_size >= 1, got {num_blocks}, {block_size}")
+        self.loaded = loaded
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.windows = tuple(sliding_window(kind) for kind in loaded.attention_spec)
+        self.kv = torch.zeros(
+            (loaded.num_layers, 2, num_blocks, block_size, loaded.num_kv_heads, loaded.head_dim),
+            dtype=loaded.dtype,
+            device=loaded.device,
+        )
+        AttentionInterface.register(PAGED_ATTENTION, paged_attention)
+        loaded.model.set_attn_implementation(PAGED_ATTENTION)
+        if loaded.model.config._attn_implementation != PAGED_ATTENTION:
+            raise ValueError(f"{type(loaded.model).__name__} does not accept a custom attention function")
+
+    @staticmethod
+    def bytes_per_block(loaded: LoadedModel, block_size: int) -> int:
+        """Device bytes one block takes across all layers (K and V)."""
+        return 2 * loaded.num_layers * block_size * loaded.num_kv_heads * loaded.head_dim * loaded.dtype.itemsize
+
+    @torch.inference_mode()
+    def copy_blocks(self, copies: Sequence[tuple[int, int, int]]) -> None:
+        """Copy the first `num_slots` slots of `src` into `dst` on every layer, in order.
+
+        Args:
+            copies: (src_block, dst_block, num_slots) triples.
+        """
+        for src, dst, num_slots in copies:
+            self._check_blocks([src, dst])
+            if not 0 <= num_slots <= self.block_size:
+                raise ValueError(f"num_slots must be in [0, {self.block_size}], got {num_slots}")
+            self.kv[:, :, dst, :num_slots] = self.kv[:, :, src, :num_slots]
+
+    @torch.inference_mode()
+    def execute(self, chunks: Sequence[SeqChunk]) -> torch.Tensor:
+        """Compute every chunk's tokens in one forward, storing their K/V in their slots.
+
+        Args:
+            chunks: at least one chunk; see `SeqChunk` and the module invariants.
+
+        Returns:
+            float32 logits of each chunk's last token, shape [len(chunks), vocab_size].
+        """
+        if not chunks:
+            raise ValueError("execute needs at least one chunk")
+        device = self.loaded.device
+        token_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        last_rows: list[int] = []
+        for chunk in chunks:
+            self._check_chunk(chunk)
+            end = chunk.start_pos + len(chunk.token_ids)
+            token_ids.extend(chunk.token_ids)
+            positions.extend(range(chunk.start_pos, end))
+            table, size = chunk.block_table, self.block_size
+            slots.extend(table[p // size] * size + p % size for p in range(chunk.start_pos, end))
+            last_rows.append(len(token_ids) - 1)
+        context = PagedContext(
+            kv=self.kv,
+            slots=torch.tensor(slots, device=device),
+            windows=self.windows,
+            groups={window: self._plan_groups(chunks, window) for window in set(self.windows)},
+        )
+        output = self.loaded.model(
+            input_ids=torch.tensor([token_ids], device=device),
+            position_ids=torch.tensor([positions], device=device),
+            use_cache=False,
+            logits_to_keep=torch.tensor(last_rows, device=device),
+            paged_context=context,
+        )
+        return output.logits[0].float()
+
+    def _plan_groups(self, chunks: Sequence[SeqChunk], window: int | None) -> tuple[_Group, ...]:
+        """One group per prefill chunk and one for all decodes, for layers with this window."""
+        groups: list[_Group] = []
+        decodes: list[tuple[int, SeqChunk]] = []
+        row = 0
+        for chunk in chunks:
+            if len(chunk.token_ids) == 1:
+                decodes.append((row, chunk))
+            else:
+                groups.append(self._plan_group([(row, chunk)], window))
+            row += len(chunk.token_ids)
+        if decodes:
+            groups.append(self._plan_group(decodes, window))
+        return tuple(groups)
+
+    def _plan_group(self, members: list[tuple[int, SeqChunk]], window: int | None) -> _Group:
+        """Plan one SDPA call over chunks of equal length.
+
+        Each chunk gathers the blocks from the one holding its first visible key (position 0, or
+        `start_pos - window + 1`) to the one holding its last token; a lone chunk keeps exactly its keys,
+        several are padded to the longest gather and masked.
+        """
+        size, device = self.block_size, self.loaded.device
+        num_queries = len(members[0][1].token_ids)
+        spans = [_Span.of(chunk.start_pos, num_queries, window, size) for _, chunk in members]
+        num_gathered = max(span.end_block - span.first_block for span in spans)
+        block_ids: list[int] = []
+        for (_, chunk), span in zip(members, spans):
+            blocks = chunk.block_table[span.first_block : span.end_block]
+            self._check_blocks(blocks)
+            block_ids.extend(blocks + [0] * (num_gathered - len(blocks)))
+        rows = [row + i for row, _ in members for i in range(num_queries)]
+
+        first = spans[0]
+        lone = len(members) == 1
+        num_keys = first.end - first.base if lone else num_gathered * size
+        is_causal = lone and first.base == first.start and (window is None or num_queries <= window)
+        sees_all = lone and num_queries == 1 and first.first_visible == first.base
+        mask = None
+        if not is_causal and not sees_all:
+            starts = torch.tensor([span.start for span in spans]).view(-1, 1, 1)
+            bases = torch.tensor([span.base for span in spans]).view(-1, 1, 1)
+            query_pos = starts + torch.arange(num_queries).view(1, -1, 1)
+            key_pos = bases + torch.arange(num_keys).view(1, 1, -1)
+            visible = key_pos <= query_pos
+            if window is not None:
+                visible &= key_pos > query_pos - window
+            mask = visible.unsqueeze(1).to(device)
+        return _Group(
+            rows=torch.tensor(rows, device=device),
+            num_queries=num_queries,
+            block_ids=None if is_causal else torch.tensor(block_ids, device=device),
+            num_keys=num_keys,
+            mask=mask,
+            is_causal=is_causal,
+        )
+
+    def _check_chunk(self, chunk: SeqChunk) -> None:
+        end = chunk.start_pos + len(chunk.token_ids)
+        if not chunk.token_ids or chunk.start_pos < 0:
+            raise ValueError(f"a chunk needs tokens and start_pos >= 0, got {chunk}")
+        if len(chunk.block_table) * self.block_size < end:
+            raise ValueError(f"block table of {len(chunk.block_table)} blocks cannot hold {end} positions")
+
+    def _check_blocks(self, blocks: Sequence[int]) -> None:
+        if blocks and (min(blocks) < 0 or max(blocks) >= self.num_blocks):
+            raise ValueError(f"block ids must be in [0, {self.num_blocks}), got {list(blocks)}")
+
+
+def paged_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    *,
+    paged_context: PagedContext,
+    scaling: float,
+    **kwargs: object,
+) -> tuple[torch.Tensor, None]:
+    """Attention over paged K/V for one layer (the `AttentionInterface` signature).
+
+    Args:
+        module: the attention module; its `layer_idx` selects the cache layer and window.
+        query: [1, num_heads, T, head_dim] for the packed tokens.
+        key: [1, num_kv_heads, T, head_dim], written into the cache before any read.
+        value: like `key`.
+        attention_mask: ignored (always None: no mask function is registered for this implementation).
+        paged_context: the plan built by `ModelRunner.execute`.
+        scaling: softmax scale.
+        **kwargs: other transformers kwargs; a `sliding_window` the model passes must match the plan.
+
+    Returns:
+        ([1, T, num_heads, head_dim] attention output, None).
+    """
+    layer = module.layer_idx
+    window = paged_context.windows[layer]
+    if kwargs.get("sliding_window", window) != window:
+        raise RuntimeError(f"layer {layer}: model window {kwargs['sliding_window']} != attention spec {window}")
+    key_cache, value_cache = paged_context.kv[layer]
+    num_kv_heads, head_dim = key_cache.shape[-2:]
+    key_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, paged_context.slots, key[0].transpose(0, 1))
+    value_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, paged_context.slots, value[0].transpose(0, 1))
+
+    num_heads = query.shape[1]
+    queries = query[0].transpose(0, 1)  # [T, num_heads, head_dim]
+    output = torch.empty_like(queries)
+    for group in paged_context.groups[window]:
+        n = group.num_queries
+        q = queries.index_select(0, group.rows).view(-1, n, num_heads, head_dim).transpose(1, 2)
+        if group.is_causal:  # the visible keys are exactly the chunk's own: skip the gather
+            k, v = key.index_select(2, group.rows), value.index_select(2, group.rows)
+        else:
+            k, v = (
+                cache.index_select(0, group.block_ids)
+                .view(q.shape[0], -1, num_kv_heads, head_dim)[:, : group.num_keys]
+                .transpose(1, 2)
+                for cache in (key_cache, value_cache)
+            )
+        attended = F.scaled_dot_product_attention(
+            q,
+            k,
+            v,
+            attn_mask=group.mask,
+            is_causal=group.is_causal,
+            scale=scaling,
+            enable_gqa=num_heads != num_kv_heads,
+        )
+        output.index_copy_(0, group.rows, attended.transpose(1, 2).reshape(-1, num_heads, head_dim))
+    return output.unsqueeze(0), None

@@ -1,0 +1,133 @@
+"""Immutable views of engine state, safe to hand to other threads (console, storage, CLI).
+
+A snapshot is taken under the engine lock between steps, so every number in it belongs to the same
+moment: block states, reference counts, holders and tables agree with one another.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from engine.request import Request
+
+
+@dataclass(frozen=True, slots=True)
+class RequestView:
+    request_id: str
+    parent_id: str | None
+    status: str
+    retain: bool
+    salt: str | None
+    prompt_token_ids: tuple[int, ...]
+    output_token_ids: tuple[int, ...]
+    num_prompt_tokens: int  # context length before generation (a fork's inherited tokens included)
+    num_computed_tokens: int  # tokens whose KV the request's blocks hold now
+    cached_tokens: int  # hit position at first schedule
+    computed_tokens: int  # prefill tokens run through the model (recomputation after preemption included)
+    hit_source: str
+    cow_copies: int
+    preemptions: int
+    finish_reason: str | None
+    arrival_time: float
+    first_scheduled_time: float | None
+    first_token_time: float | None
+    finish_time: float | None
+    block_table: tuple[int, ...]
+    max_new_tokens: int
+
+    @property
+    def queue_s(self) -> float | None:
+        return None if self.first_scheduled_time is None else self.first_scheduled_time - self.arrival_time
+
+    @property
+    def ttft_s(self) -> float | None:
+        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+
+    @property
+    def decode_s(self) -> float | None:
+        if self.finish_time is None or self.first_token_time is None:
+            return None
+        return self.finish_time - self.first_token_time
+
+    @staticmethod
+    def of(request: Request, block_table: list[int]) -> RequestView:
+        return RequestView(
+            request_id=request.request_id,
+            parent_id=request.parent_id,
+            status=request.status.value,
+            retain=request.retain,
+            salt=request.salt,
+            prompt_token_ids=tuple(request.prompt_token_ids),
+            output_token_ids=tuple(request.output_token_ids),
+            num_prompt_tokens=request.num_prompt_tokens,
+            num_computed_tokens=request.num_computed_tokens,
+            cached_tokens=request.cached_tokens,
+            computed_tokens=request.computed_tokens,
+            hit_source=request.hit_source.value,
+            cow_copies=request.cow_copies,
+            preemptions=request.preemptions,
+            finish_reason=request.finish_reason,
+            arrival_time=request.arrival_time,
+            first_scheduled_time=request.first_scheduled_time,
+            first_token_time=request.first_token_time,
+            finish_time=request.finish_time,
+            block_table=tuple(block_table),
+            max_new_tokens=request.sampling.max_new_tokens,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class BlockView:
+    block_id: int
+    state: str  # "free", "evictable" (cached, unreferenced) or "referenced"
+    ref_count: int
+    num_tokens: int
+    token_ids: tuple[int, ...]
+    key: str | None  # hex, while in the prefix index
+    parent_key: str | None
+    start_pos: int
+    created_at: float
+    last_used: float
+    hit_count: int
+    holders: tuple[str, ...]  # request ids whose tables point here
+
+
+@dataclass(frozen=True, slots=True)
+class PoolStats:
+    num_blocks: int
+    block_size: int
+    free_blocks: int
+    cached_blocks: int  # keyed blocks (referenced or evictable)
+    evictable_blocks: int
+    used_blocks: int  # referenced blocks
+    logical_blocks: int  # table entries over all live tables
+    evictions: int
+    cow_copies: int
+    preemptions: int
+    prefix_query_tokens: int
+    prefix_hit_tokens: int
+    steps: int
+    num_waiting: int
+    num_running: int
+    num_retained: int
+
+    @property
+    def kv_usage(self) -> float:
+        return self.used_blocks / self.num_blocks
+
+    @property
+    def sharing_ratio(self) -> float:
+        """Logical blocks over physical referenced blocks (1.0 = no sharing)."""
+        return self.logical_blocks / self.used_blocks if self.used_blocks else 1.0
+
+    @property
+    def hit_rate(self) -> float:
+        return self.prefix_hit_tokens / self.prefix_query_tokens if self.prefix_query_tokens else 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class EngineSnapshot:
+    time: float
+    stats: PoolStats
+    blocks: tuple[BlockView, ...]
+    requests: tuple[RequestView, ...]

@@ -1,0 +1,160 @@
+"""Replaying a JSONL workload trace through an engine (the `run-trace` CLI).
+
+One JSON object per line, applied in order:
+    {"op": "submit", "id": "a", "tokens": [..] | "text": "..." | "chat": [{"role": .., "content": ..}],
+     "max_new_tokens": 8, "retain": false, "temperature": 0, "top_p": 1, "seed": null, "salt": null}
+    {"op": "fork", "id": "b", "parent": "a", "suffix_tokens": [..] | "suffix_text": "...", ...}
+    {"op": "release", "id": "a"}   {"op": "run"}   {"op": "reset"}
+Every finished request is reported as one dict; a rejected request as {"id", "rejected"}. A bad line
+raises TraceError naming the line; the engine state stays consistent (nothing of that line applied).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Callable, Iterable
+
+from engine.engine import Engine, RequestRejected
+from engine.prompts import encode_chat, encode_text
+from engine.request import SamplingParams
+from engine.snapshot import RequestView
+
+OPS = ("submit", "fork", "release", "run", "reset")
+SAMPLING_KEYS = ("max_new_tokens", "temperature", "top_p", "seed", "ignore_eos")
+
+
+class TraceError(ValueError):
+    """A trace line that cannot be applied; the message names the line."""
+
+
+def request_record(view: RequestView) -> dict[str, Any]:
+    return {
+        "id": view.request_id,
+        "parent": view.parent_id,
+        "prompt_tokens": view.num_prompt_tokens,
+        "cached_tokens": view.cached_tokens,
+        "computed_tokens": view.computed_tokens,
+        "hit_source": view.hit_source,
+        "output_token_ids": list(view.output_token_ids),
+        "block_table": list(view.block_table),
+        "cow_copies": view.cow_copies,
+        "preemptions": view.preemptions,
+        "finish_reason": view.finish_reason,
+    }
+
+
+def summary_record(engine: Engine) -> dict[str, Any]:
+    stats = engine.stats()
+    try:
+        engine.check_invariants()
+        invariants_ok = True
+    except AssertionError:
+        invariants_ok = False
+    return {
+        "summary": {
+            "num_blocks": stats.num_blocks,
+            "free_blocks": stats.free_blocks,
+            "cached_blocks": stats.cached_blocks,
+            "used_blocks": stats.used_blocks,
+            "evictions": stats.evictions,
+            "cow_copies": stats.cow_copies,
+            "preemptions": stats.preemptions,
+            "prefix_hit_tokens": stats.prefix_hit_tokens,
+            "prefix_query_tokens": stats.prefix_query_tokens,
+            "invariants_ok": invariants_ok,
+        }
+    }
+
+
+def replay(engine: Engine, lines: Iterable[str], emit: Callable[[dict[str, Any]], None]) -> None:
+    """Apply every line, emitting a record per finished or rejected request; runs until idle at the end."""
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            _apply(engine, _parse(line), emit)
+        except RequestRejected as exc:
+            emit({"id": _parse(line).get("id"), "rejected": str(exc)})
+        except (ValueError, KeyError, TypeError) as exc:
+            raise TraceError(f"line {number}: {exc}") from exc
+    _run(engine, emit)
+
+
+def _parse(line: str) -> dict[str, Any]:
+    try:
+        op = json.loads(line)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"not valid JSON ({exc.msg})") from None
+    if not isinstance(op, dict):
+        raise ValueError("each line must be a JSON object")
+    if op.get("op") not in OPS:
+        raise ValueError(f"unknown op {op.get('op')!r}; expected one of {OPS}")
+    return op
+
+
+def _apply(engine: Engine, op: dict[str, Any], emit: Callable[[dict[str, Any]], None]) -> None:
+    kind = op["op"]
+    if kind == "submit":
+        engine.submit(
+            _prompt(engine, op),
+            _sampling(op),
+            request_id=_id(op),
+            retain=bool(op.get("retain", False)),
+            salt=op.get("salt"),
+        )
+    elif kind == "fork":
+        if "parent" not in op:
+            raise ValueError("fork needs a 'parent'")
+        engine.fork(op["parent"], _suffix(engine, op), _sampling(op), request_id=_id(op), retain=bool(op.get("retain")))
+    elif kind == "release":
+        engine.release(_id(op))
+    elif kind == "run":
+        _run(engine, emit)
+    else:
+        engine.reset_cache()
+
+
+def _run(engine: Engine, emit: Callable[[dict[str, Any]], None]) -> None:
+    for view in engine.run_until_idle():
+        emit(request_record(view))
+
+
+def _id(op: dict[str, Any]) -> str:
+    rid = op.get("id")
+    if not isinstance(rid, str) or not rid:
+        raise ValueError(f"{op['op']} needs a non-empty string 'id'")
+    return rid
+
+
+def _sampling(op: dict[str, Any]) -> SamplingParams:
+    return SamplingParams(**{k: op[k] for k in SAMPLING_KEYS if k in op})
+
+
+def _prompt(engine: Engine, op: dict[str, Any]) -> list[int]:
+    given = [k for k in ("tokens", "text", "chat") if k in op]
+    if len(given) != 1:
+        raise ValueError("submit needs exactly one of 'tokens', 'text' or 'chat'")
+    if "tokens" in op:
+        return _token_list(op["tokens"], "tokens")
+    if "text" in op:
+        return encode_text(engine.tokenizer, op["text"])
+    return encode_chat(engine.tokenizer, op["chat"])
+
+
+def _suffix(engine: Engine, op: dict[str, Any]) -> list[int]:
+    given = [k for k in ("suffix_tokens", "suffix_text") if k in op]
+    if len(given) != 1:
+        raise ValueError("fork needs exactly one of 'suffix_tokens' or 'suffix_text'")
+    if "suffix_tokens" in op:
+        return _token_list(op["suffix_tokens"], "suffix_tokens")
+    if engine.tokenizer is None:
+        raise ValueError("this model has no tokenizer: use suffix_tokens")
+    if not op["suffix_text"]:
+        raise ValueError("the fork suffix is empty")
+    return list(engine.tokenizer(op["suffix_text"], add_special_tokens=False)["input_ids"])
+
+
+def _token_list(value: Any, name: str) -> list[int]:
+    if not isinstance(value, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in value):
+        raise ValueError(f"'{name}' must be a list of integers")
+    return value

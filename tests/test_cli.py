@@ -1,0 +1,113 @@
+"""The run-trace CLI: one JSON line per finished request, a summary line, clear errors naming the line."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from engine.__main__ import main
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@dataclass
+class Result:
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+def write_trace(tmp_path: Path, lines: list[dict | str]) -> Path:
+    trace = tmp_path / "trace.jsonl"
+    trace.write_text("\n".join(x if isinstance(x, str) else json.dumps(x) for x in lines) + "\n")
+    return trace
+
+
+def run_trace(tmp_path: Path, lines: list[dict | str], *extra: str, capsys=None) -> Result:
+    """Run the CLI in-process (the model import is paid once per test session)."""
+    trace = write_trace(tmp_path, lines)
+    code = main(["run-trace", str(trace), "--model", "tiny-llama", "--device", "cpu", "--block-size", "4", *extra])
+    out, err = capsys.readouterr()
+    return Result(code, out, err)
+
+
+def records(proc: Result) -> list[dict]:
+    return [json.loads(line) for line in proc.stdout.splitlines() if line.strip()]
+
+
+def test_trace_with_retain_fork_release_and_prefix_hit(tmp_path, capsys):
+    prefix = list(range(10, 30))
+    proc = run_trace(
+        tmp_path,
+        [
+            {"op": "submit", "id": "a", "tokens": prefix + [5], "max_new_tokens": 3, "retain": True, "ignore_eos": True},
+            {"op": "run"},
+            {"op": "fork", "id": "b", "parent": "a", "suffix_tokens": [7, 8, 9], "max_new_tokens": 2, "ignore_eos": True},
+            {"op": "fork", "id": "c", "parent": "a", "suffix_tokens": [9], "max_new_tokens": 2, "ignore_eos": True},
+            {"op": "run"},
+            {"op": "release", "id": "a"},
+            {"op": "submit", "id": "d", "tokens": prefix + [40, 41], "max_new_tokens": 2, "ignore_eos": True},
+            {"op": "run"},
+        ],
+        "--num-blocks", "64",
+        capsys=capsys,
+    )
+    assert proc.returncode == 0, proc.stderr
+    out = {r.get("id"): r for r in records(proc) if "id" in r}
+    summary = records(proc)[-1]["summary"]
+    assert out["a"]["prompt_tokens"] == 21 and out["a"]["hit_source"] == "none"
+    assert out["b"]["parent"] == "a" and out["b"]["hit_source"] == "fork"
+    # a computed 21 prompt + 2 fed-back tokens: 5 full blocks and a 3-token tail both children share.
+    assert out["b"]["cached_tokens"] == 23 and out["b"]["computed_tokens"] == 1 + 3
+    assert out["b"]["cow_copies"] == 1 and out["c"]["cow_copies"] == 1
+    assert out["b"]["block_table"][:5] == out["c"]["block_table"][:5]
+    assert out["d"]["hit_source"] == "prefix" and out["d"]["cached_tokens"] == 20
+    assert len(out["d"]["output_token_ids"]) == 2
+    assert summary["invariants_ok"] is True
+    assert summary["cow_copies"] == 2 and summary["used_blocks"] == 0
+
+
+def test_rejected_request_is_reported_and_replay_goes_on(tmp_path, capsys):
+    proc = run_trace(
+        tmp_path,
+        [
+            {"op": "submit", "id": "big", "tokens": list(range(3, 60)), "max_new_tokens": 4},
+            {"op": "submit", "id": "ok", "tokens": [3, 4, 5], "max_new_tokens": 2},
+        ],
+        "--num-blocks", "8",
+        capsys=capsys,
+    )
+    assert proc.returncode == 0, proc.stderr
+    recs = records(proc)
+    assert recs[0]["id"] == "big" and "pool" in recs[0]["rejected"]
+    assert recs[1]["id"] == "ok" and len(recs[1]["output_token_ids"]) >= 1
+    assert recs[-1]["summary"]["invariants_ok"] is True
+
+
+def test_bad_lines_name_the_line_and_keep_state_consistent(tmp_path, capsys):
+    cases = [
+        ({"op": "explode"}, "unknown op"),
+        ({"op": "fork", "id": "x", "parent": "ghost", "suffix_tokens": [1]}, "unknown parent"),
+        ({"op": "submit", "id": "e", "tokens": []}, "empty"),
+        ({"op": "submit", "id": "long", "tokens": [5] * 2100}, "exceeds"),
+        ("{not json", "not valid JSON"),
+    ]
+    for bad, message in cases:
+        proc = run_trace(tmp_path, [{"op": "submit", "id": "a", "tokens": [3, 4, 5], "max_new_tokens": 2}, bad],
+                         "--num-blocks", "32", capsys=capsys)
+        assert proc.returncode == 2
+        assert "line 2" in proc.stderr and message in proc.stderr, proc.stderr
+        assert records(proc)[-1]["summary"]["invariants_ok"] is True
+
+
+def test_cli_runs_as_a_module(tmp_path):
+    trace = write_trace(tmp_path, [{"op": "submit", "id": "a", "tokens": [3, 4, 5], "max_new_tokens": 2}])
+    cmd = [sys.executable, "-m", "engine", "run-trace", str(trace), "--model", "tiny-llama", "--device", "cpu"]
+    env = {"PREFIX_CONSOLE_DATA_DIR": str(tmp_path), "PATH": "/usr/bin:/bin", "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr
+    lines = [json.loads(line) for line in proc.stdout.splitlines()]
+    assert lines[0]["id"] == "a" and lines[-1]["summary"]["invariants_ok"] is True

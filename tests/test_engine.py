@@ -1,0 +1,234 @@
+"""Engine tests on tiny random-weight models against the transformers reference (fp32, CPU).
+
+Every scenario checks that reuse never changes outputs (logits within 1e-4, equal greedy tokens) and
+that a hit skips work: cached + computed tokens equal the context length and the model never runs on
+cached positions.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from engine.config import EngineConfig
+from engine.engine import Engine, RequestRejected
+from engine.models import load_model
+from engine.request import SamplingParams
+from tests.engine_reference import LogitSpy, assert_matches_reference
+
+GREEDY = SamplingParams(max_new_tokens=6, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    return load_model("tiny-llama", dtype="float32", device="cpu", data_dir=tmp_path_factory.mktemp("d"), seed=0)
+
+
+def make_engine(tmp_path, **overrides) -> tuple[Engine, LogitSpy]:
+    fields = dict(model="tiny-llama", device="cpu", block_size=4, num_blocks=64, data_dir=tmp_path)
+    fields.update(overrides)
+    engine = Engine(EngineConfig(**fields))
+    return engine, LogitSpy(engine)
+
+
+def tokens(n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(3, 512) for _ in range(n)]
+
+
+def assert_work_skipped(engine: Engine, spy: LogitSpy, rid: str) -> None:
+    view = engine.get(rid)
+    if view.preemptions == 0:
+        assert view.cached_tokens + view.computed_tokens == view.num_prompt_tokens
+    assert min(spy.positions[rid]) >= view.cached_tokens, "the model ran on cached positions"
+
+
+def test_cold_request_matches_reference(tmp_path, reference):
+    engine, spy = make_engine(tmp_path)
+    rid = engine.submit(tokens(37, 1), GREEDY)
+    engine.run_until_idle()
+    view = engine.get(rid)
+    assert (view.cached_tokens, view.computed_tokens, view.hit_source) == (0, 37, "none")
+    assert len(view.output_token_ids) == 6
+    assert_matches_reference(engine, spy, reference, rid)
+    engine.check_invariants()
+
+
+def test_fork_computes_only_parent_last_token_and_suffix(tmp_path, reference):
+    engine, spy = make_engine(tmp_path)
+    parent = engine.submit(tokens(37, 2), GREEDY, retain=True)
+    engine.run_until_idle()
+    assert engine.get(parent).status == "retained"
+    child = engine.fork(parent, tokens(7, 3), GREEDY)
+    engine.run_until_idle()
+    view = engine.get(child)
+    # The parent computed 37 prompt + 5 fed-back tokens; its 6th sampled token was never computed.
+    assert view.hit_source == "fork"
+    assert view.num_prompt_tokens == 37 + 6 + 7
+    assert view.cached_tokens == 42
+    assert view.computed_tokens == 1 + 7
+    assert_work_skipped(engine, spy, child)
+    assert_matches_reference(engine, spy, reference, parent)
+    assert_matches_reference(engine, spy, reference, child)
+    engine.check_invariants()
+
+
+def test_unrelated_request_hits_prefix_index(tmp_path, reference):
+    engine, spy = make_engine(tmp_path)
+    shared = tokens(33, 4)
+    a = engine.submit(shared + tokens(5, 5), GREEDY)
+    engine.run_until_idle()
+    b = engine.submit(shared + tokens(9, 6), GREEDY)
+    engine.run_until_idle()
+    view = engine.get(b)
+    assert view.hit_source == "prefix"
+    assert view.cached_tokens == 32  # 8 full blocks of 4 tokens inside the 33 shared ones
+    assert view.computed_tokens == 42 - 32
+    assert_work_skipped(engine, spy, b)
+    assert_matches_reference(engine, spy, reference, a)
+    assert_matches_reference(engine, spy, reference, b)
+
+
+def test_two_forks_append_different_tokens_through_copy_on_write(tmp_path, reference):
+    engine, spy = make_engine(tmp_path)
+    parent = engine.submit(tokens(34, 7), SamplingParams(max_new_tokens=1, ignore_eos=True), retain=True)
+    engine.run_until_idle()
+    # 34 computed tokens: 8 full blocks and a half-full tail shared by both children.
+    c1 = engine.fork(parent, tokens(3, 8), GREEDY)
+    c2 = engine.fork(parent, tokens(5, 9), GREEDY)
+    engine.run_until_idle()
+    v1, v2 = engine.get(c1), engine.get(c2)
+    assert v1.cow_copies == 1 and v2.cow_copies == 1  # each copies the tail the parent still holds
+    assert v1.block_table[:8] == v2.block_table[:8] == engine.get(parent).block_table[:8]
+    assert v1.block_table[8] != v2.block_table[8]
+    for rid in (parent, c1, c2):
+        assert_matches_reference(engine, spy, reference, rid)
+    engine.check_invariants()
+
+
+def test_request_reprefilled_after_its_blocks_were_evicted(tmp_path, reference):
+    engine, spy = make_engine(tmp_path, num_blocks=16)
+    prompt = tokens(30, 10)
+    a = engine.submit(prompt, GREEDY)
+    engine.run_until_idle()
+    for i in range(3):  # unrelated work large enough to evict everything a left cached
+        engine.submit(tokens(40, 20 + i), GREEDY)
+        engine.run_until_idle()
+    assert engine.stats().evictions > 0
+    again = engine.submit(prompt, GREEDY)
+    engine.run_until_idle()
+    view = engine.get(again)
+    assert view.cached_tokens == 0 and view.computed_tokens == 30
+    assert engine.get(again).output_token_ids == engine.get(a).output_token_ids
+    assert_matches_reference(engine, spy, reference, again)
+
+
+def test_preempted_request_resumes_with_identical_output(tmp_path, reference):
+    engine, spy = make_engine(tmp_path, num_blocks=14)
+    long = SamplingParams(max_new_tokens=20, ignore_eos=True)
+    ids = [engine.submit(tokens(20, 30 + i), long) for i in range(3)]
+    engine.run_until_idle()
+    assert engine.stats().preemptions > 0
+    assert any(engine.get(r).preemptions for r in ids)
+    for rid in ids:
+        assert len(engine.get(rid).output_token_ids) == 20
+        assert_matches_reference(engine, spy, reference, rid)
+    engine.check_invariants()
+
+
+def test_mixed_batch_of_chunked_prefills_and_decodes(tmp_path, reference):
+    engine, spy = make_engine(tmp_path, max_num_batched_tokens=16)
+    ids = [engine.submit(tokens(n, 40 + n), GREEDY) for n in (5, 23, 41, 9)]
+    steps = 0
+    while engine.has_work():
+        engine.step()
+        steps += 1
+    assert steps > 6  # the 16-token budget forced chunked prefill interleaved with decodes
+    for rid in ids:
+        assert_matches_reference(engine, spy, reference, rid)
+        assert_work_skipped(engine, spy, rid)
+
+
+def test_too_large_request_is_rejected_and_recorded(tmp_path):
+    engine, _ = make_engine(tmp_path, num_blocks=4)
+    with pytest.raises(RequestRejected):
+        engine.submit(tokens(30, 1), GREEDY, request_id="big")
+    assert engine.get("big").status == "rejected"
+    assert not engine.has_work()
+    engine.check_invariants()
+
+
+@pytest.mark.parametrize(
+    "call, message",
+    [
+        (lambda e: e.submit([], GREEDY), "empty"),
+        (lambda e: e.submit([999999], GREEDY), "outside"),
+        (lambda e: e.submit([5] * 2048, GREEDY), "exceeds"),
+        (lambda e: e.fork("nope", [1], GREEDY), "unknown parent"),
+        (lambda e: e.release("nope"), "unknown"),
+    ],
+)
+def test_bad_input_is_a_clear_error_and_changes_nothing(tmp_path, call, message):
+    engine, _ = make_engine(tmp_path)
+    before = engine.stats()
+    with pytest.raises(ValueError, match=message):
+        call(engine)
+    assert engine.stats() == before
+    assert engine.requests() == []
+
+
+def test_fork_of_finished_request_is_refused(tmp_path):
+    engine, _ = make_engine(tmp_path)
+    a = engine.submit(tokens(10, 1), GREEDY)
+    engine.run_until_idle()
+    with pytest.raises(ValueError, match="finished"):
+        engine.fork(a, [7], GREEDY)
+    b = engine.submit(tokens(10, 2), GREEDY, retain=True)
+    engine.run_until_idle()
+    engine.release(b)
+    with pytest.raises(ValueError, match="released"):
+        engine.fork(b, [7], GREEDY)
+    c = engine.submit(tokens(10, 3), GREEDY, retain=True)
+    engine.run_until_idle()
+    with pytest.raises(ValueError, match="empty"):
+        engine.fork(c, [], GREEDY)
+    engine.check_invariants()
+
+
+def test_release_returns_blocks_and_reset_reports_honestly(tmp_path):
+    engine, _ = make_engine(tmp_path)
+    a = engine.submit(tokens(17, 1), GREEDY, retain=True)
+    engine.run_until_idle()
+    assert engine.stats().used_blocks == len(engine.get(a).block_table)
+    result = engine.reset_cache()
+    assert not result.ok and result.kept_blocks > 0  # a's full blocks are still held
+    engine.release(a)
+    assert engine.stats().used_blocks == 0
+    assert engine.reset_cache().ok
+    engine.check_invariants()
+
+
+def test_seeded_sampling_is_reproducible(tmp_path):
+    engine, _ = make_engine(tmp_path)
+    params = SamplingParams(max_new_tokens=8, temperature=0.8, top_p=0.9, seed=123, ignore_eos=True)
+    a = engine.submit(tokens(12, 1), params)
+    b = engine.submit(tokens(12, 1), params)
+    engine.run_until_idle()
+    assert engine.get(a).output_token_ids == engine.get(b).output_token_ids
+
+
+def test_background_thread_serves_submissions(tmp_path):
+    engine, _ = make_engine(tmp_path)
+    engine.start()
+    try:
+        rid = engine.submit(tokens(12, 1), GREEDY)
+        import time
+
+        deadline = time.time() + 30
+        while engine.get(rid).status != "finished" and time.time() < deadline:
+            time.sleep(0.01)
+        assert engine.get(rid).status == "finished"
+    finally:
+        engine.stop()
+    assert engine.failure is None

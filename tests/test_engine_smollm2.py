@@ -1,0 +1,51 @@
+"""Reuse on the real SmolLM2-135M-Instruct weights: chat-templated prompts, prefix hits, forks, CoW."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine.config import EngineConfig
+from engine.engine import Engine
+from engine.models import load_model
+from engine.prompts import encode_chat
+from engine.request import SamplingParams
+from tests.engine_reference import LogitSpy, assert_matches_reference
+
+SYSTEM = "You are a concise assistant for an LLM-serving team. " * 6
+GREEDY = SamplingParams(max_new_tokens=4, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def smollm2_pair(tmp_path_factory):
+    from tests.conftest import TEST_DATA_DIR
+
+    TEST_DATA_DIR.mkdir(parents=True, exist_ok=True)
+    reference = load_model("smollm2", dtype="float32", device="cpu", data_dir=TEST_DATA_DIR, seed=0)
+    engine = Engine(EngineConfig(model="smollm2", device="cpu", block_size=16, num_blocks=128, data_dir=TEST_DATA_DIR))
+    return engine, LogitSpy(engine), reference
+
+
+def chat(engine: Engine, question: str) -> list[int]:
+    return encode_chat(engine.tokenizer, [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}])
+
+
+def test_prefix_hit_and_fork_match_reference_on_smollm2(smollm2_pair):
+    engine, spy, reference = smollm2_pair
+    a = engine.submit(chat(engine, "What is a KV cache?"), GREEDY, retain=True)
+    engine.run_until_idle()
+    b = engine.submit(chat(engine, "Why share prefixes?"), GREEDY)
+    engine.run_until_idle()
+    view_b = engine.get(b)
+    assert view_b.hit_source == "prefix" and view_b.cached_tokens >= 64
+    assert view_b.cached_tokens + view_b.computed_tokens == view_b.num_prompt_tokens
+
+    suffix = engine.tokenizer(" And in one word?", add_special_tokens=False)["input_ids"]
+    c1 = engine.fork(a, suffix, GREEDY)
+    c2 = engine.fork(a, suffix[:-1], GREEDY)
+    engine.run_until_idle()
+    assert engine.get(c1).computed_tokens == 1 + len(suffix)
+    assert engine.get(c1).cow_copies == 1 and engine.get(c2).cow_copies == 1
+    for rid in (a, b, c1, c2):
+        assert_matches_reference(engine, spy, reference, rid)
+    engine.release(a)
+    engine.check_invariants()
