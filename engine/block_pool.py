@@ -67,12 +67,17 @@ class BlockPool:
         log: EventLog,
         *,
         group: str = "full",
+        chained: bool = True,
         clock: Callable[[], float] = time.time,
     ) -> None:
         if num_blocks < 1 or block_size < 1:
             raise ValueError("num_blocks and block_size must be positive")
         self.block_size = block_size
         self.group = group  # the KV group these blocks serve ("full" or "sliding")
+        # A chained index is a tree (see module docstring). A sliding-window group's index is not: its
+        # chains keep only their last windows, so a cached block's parent is usually gone. Its hits are
+        # confirmed against a chain verified elsewhere (the full group's, or the request's own keys).
+        self.chained = chained
         self.blocks = [Block(i) for i in range(num_blocks)]
         self._log = log
         self._clock = clock
@@ -212,6 +217,10 @@ class BlockPool:
             return None
         return block
 
+    def cached_block(self, key: bytes) -> Block | None:
+        """The block indexed under `key`, unconfirmed (for bookkeeping on one's own chain, not for hits)."""
+        return self._index.get(key)
+
     def cache(self, block: Block, key: bytes, parent: Block | None, parent_key: bytes) -> bool:
         """Put a full, referenced block into the index under `key` (the caller emits the CACHE event).
 
@@ -229,15 +238,16 @@ class BlockPool:
         """
         if block.key is not None or len(block.token_ids) != self.block_size or key in self._index:
             return False
-        if parent is None:
-            if parent_key not in self._roots:
-                raise RuntimeError("caching under an unregistered namespace root")
-        elif parent.key != parent_key or self._index.get(parent_key) is not parent:
-            return False
+        if self.chained:
+            if parent is None:
+                if parent_key not in self._roots:
+                    raise RuntimeError("caching under an unregistered namespace root")
+            elif parent.key != parent_key or self._index.get(parent_key) is not parent:
+                return False
         block.key = key
         block.parent_key = parent_key
         self._index[key] = block
-        if parent is not None:
+        if self.chained and parent is not None:
             self._children.setdefault(parent_key, {})[key] = None
         return True
 
@@ -343,6 +353,8 @@ class BlockPool:
             assert len(block.token_ids) == self.block_size, "a partial block is indexed"
             assert block.parent_key is not None
             assert chain_key(block.parent_key, block.token_ids) == key, "key is not the hash of its content"
+            if not self.chained:
+                continue
             if block.parent_key not in self._roots:
                 parent = self._index.get(block.parent_key)
                 assert parent is not None, f"indexed block {block.block_id} hangs from an unindexed parent"

@@ -38,6 +38,9 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048  # per-step token budget (chunked prefill + decode)
     max_num_seqs: int = 64  # most requests running at once
     seed: int = 0  # seeds random-weight presets and default sampling
+    attention_override: str | None = None  # "sliding:W" (all layers) or "hybrid:W" (even layers sliding)
+    window_backtrack: int = 0  # sliding layers: extra tokens of window state kept when caching
+    allow_approximate_replay: bool = False  # may recover window state by a bounded approximate replay
     data_dir: Path | None = None  # None -> default_data_dir()
 
     def __post_init__(self) -> None:
@@ -57,6 +60,8 @@ class EngineConfig:
             )
         if not 1 <= self.max_num_seqs <= 4096:
             raise ValueError(f"max_num_seqs must be in [1, 4096], got {self.max_num_seqs}")
+        if not 0 <= self.window_backtrack <= MAX_BATCHED_TOKENS:
+            raise ValueError(f"window_backtrack must be in [0, {MAX_BATCHED_TOKENS}], got {self.window_backtrack}")
         if not self.device == "auto" and not self.device == "cpu" and not self.device.startswith("cuda"):
             raise ValueError(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
 

@@ -28,13 +28,15 @@ from engine.block_pool import BlockPool
 from engine.config import EngineConfig
 from engine.events import Event, EventKind, EventLog
 from engine.kv_cache_manager import KVCacheManager
+from engine.kv_coordinator import KVCoordinator
+from engine.kv_groups import WindowPolicy
 from engine.model_runner import ModelRunner, SeqChunk
 from engine.models import LoadedModel, load_model
 from engine.namespace import CacheNamespace
 from engine.request import HitSource, Request, RequestStatus, SamplingParams
 from engine.sampler import sample
 from engine.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
-from engine.snapshot import BlockView, EngineSnapshot, PoolStats, RequestView
+from engine.snapshot import BlockView, EngineSnapshot, GroupStats, PoolStats, RequestView
 
 logger = logging.getLogger(__name__)
 
@@ -74,11 +76,17 @@ class Engine:
     def __init__(self, config: EngineConfig, *, loaded: LoadedModel | None = None) -> None:
         self.config = config
         self.loaded = loaded or load_model(
-            config.model, dtype=config.dtype, device=config.device, data_dir=config.resolved_data_dir, seed=config.seed
+            config.model,
+            dtype=config.dtype,
+            device=config.device,
+            data_dir=config.resolved_data_dir,
+            seed=config.seed,
+            attention_override=config.attention_override,
         )
         num_blocks = pool_size(config, self.loaded)
         self.runner = ModelRunner(self.loaded, num_blocks, config.block_size)
         self.log = EventLog()
+        window_policy = WindowPolicy(config.window_backtrack, config.allow_approximate_replay)
         self.namespace = CacheNamespace(
             model_id=self.loaded.model_id,
             weights_revision=self.loaded.weights_revision,
@@ -86,9 +94,19 @@ class Engine:
             block_size=config.block_size,
             attention_spec=self.loaded.attention_spec,
         )
-        self.manager = KVCacheManager(BlockPool(num_blocks, config.block_size, self.log), self.namespace, self.log)
+        managers = [
+            KVCacheManager(
+                BlockPool(num_blocks, config.block_size, self.log, group=spec.name, chained=spec.window is None),
+                self.namespace,
+                self.log,
+                window=spec.window,
+                retain_tokens=None if spec.window is None else spec.window + config.window_backtrack,
+            )
+            for spec in self.runner.groups
+        ]
+        self.kv = KVCoordinator(self.runner.groups, managers, window_policy, self.log)
         self.scheduler = Scheduler(
-            self.manager,
+            self.kv,
             self.log,
             max_num_batched_tokens=config.max_num_batched_tokens,
             max_num_seqs=config.max_num_seqs,
@@ -112,7 +130,8 @@ class Engine:
 
     @property
     def num_blocks(self) -> int:
-        return self.manager.pool.num_blocks
+        """Blocks per KV group pool."""
+        return self.kv.managers[0].pool.num_blocks
 
     def add_listener(self, listener: Listener) -> None:
         with self._lock:
@@ -188,9 +207,11 @@ class Engine:
             )
             if self._blocks_for(len(context), sampling) > self.num_blocks:
                 self._enqueue(child)  # records the rejection and raises
-            shared = self.manager.fork(parent_id, rid)
+            shared = self.kv.fork(parent_id, rid)
             child.num_computed_tokens = shared
             child.cached_tokens = shared
+            child.replay_from = shared
+            child.replay_mode = "fork"
             self._enqueue(child)
             return rid
 
@@ -205,7 +226,7 @@ class Engine:
             if request is None:
                 raise ValueError(f"unknown request {request_id!r}")
             if request.status is RequestStatus.RETAINED:
-                self.manager.free(request_id)
+                self.kv.free(request_id)
                 request.status = RequestStatus.RELEASED
                 self._publish([], [request])
             elif request.status in (RequestStatus.RUNNING, RequestStatus.WAITING) and request.retain:
@@ -216,7 +237,7 @@ class Engine:
     def reset_cache(self) -> ResetResult:
         """Evict every unreferenced cached block; says honestly whether the cache is now empty."""
         with self._lock:
-            dropped, kept = self.manager.reset_prefix_cache()
+            dropped, kept = self.kv.reset_prefix_cache()
             self._publish(self.log.take(), [])
             return ResetResult(dropped, kept)
 
@@ -240,11 +261,13 @@ class Engine:
 
     def _execute(self, out: SchedulerOutput) -> dict[str, int]:
         """Copy-on-write copies, then one forward over every chunk; returns sampled tokens by request."""
-        if out.copies:
+        if any(out.copies):
             self.runner.copy_blocks(out.copies)
         if not out.chunks:
             return {}
-        chunks = [SeqChunk(c.token_ids, c.start_pos, self.manager.block_ids(c.request.request_id)) for c in out.chunks]
+        chunks = [
+            SeqChunk(c.token_ids, c.start_pos, self.kv.slots(c.request.request_id, c.write_from)) for c in out.chunks
+        ]
         logits = self.runner.execute(chunks)
         ends = [i for i, c in enumerate(out.chunks) if c.reaches_end]
         if not ends:
@@ -340,19 +363,39 @@ class Engine:
             return [self._view(r) for r in self._requests.values()]
 
     def stats(self) -> PoolStats:
+        """Counters summed over the KV groups, with each group's own numbers in `groups`."""
         with self._lock:
-            pool = self.manager.pool
+            groups = tuple(
+                GroupStats(
+                    name=m.pool.group,
+                    window=m.window,
+                    num_blocks=m.pool.num_blocks,
+                    free_blocks=m.pool.num_free,
+                    cached_blocks=m.pool.num_cached,
+                    evictable_blocks=m.pool.num_evictable,
+                    used_blocks=m.pool.num_blocks - m.pool.num_allocatable,
+                    logical_blocks=m.num_logical_blocks(),
+                    evictions=m.pool.num_evictions,
+                    cow_copies=m.num_cow_copies,
+                    window_released_blocks=m.num_window_released,
+                )
+                for m in self.kv.managers
+            )
             statuses = [r.status for r in self._requests.values()]
+
+            def total(field: str) -> int:
+                return sum(getattr(g, field) for g in groups)
+
             return PoolStats(
-                num_blocks=pool.num_blocks,
-                block_size=pool.block_size,
-                free_blocks=pool.num_free,
-                cached_blocks=pool.num_cached,
-                evictable_blocks=pool.num_evictable,
-                used_blocks=pool.num_blocks - pool.num_allocatable,
-                logical_blocks=self.manager.num_logical_blocks(),
-                evictions=pool.num_evictions,
-                cow_copies=self.manager.num_cow_copies,
+                num_blocks=total("num_blocks"),
+                block_size=self.config.block_size,
+                free_blocks=total("free_blocks"),
+                cached_blocks=total("cached_blocks"),
+                evictable_blocks=total("evictable_blocks"),
+                used_blocks=total("used_blocks"),
+                logical_blocks=total("logical_blocks"),
+                evictions=total("evictions"),
+                cow_copies=total("cow_copies"),
                 preemptions=self.scheduler.num_preemptions,
                 prefix_query_tokens=self.scheduler.prefix_query_tokens,
                 prefix_hit_tokens=self.scheduler.prefix_hit_tokens,
@@ -360,17 +403,17 @@ class Engine:
                 num_waiting=len(self.scheduler.waiting),
                 num_running=len(self.scheduler.running),
                 num_retained=statuses.count(RequestStatus.RETAINED),
+                groups=groups,
             )
 
     def snapshot(self) -> EngineSnapshot:
-        """Every block, every request and the counters, all from the same moment."""
+        """Every block of every KV group, every request and the counters, all from the same moment."""
         with self._lock:
-            pool = self.manager.pool
-            holders = self.manager.holders()
             blocks = tuple(
                 BlockView(
                     block_id=b.block_id,
-                    state=pool.state_of(b),
+                    group=manager.pool.group,
+                    state=manager.pool.state_of(b),
                     ref_count=b.ref_count,
                     num_tokens=len(b.token_ids),
                     token_ids=tuple(b.token_ids),
@@ -382,25 +425,27 @@ class Engine:
                     hit_count=b.hit_count,
                     holders=tuple(holders.get(b.block_id, ())),
                 )
-                for b in pool.blocks
+                for manager in self.kv.managers
+                for holders in (manager.holders(),)
+                for b in manager.pool.blocks
             )
             return EngineSnapshot(time.time(), self.stats(), blocks, tuple(self._view(r) for r in self._requests.values()))
 
     def check_invariants(self) -> None:
         with self._lock:
-            self.manager.check_invariants()
+            self.kv.check_invariants()
             for request in self._requests.values():
                 holds = request.status in (RequestStatus.RUNNING, RequestStatus.RETAINED) or (
-                    request.status is RequestStatus.WAITING and self.manager.has_table(request.request_id)
+                    request.status is RequestStatus.WAITING and self.kv.has_table(request.request_id)
                 )
-                assert holds == self.manager.has_table(request.request_id), f"{request.request_id}: table mismatch"
+                assert holds == self.kv.has_table(request.request_id), f"{request.request_id}: table mismatch"
                 if holds:
-                    assert self.manager.num_tokens(request.request_id) == request.num_computed_tokens
+                    assert self.kv.num_tokens(request.request_id) == request.num_computed_tokens
 
     # ------------------------------------------------------------------ helpers
     def _view(self, request: Request) -> RequestView:
-        table = self.manager.block_ids(request.request_id) or request.final_block_table
-        return RequestView.of(request, table)
+        tables = self.kv.block_ids(request.request_id) if self.kv.has_table(request.request_id) else None
+        return RequestView.of(request, tables or request.final_block_tables)
 
     def _publish(self, events: list[Event], changed: list[Request]) -> None:
         if not self._listeners:

@@ -4,7 +4,12 @@ Pure Python: no torch. The manager decides which physical block each token's KV 
 runner executes the copies it asks for (`take_copies`) before the next forward.
 
 A table maps a request's logical blocks, in order, to physical blocks. Only its last block can be
-partially filled. Invariants (checked by `check_invariants`, on top of the pool's):
+partially filled. In a sliding-window group a table may start at a logical `offset` > 0: the blocks
+before it lay wholly outside the window of the request's newest token and were released.
+
+    logical block:   0    1    2    3    4    5
+    full group:     [a]  [b]  [c]  [d]  [e]  [f]        offset 0
+    sliding group:            [p]  [q]  [r]  [s]        offset 2: blocks 0-1 released Invariants (checked by `check_invariants`, on top of the pool's):
   * every reference on a block is held by exactly one table entry: `ref_count` equals the number of
     table entries (over running and retained requests) that point at it;
   * a block shared by several tables holds the same tokens for all of them, so a write into a shared
@@ -18,8 +23,15 @@ from dataclasses import dataclass, field
 from typing import NamedTuple, Sequence
 
 from engine.block_pool import Block, BlockPool, chain_key
-from engine.events import EventKind, EventLog
+from engine.events import EventKind, EventLog, EvictReason
 from engine.namespace import CacheNamespace
+
+
+class TableStart(NamedTuple):
+    """Where a new sliding-group table starts: its first logical block and the chain keys before it."""
+
+    offset: int
+    chain_keys: Sequence[bytes]  # keys of logical blocks [0, offset + number of hits), from the lookup
 
 
 class BlockCopy(NamedTuple):
@@ -35,21 +47,46 @@ class BlockTable:
     """One request's logical-to-physical block map and the key chain of its full blocks."""
 
     root_key: bytes  # namespace root (with the request's salt) its keys hang from
-    blocks: list[Block] = field(default_factory=list)
-    keys: list[bytes] = field(default_factory=list)  # keys of blocks[:len(keys)], all full
+    blocks: list[Block] = field(default_factory=list)  # logical blocks offset, offset + 1, ...
+    keys: list[bytes] = field(default_factory=list)  # keys of logical blocks [0, len(keys)), all full
+    offset: int = 0  # logical index of blocks[0]; earlier blocks were released (sliding window only)
+    retired: int = 0  # logical blocks [0, retired) of this chain were dropped from the cache (retention)
 
     def num_tokens(self, block_size: int) -> int:
         if not self.blocks:
-            return 0
-        return (len(self.blocks) - 1) * block_size + len(self.blocks[-1].token_ids)
+            return self.offset * block_size
+        return (self.offset + len(self.blocks) - 1) * block_size + len(self.blocks[-1].token_ids)
 
 
 class KVCacheManager:
     """Owns every request's block table over one block pool."""
 
-    def __init__(self, pool: BlockPool, namespace: CacheNamespace, log: EventLog) -> None:
+    def __init__(
+        self,
+        pool: BlockPool,
+        namespace: CacheNamespace,
+        log: EventLog,
+        *,
+        window: int | None = None,
+        retain_tokens: int | None = None,
+    ) -> None:
+        """Args:
+            pool: the group's blocks.
+            namespace: the cache namespace (shared by every group of one engine).
+            log: where events go.
+            window: None for full attention; W for a sliding-window group, whose tables release blocks
+                wholly outside the window of their newest token.
+            retain_tokens: sliding groups only: how many trailing tokens of a chain keep their cached
+                state (W + backtracking allowance); older cached state of the chain is dropped.
+        """
         if namespace.block_size != pool.block_size:
             raise ValueError("namespace and pool disagree on block_size")
+        if (window is None) != (retain_tokens is None) or (window is not None and retain_tokens < window):
+            raise ValueError("a sliding group needs window W and retain_tokens >= W; a full group neither")
+        if (window is None) != pool.chained:
+            raise ValueError("full groups use a chained pool, sliding groups an unchained one")
+        self.window = window
+        self.retain_tokens = retain_tokens
         self.pool = pool
         self.namespace = namespace
         self.block_size = pool.block_size
@@ -58,14 +95,24 @@ class KVCacheManager:
         self._copies: list[BlockCopy] = []
         self._root_keys: dict[str | None, bytes] = {}  # salt -> registered root (the namespace is frozen)
         self.num_cow_copies = 0
+        self.num_window_released = 0  # blocks released because they left the sliding window
 
     # ------------------------------------------------------------------ reading
     def has_table(self, request_id: str) -> bool:
         return request_id in self._tables
 
     def block_ids(self, request_id: str) -> list[int]:
+        """The physical blocks the request holds, in logical order (from its offset)."""
         table = self._tables.get(request_id)
         return [] if table is None else [b.block_id for b in table.blocks]
+
+    def offset(self, request_id: str) -> int:
+        """Logical index of the request's first held block (0 unless a window released earlier ones)."""
+        table = self._tables.get(request_id)
+        return 0 if table is None else table.offset
+
+    def chain_keys(self, request_id: str) -> list[bytes]:
+        return list(self._tables[request_id].keys)
 
     def num_tokens(self, request_id: str) -> int:
         """Slots filled in the request's table (0 when it has none)."""
@@ -129,15 +176,22 @@ class KVCacheManager:
         return need
 
     def allocate_slots(
-        self, request_id: str, new_token_ids: list[int], *, hits: Sequence[Block] = (), salt: str | None = None
+        self,
+        request_id: str,
+        new_token_ids: list[int],
+        *,
+        hits: Sequence[Block] = (),
+        salt: str | None = None,
+        start: TableStart | None = None,
     ) -> bool:
         """Reserve slots for `new_token_ids` after the request's current tokens.
 
         Args:
             request_id: the request; a table is created on first call.
             new_token_ids: tokens whose KV the next forward computes, in position order.
-            hits: prefix-index hits from `find_prefix_hit` (first call only); they are shared, not copied.
+            hits: cached blocks to share (first call only): logical blocks from the table's start on.
             salt: tenant salt (first call only).
+            start: where a new sliding-group table starts (first call only); default: logical block 0.
 
         Returns:
             False, changing nothing, when the pool cannot supply the blocks; True once reserved.
@@ -147,12 +201,18 @@ class KVCacheManager:
         table = self._tables.get(request_id)
         if table is None:
             table = self._tables[request_id] = BlockTable(root_key=self.root_key(salt))
-        elif hits:
+            if start is not None:
+                if self.window is None and start.offset:
+                    raise RuntimeError("a full-attention table always starts at block 0")
+                table.offset = table.retired = start.offset
+                table.keys = list(start.chain_keys[: start.offset + len(hits)])
+        elif hits or start is not None:
             raise RuntimeError("prefix hits can only seed a new table")
         if hits:
             self.pool.touch_blocks(hits)
             table.blocks.extend(hits)
-            table.keys.extend(block.key for block in hits)  # type: ignore[misc]
+            if start is None:
+                table.keys.extend(block.key for block in hits)  # type: ignore[misc]
             self._log.emit(
                 EventKind.HIT,
                 request_id=request_id,
@@ -214,18 +274,19 @@ class KVCacheManager:
         """
         table = self._tables[request_id]
         bs = self.block_size
-        blocks, keys, root_key = table.blocks, table.keys, table.root_key
-        lookup, cache = self.pool.lookup, self.pool.cache
+        blocks, keys, root_key, offset = table.blocks, table.keys, table.root_key, table.offset
+        lookup, cache, chained = self.pool.lookup, self.pool.cache, self.pool.chained
+        assert len(keys) >= offset, "a released block was never keyed"
         cached: list[Block] = []
-        for i in range(len(keys), len(blocks)):
-            block = blocks[i]
+        for i in range(len(keys), offset + len(blocks)):
+            block = blocks[i - offset]
             if len(block.token_ids) < bs:
                 break
             parent_key = keys[i - 1] if i else root_key
             key = chain_key(parent_key, block.token_ids)
             keys.append(key)
             parent = None
-            if i:
+            if i and chained:
                 parent = blocks[i - 1]
                 if parent.key != parent_key:  # our previous block is a duplicate: find the indexed twin
                     grandparent_key = keys[i - 2] if i > 1 else root_key
@@ -254,7 +315,13 @@ class KVCacheManager:
         parent = self._tables.get(parent_id)
         if parent is None:
             raise KeyError(f"request {parent_id!r} holds no blocks to fork from")
-        child = BlockTable(root_key=parent.root_key, blocks=list(parent.blocks), keys=list(parent.keys))
+        child = BlockTable(
+            root_key=parent.root_key,
+            blocks=list(parent.blocks),
+            keys=list(parent.keys),
+            offset=parent.offset,
+            retired=parent.retired,
+        )
         self.pool.touch_blocks(child.blocks)
         self._tables[child_id] = child
         shared = child.num_tokens(self.block_size)
@@ -269,11 +336,65 @@ class KVCacheManager:
         return shared
 
     def free(self, request_id: str) -> None:
-        """Release every reference the request holds, last block first (so tails are evicted first)."""
+        """Release every reference the request holds, last block first (so tails are evicted first).
+
+        In a sliding group the chain then keeps cached state only for its last `retain_tokens` tokens.
+        """
         table = self._tables.pop(request_id, None)
         if table is None:
             return
         self.pool.free_blocks(reversed(table.blocks), request_id)
+        if self.window is not None:
+            self._retire(table, table.num_tokens(self.block_size), request_id, held=False)
+
+    def release_outside_window(self, request_id: str) -> int:
+        """Release the sliding-group blocks that lie wholly outside the window of the next token.
+
+        The next token sits at position `num_tokens`; it sees positions [num_tokens - W + 1, num_tokens).
+        Released blocks stay cached while they are within the chain's retained tail. Returns how many
+        blocks were released (0 for full groups).
+        """
+        table = self._tables.get(request_id)
+        if self.window is None or table is None:
+            return 0
+        bs = self.block_size
+        next_pos = table.num_tokens(bs)
+        first_needed = max(0, next_pos - self.window + 1) // bs
+        num_drop = min(first_needed - table.offset, len(table.blocks) - 1)
+        if num_drop <= 0:
+            return 0
+        dropped, table.blocks = table.blocks[:num_drop], table.blocks[num_drop:]
+        table.offset += num_drop
+        self.num_window_released += num_drop
+        self.pool.free_blocks(dropped, request_id)
+        self._log.emit(
+            EventKind.WINDOW_RELEASE,
+            request_id=request_id,
+            block_id=dropped[0].block_id,
+            tokens=num_drop * bs,
+            num_blocks=num_drop,
+            block_ids=[b.block_id for b in dropped],
+            group=self.pool.group,
+        )
+        self._retire(table, next_pos, request_id, held=True)
+        return num_drop
+
+    def _retire(self, table: BlockTable, end_pos: int, request_id: str, *, held: bool) -> None:
+        """Drop cached, unreferenced state of the chain older than its last `retain_tokens` tokens.
+
+        Args:
+            table: the chain's table.
+            end_pos: the chain's length now.
+            request_id: for the events.
+            held: True while the table is live: only blocks it already released are considered.
+        """
+        limit = max(0, end_pos - self.retain_tokens) // self.block_size  # type: ignore[operator]
+        limit = min(limit, table.offset if held else len(table.keys))
+        for i in range(table.retired, limit):
+            block = self.pool.cached_block(table.keys[i])
+            if block is not None and block.ref_count == 0:
+                self.pool.evict(block, EvictReason.WINDOW, request_id)
+        table.retired = max(table.retired, limit)
 
     def reset_prefix_cache(self) -> tuple[int, int]:
         """Drop every unreferenced cached block. Returns (dropped, still cached because referenced)."""
@@ -296,16 +417,17 @@ class KVCacheManager:
         refs: dict[int, int] = {}
         bs = self.block_size
         for rid, table in self._tables.items():
+            assert self.window is not None or table.offset == 0, f"{rid}: a full table lost leading blocks"
             for i, block in enumerate(table.blocks):
                 refs[block.block_id] = refs.get(block.block_id, 0) + 1
-                assert block.start_pos == i * bs, f"{rid}: block {block.block_id} at the wrong position"
+                assert block.start_pos == (table.offset + i) * bs, f"{rid}: block {block.block_id} misplaced"
                 if i < len(table.blocks) - 1:
                     assert len(block.token_ids) == bs, f"{rid}: a non-tail block is partial"
-            assert len(table.keys) <= len(table.blocks)
-            parent = table.root_key
-            for block, key in zip(table.blocks, table.keys):
-                assert key == chain_key(parent, block.token_ids), f"{rid}: key chain broken"
-                parent = key
+            assert table.offset <= len(table.keys) <= table.offset + len(table.blocks)
+            for i in range(table.offset, len(table.keys)):
+                parent = table.keys[i - 1] if i else table.root_key
+                block = table.blocks[i - table.offset]
+                assert table.keys[i] == chain_key(parent, block.token_ids), f"{rid}: key chain broken"
         for block in self.pool.blocks:
             assert block.ref_count == refs.get(block.block_id, 0), (
                 f"block {block.block_id}: ref_count {block.ref_count} != {refs.get(block.block_id, 0)} holders"

@@ -10,9 +10,10 @@ once::
 `execute` packs the tokens of every chunk into one sequence (batch 1, per-token position ids) and runs
 the transformers model with a paged attention function registered through `AttentionInterface`; the
 per-step plan travels to it through the forward's keyword arguments. In each layer the function first
-writes the new K/V of all tokens into their slots, then, per group of chunks, gathers the K/V of the
-positions the group can see from its blocks and calls SDPA. A prefill chunk is a group of its own; all
-single-token (decode) chunks form one padded group. Only the last token of each chunk reaches the LM head.
+writes the new K/V of all tokens into their slots, then, per batch of chunks, gathers the K/V of the
+positions the batch can see from its blocks and calls SDPA. A prefill chunk is a batch of its own; all
+single-token (decode) chunks form one padded batch. Layers are split into KV groups (full and sliding,
+engine/kv_groups.py), each with its own block memory and tables. Only the last token of each chunk reaches the LM head.
 
 Invariants the caller keeps: no two chunks in one call write the same slot, and no chunk reads a slot
 another chunk of the same call writes (copy-on-write happens before, through `copy_blocks`).
@@ -28,7 +29,9 @@ import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
 
-from engine.models import LoadedModel, sliding_window
+from engine.kv_coordinator import GroupSlots
+from engine.kv_groups import kv_groups
+from engine.models import LoadedModel
 
 PAGED_ATTENTION = "prefix_console_paged"
 
@@ -38,14 +41,20 @@ class SeqChunk:
     """Tokens of one sequence to compute in this step.
 
     The tokens sit at positions `start_pos .. start_pos + len(token_ids) - 1`; positions before
-    `start_pos` must already hold K/V in the blocks. `block_table` covers at least positions
-    [0, start_pos + len(token_ids)); entries wholly before every sliding window of an all-sliding model
-    are never read.
+    `start_pos` must already hold K/V in the blocks. Per KV group, `groups[g]` lists the physical
+    blocks from logical block `first_block` on, covering at least up to `start_pos + len(token_ids)`;
+    keys before `first_block * block_size` are invisible to that group's layers, and positions before
+    `write_from` are not written (they already hold K/V; their new K/V goes to a scratch block).
     """
 
     token_ids: list[int]  # non-empty
     start_pos: int  # position of token_ids[0]
-    block_table: list[int]  # physical block id for each block_size positions of the sequence
+    groups: tuple[GroupSlots, ...]  # one per KV group, in the runner's group order
+
+    @classmethod
+    def of_table(cls, token_ids: list[int], start_pos: int, block_table: list[int]) -> SeqChunk:
+        """A chunk of a single-group model whose table starts at block 0 (the common case)."""
+        return cls(token_ids, start_pos, (GroupSlots(block_table, 0, start_pos),))
 
 
 class _Span(NamedTuple):
@@ -59,16 +68,17 @@ class _Span(NamedTuple):
     base: int  # position of the first gathered key
 
     @classmethod
-    def of(cls, start: int, num_queries: int, window: int | None, block_size: int) -> _Span:
+    def of(cls, start: int, num_queries: int, window: int | None, block_size: int, floor: int) -> _Span:
+        """`floor`: the first position the group's table holds (block-aligned); nothing before is seen."""
         end = start + num_queries
-        first_visible = 0 if window is None else max(0, start - window + 1)
+        first_visible = max(floor, 0 if window is None else start - window + 1)
         first_block = first_visible // block_size
         end_block = -(-end // block_size)
         return cls(start, end, first_visible, first_block, end_block, first_block * block_size)
 
 
 @dataclass(frozen=True)
-class _Group:
+class _Batch:
     """Chunks with one query length that share one SDPA call (queries padded to none, keys to the longest)."""
 
     rows: torch.Tensor  # [B * n] packed-sequence rows of the queries, chunk-major
@@ -83,30 +93,43 @@ class _Group:
 class PagedContext:
     """Everything the attention function needs for one forward; passed as the `paged_context` kwarg."""
 
-    kv: torch.Tensor  # the runner's block memory
-    slots: torch.Tensor  # [T] cache slot of every packed token
-    windows: tuple[int | None, ...]  # per layer: None (full) or the sliding window
-    groups: dict[int | None, tuple[_Group, ...]]  # per distinct window
+    kv: tuple[torch.Tensor, ...]  # per KV group: its block memory (last block: scratch)
+    layers: tuple[tuple[int, int], ...]  # per model layer: (KV group, layer index within the group)
+    windows: tuple[int | None, ...]  # per KV group: None (full) or the sliding window
+    slots: tuple[torch.Tensor, ...]  # per KV group: [T] cache slot every packed token writes
+    batches: tuple[tuple[_Batch, ...], ...]  # per KV group: the SDPA calls
 
 
 class ModelRunner:
     """Owns the KV blocks of one model and runs packed forwards over them.
 
+    Memory, per KV group g (see engine/kv_groups.py) with num_blocks[g] blocks plus one scratch block::
+
+        kv[g][group layer, 0 = K | 1 = V, block, slot, kv_head, head_dim]
+
     Creating a runner switches `loaded.model` to paged attention: from then on the model only runs
     through this runner.
     """
 
-    def __init__(self, loaded: LoadedModel, num_blocks: int, block_size: int) -> None:
-        if num_blocks < 1 or block_size < 1:
-            raise ValueError(f"need num_blocks >= 1 and block_size >= 1, got {num_blocks}, {block_size}")
+    def __init__(self, loaded: LoadedModel, num_blocks: int | Sequence[int], block_size: int) -> None:
         self.loaded = loaded
-        self.num_blocks = num_blocks
+        self.groups = kv_groups(loaded.attention_spec)
+        counts = [num_blocks] * len(self.groups) if isinstance(num_blocks, int) else list(num_blocks)
+        if len(counts) != len(self.groups) or min(counts) < 1 or block_size < 1:
+            raise ValueError(f"need one block count >= 1 per KV group and block_size >= 1, got {counts}, {block_size}")
+        self.num_blocks = tuple(counts)
         self.block_size = block_size
-        self.windows = tuple(sliding_window(kind) for kind in loaded.attention_spec)
-        self.kv = torch.zeros(
-            (loaded.num_layers, 2, num_blocks, block_size, loaded.num_kv_heads, loaded.head_dim),
-            dtype=loaded.dtype,
-            device=loaded.device,
+        self.layers = tuple(
+            next((g, spec.layers.index(layer)) for g, spec in enumerate(self.groups) if layer in spec.layers)
+            for layer in range(loaded.num_layers)
+        )
+        self.kv = tuple(
+            torch.zeros(
+                (len(spec.layers), 2, count + 1, block_size, loaded.num_kv_heads, loaded.head_dim),
+                dtype=loaded.dtype,
+                device=loaded.device,
+            )
+            for spec, count in zip(self.groups, counts)
         )
         AttentionInterface.register(PAGED_ATTENTION, paged_attention)
         loaded.model.set_attn_implementation(PAGED_ATTENTION)
@@ -114,22 +137,24 @@ class ModelRunner:
             raise ValueError(f"{type(loaded.model).__name__} does not accept a custom attention function")
 
     @staticmethod
-    def bytes_per_block(loaded: LoadedModel, block_size: int) -> int:
-        """Device bytes one block takes across all layers (K and V)."""
-        return 2 * loaded.num_layers * block_size * loaded.num_kv_heads * loaded.head_dim * loaded.dtype.itemsize
+    def bytes_per_block(loaded: LoadedModel, block_size: int, num_layers: int | None = None) -> int:
+        """Device bytes one block takes across `num_layers` layers (default: all), K and V."""
+        layers = loaded.num_layers if num_layers is None else num_layers
+        return 2 * layers * block_size * loaded.num_kv_heads * loaded.head_dim * loaded.dtype.itemsize
 
     @torch.inference_mode()
-    def copy_blocks(self, copies: Sequence[tuple[int, int, int]]) -> None:
-        """Copy the first `num_slots` slots of `src` into `dst` on every layer, in order.
+    def copy_blocks(self, copies: Sequence[Sequence[tuple[int, int, int]]]) -> None:
+        """Copy the first `num_slots` slots of `src` into `dst` on every layer of a group, in order.
 
         Args:
-            copies: (src_block, dst_block, num_slots) triples.
+            copies: per KV group, (src_block, dst_block, num_slots) triples.
         """
-        for src, dst, num_slots in copies:
-            self._check_blocks([src, dst])
-            if not 0 <= num_slots <= self.block_size:
-                raise ValueError(f"num_slots must be in [0, {self.block_size}], got {num_slots}")
-            self.kv[:, :, dst, :num_slots] = self.kv[:, :, src, :num_slots]
+        for g, group_copies in enumerate(copies):
+            for src, dst, num_slots in group_copies:
+                self._check_blocks(g, [src, dst])
+                if not 0 <= num_slots <= self.block_size:
+                    raise ValueError(f"num_slots must be in [0, {self.block_size}], got {num_slots}")
+                self.kv[g][:, :, dst, :num_slots] = self.kv[g][:, :, src, :num_slots]
 
     @torch.inference_mode()
     def execute(self, chunks: Sequence[SeqChunk]) -> torch.Tensor:
@@ -143,24 +168,30 @@ class ModelRunner:
         """
         if not chunks:
             raise ValueError("execute needs at least one chunk")
-        device = self.loaded.device
+        device, size = self.loaded.device, self.block_size
         token_ids: list[int] = []
         positions: list[int] = []
-        slots: list[int] = []
+        slots: list[list[int]] = [[] for _ in self.groups]
         last_rows: list[int] = []
         for chunk in chunks:
             self._check_chunk(chunk)
             end = chunk.start_pos + len(chunk.token_ids)
             token_ids.extend(chunk.token_ids)
             positions.extend(range(chunk.start_pos, end))
-            table, size = chunk.block_table, self.block_size
-            slots.extend(table[p // size] * size + p % size for p in range(chunk.start_pos, end))
+            for g, table in enumerate(chunk.groups):
+                scratch = self.num_blocks[g] * size
+                ids, first = table.block_ids, table.first_block
+                slots[g].extend(
+                    scratch + p % size if p < table.write_from else ids[p // size - first] * size + p % size
+                    for p in range(chunk.start_pos, end)
+                )
             last_rows.append(len(token_ids) - 1)
         context = PagedContext(
             kv=self.kv,
-            slots=torch.tensor(slots, device=device),
-            windows=self.windows,
-            groups={window: self._plan_groups(chunks, window) for window in set(self.windows)},
+            layers=self.layers,
+            windows=tuple(spec.window for spec in self.groups),
+            slots=tuple(torch.tensor(group_slots, device=device) for group_slots in slots),
+            batches=tuple(self._plan_batches(chunks, g) for g in range(len(self.groups))),
         )
         output = self.loaded.model(
             input_ids=torch.tensor([token_ids], device=device),
@@ -171,36 +202,40 @@ class ModelRunner:
         )
         return output.logits[0].float()
 
-    def _plan_groups(self, chunks: Sequence[SeqChunk], window: int | None) -> tuple[_Group, ...]:
-        """One group per prefill chunk and one for all decodes, for layers with this window."""
-        groups: list[_Group] = []
+    def _plan_batches(self, chunks: Sequence[SeqChunk], g: int) -> tuple[_Batch, ...]:
+        """One SDPA call per prefill chunk and one for all decodes, for the layers of KV group g."""
+        batches: list[_Batch] = []
         decodes: list[tuple[int, SeqChunk]] = []
         row = 0
         for chunk in chunks:
             if len(chunk.token_ids) == 1:
                 decodes.append((row, chunk))
             else:
-                groups.append(self._plan_group([(row, chunk)], window))
+                batches.append(self._plan_batch([(row, chunk)], g))
             row += len(chunk.token_ids)
         if decodes:
-            groups.append(self._plan_group(decodes, window))
-        return tuple(groups)
+            batches.append(self._plan_batch(decodes, g))
+        return tuple(batches)
 
-    def _plan_group(self, members: list[tuple[int, SeqChunk]], window: int | None) -> _Group:
-        """Plan one SDPA call over chunks of equal length.
+    def _plan_batch(self, members: list[tuple[int, SeqChunk]], g: int) -> _Batch:
+        """Plan one SDPA call over chunks of equal length, for the layers of KV group g.
 
         Each chunk gathers the blocks from the one holding its first visible key (position 0, or
-        `start_pos - window + 1`) to the one holding its last token; a lone chunk keeps exactly its keys,
-        several are padded to the longest gather and masked.
+        `start_pos - window + 1`, never before its table's first block) to the one holding its last
+        token; a lone chunk keeps exactly its keys, several are padded to the longest gather and masked.
         """
-        size, device = self.block_size, self.loaded.device
+        size, device, window = self.block_size, self.loaded.device, self.groups[g].window
         num_queries = len(members[0][1].token_ids)
-        spans = [_Span.of(chunk.start_pos, num_queries, window, size) for _, chunk in members]
-        num_gathered = max(span.end_block - span.first_block for span in spans)
+        spans = []
         block_ids: list[int] = []
+        for _, chunk in members:
+            table = chunk.groups[g]
+            spans.append(_Span.of(chunk.start_pos, num_queries, window, size, table.first_block * size))
+        num_gathered = max(span.end_block - span.first_block for span in spans)
         for (_, chunk), span in zip(members, spans):
-            blocks = chunk.block_table[span.first_block : span.end_block]
-            self._check_blocks(blocks)
+            table = chunk.groups[g]
+            blocks = table.block_ids[span.first_block - table.first_block : span.end_block - table.first_block]
+            self._check_blocks(g, blocks)
             block_ids.extend(blocks + [0] * (num_gathered - len(blocks)))
         rows = [row + i for row, _ in members for i in range(num_queries)]
 
@@ -215,11 +250,11 @@ class ModelRunner:
             bases = torch.tensor([span.base for span in spans]).view(-1, 1, 1)
             query_pos = starts + torch.arange(num_queries).view(1, -1, 1)
             key_pos = bases + torch.arange(num_keys).view(1, 1, -1)
-            visible = key_pos <= query_pos
+            visible = key_pos <= query_pos  # gathers start at or after the table's first block: no floor needed
             if window is not None:
                 visible &= key_pos > query_pos - window
             mask = visible.unsqueeze(1).to(device)
-        return _Group(
+        return _Batch(
             rows=torch.tensor(rows, device=device),
             num_queries=num_queries,
             block_ids=None if is_causal else torch.tensor(block_ids, device=device),
@@ -232,12 +267,16 @@ class ModelRunner:
         end = chunk.start_pos + len(chunk.token_ids)
         if not chunk.token_ids or chunk.start_pos < 0:
             raise ValueError(f"a chunk needs tokens and start_pos >= 0, got {chunk}")
-        if len(chunk.block_table) * self.block_size < end:
-            raise ValueError(f"block table of {len(chunk.block_table)} blocks cannot hold {end} positions")
+        if len(chunk.groups) != len(self.groups):
+            raise ValueError(f"a chunk needs one table per KV group ({len(self.groups)}), got {len(chunk.groups)}")
+        for table in chunk.groups:
+            if (table.first_block + len(table.block_ids)) * self.block_size < end:
+                raise ValueError(f"a block table ending at block {table.first_block + len(table.block_ids)} "
+                                 f"cannot hold {end} positions")
 
-    def _check_blocks(self, blocks: Sequence[int]) -> None:
-        if blocks and (min(blocks) < 0 or max(blocks) >= self.num_blocks):
-            raise ValueError(f"block ids must be in [0, {self.num_blocks}), got {list(blocks)}")
+    def _check_blocks(self, g: int, blocks: Sequence[int]) -> None:
+        if blocks and (min(blocks) < 0 or max(blocks) >= self.num_blocks[g]):
+            raise ValueError(f"block ids must be in [0, {self.num_blocks[g]}), got {list(blocks)}")
 
 
 def paged_attention(
@@ -266,27 +305,28 @@ def paged_attention(
     Returns:
         ([1, T, num_heads, head_dim] attention output, None).
     """
-    layer = module.layer_idx
-    window = paged_context.windows[layer]
+    g, local = paged_context.layers[module.layer_idx]
+    window = paged_context.windows[g]
     if kwargs.get("sliding_window", window) != window:
-        raise RuntimeError(f"layer {layer}: model window {kwargs['sliding_window']} != attention spec {window}")
-    key_cache, value_cache = paged_context.kv[layer]
+        raise RuntimeError(f"layer {module.layer_idx}: model window {kwargs['sliding_window']} != attention spec {window}")
+    key_cache, value_cache = paged_context.kv[g][local]
+    slots = paged_context.slots[g]
     num_kv_heads, head_dim = key_cache.shape[-2:]
-    key_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, paged_context.slots, key[0].transpose(0, 1))
-    value_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, paged_context.slots, value[0].transpose(0, 1))
+    key_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, key[0].transpose(0, 1))
+    value_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, value[0].transpose(0, 1))
 
     num_heads = query.shape[1]
     queries = query[0].transpose(0, 1)  # [T, num_heads, head_dim]
     output = torch.empty_like(queries)
-    for group in paged_context.groups[window]:
-        n = group.num_queries
-        q = queries.index_select(0, group.rows).view(-1, n, num_heads, head_dim).transpose(1, 2)
-        if group.is_causal:  # the visible keys are exactly the chunk's own: skip the gather
-            k, v = key.index_select(2, group.rows), value.index_select(2, group.rows)
+    for batch in paged_context.batches[g]:
+        n = batch.num_queries
+        q = queries.index_select(0, batch.rows).view(-1, n, num_heads, head_dim).transpose(1, 2)
+        if batch.is_causal:  # the visible keys are exactly the chunk's own: skip the gather
+            k, v = key.index_select(2, batch.rows), value.index_select(2, batch.rows)
         else:
             k, v = (
-                cache.index_select(0, group.block_ids)
-                .view(q.shape[0], -1, num_kv_heads, head_dim)[:, : group.num_keys]
+                cache.index_select(0, batch.block_ids)
+                .view(q.shape[0], -1, num_kv_heads, head_dim)[:, : batch.num_keys]
                 .transpose(1, 2)
                 for cache in (key_cache, value_cache)
             )
@@ -294,10 +334,10 @@ def paged_attention(
             q,
             k,
             v,
-            attn_mask=group.mask,
-            is_causal=group.is_causal,
+            attn_mask=batch.mask,
+            is_causal=batch.is_causal,
             scale=scaling,
             enable_gqa=num_heads != num_kv_heads,
         )
-        output.index_copy_(0, group.rows, attended.transpose(1, 2).reshape(-1, num_heads, head_dim))
+        output.index_copy_(0, batch.rows, attended.transpose(1, 2).reshape(-1, num_heads, head_dim))
     return output.unsqueeze(0), None

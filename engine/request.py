@@ -65,7 +65,13 @@ class Request:
     cow_copies: int = 0
     preemptions: int = 0
     finish_reason: str | None = None
-    final_block_table: list[int] = field(default_factory=list)  # the table as it was when it finished
+    final_block_tables: dict[str, list[int]] = field(default_factory=dict)  # per KV group, as it finished
+    # Sliding-window hit accounting (see engine/kv_groups.py): the hit position h is `cached_tokens`.
+    window_start: int = 0  # s: valid window-state range [s, e) found at admission
+    window_end: int = 0  # e
+    replay_from: int = 0  # r: computation started here; [r, h) was replayed
+    replay_mode: str = "none"  # none | full | ready | exact | approximate | fork
+    replayed_tokens: int = 0  # h - r
     prefilling: bool = True  # no token sampled since the last admission (fresh or after preemption)
     arrival_time: float = 0.0
     first_scheduled_time: float | None = None

@@ -17,7 +17,8 @@ from collections import deque
 from dataclasses import dataclass
 
 from engine.events import EventKind, EventLog
-from engine.kv_cache_manager import BlockCopy, KVCacheManager
+from engine.kv_cache_manager import BlockCopy
+from engine.kv_coordinator import KVCoordinator
 from engine.request import HitSource, Request, RequestStatus
 
 
@@ -28,6 +29,7 @@ class ScheduledChunk:
     request: Request
     token_ids: list[int]
     start_pos: int
+    write_from: tuple[int, ...]  # per KV group: first position this chunk writes (see KVCoordinator)
 
     @property
     def reaches_end(self) -> bool:
@@ -38,7 +40,7 @@ class ScheduledChunk:
 @dataclass(frozen=True, slots=True)
 class SchedulerOutput:
     chunks: list[ScheduledChunk]
-    copies: list[BlockCopy]  # copy-on-write copies to execute before the forward
+    copies: tuple[list[BlockCopy], ...]  # per KV group: copy-on-write copies to execute before the forward
     preempted: list[Request]
 
     @property
@@ -47,8 +49,8 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, manager: KVCacheManager, log: EventLog, *, max_num_batched_tokens: int, max_num_seqs: int):
-        self.manager = manager
+    def __init__(self, kv: KVCoordinator, log: EventLog, *, max_num_batched_tokens: int, max_num_seqs: int):
+        self.kv = kv
         self._log = log
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
@@ -79,9 +81,10 @@ class Scheduler:
             request = self.running[i]
             n = min(budget, request.num_tokens - request.num_computed_tokens)
             tokens = request.all_token_ids[request.num_computed_tokens : request.num_computed_tokens + n]
-            if not self._grow(request, tokens, preempted):
+            write_from = self._grow(request, tokens, preempted)
+            if write_from is None:
                 break  # it preempted itself: it was the newest, nothing runs after it
-            chunks.append(ScheduledChunk(request, tokens, request.num_computed_tokens))
+            chunks.append(ScheduledChunk(request, tokens, request.num_computed_tokens, write_from))
             budget -= n
             i += 1
 
@@ -95,43 +98,48 @@ class Scheduler:
             chunks.append(chunk)
             budget -= len(chunk.token_ids)
 
-        return SchedulerOutput(chunks, self.manager.take_copies(), preempted)
+        return SchedulerOutput(chunks, self.kv.take_copies(), preempted)
 
-    def _grow(self, request: Request, tokens: list[int], preempted: list[Request]) -> bool:
+    def _grow(self, request: Request, tokens: list[int], preempted: list[Request]) -> tuple[int, ...] | None:
         """Reserve slots for a running request, preempting the newest running requests as needed.
 
-        Returns False when the request had to preempt itself.
+        Returns the chunk's per-group write positions, or None when the request had to preempt itself.
         """
-        while not self.manager.allocate_slots(request.request_id, tokens):
+        while (write_from := self.kv.allocate(request.request_id, request.num_computed_tokens, tokens)) is None:
             victim = self.running[-1]
             self._preempt(victim)
             preempted.append(victim)
             if victim is request:
-                return False
-        return True
+                return None
+        return write_from
 
     def _admit(self, request: Request, budget: int) -> ScheduledChunk | None:
         """Reserve blocks for a waiting request's first chunk, or return None (nothing changed)."""
-        manager = self.manager
+        kv = self.kv
         rid = request.request_id
-        hits = []
-        if manager.has_table(rid):  # a fork child: its table was shared at fork time
-            computed = manager.num_tokens(rid)
+        if kv.has_table(rid):  # a fork child: its tables were shared at fork time
+            start = kv.num_tokens(rid)
+            tokens = request.all_token_ids[start : start + min(budget, request.num_tokens - start)]
+            write_from = kv.allocate(rid, start, tokens)
+            plan = None
         else:
-            hits = manager.find_prefix_hit(request.all_token_ids, request.salt)
-            computed = len(hits) * manager.block_size
-        n = min(budget, request.num_tokens - computed)
-        tokens = request.all_token_ids[computed : computed + n]
-        if not manager.allocate_slots(rid, tokens, hits=hits, salt=request.salt):
+            plan = kv.plan_hit(request.all_token_ids, request.salt)
+            start = plan.r
+            tokens = request.all_token_ids[start : start + min(budget, request.num_tokens - start)]
+            write_from = kv.admit(rid, tokens, plan, request.salt)
+        if write_from is None:
             return None
         first_time = request.first_scheduled_time is None
         request.status = RequestStatus.RUNNING
-        request.num_computed_tokens = computed
+        request.num_computed_tokens = start
         if first_time:
             request.first_scheduled_time = time.time()
-            if request.hit_source is not HitSource.FORK:
-                request.cached_tokens = computed
-                request.hit_source = HitSource.PREFIX if computed else HitSource.NONE
+            if plan is not None:
+                request.cached_tokens = plan.h
+                request.hit_source = HitSource.PREFIX if plan.h else HitSource.NONE
+                request.window_start, request.window_end = plan.s, plan.e
+                request.replay_from, request.replay_mode = plan.r, plan.mode
+                request.replayed_tokens = plan.replayed_tokens
             self.prefix_query_tokens += request.num_prompt_tokens
             self.prefix_hit_tokens += request.cached_tokens
             self._log.emit(
@@ -139,14 +147,14 @@ class Scheduler:
                 request_id=rid,
                 tokens=request.num_prompt_tokens,
                 cached_tokens=request.cached_tokens,
-                computed_tokens=request.num_prompt_tokens - request.cached_tokens,
+                computed_tokens=request.num_prompt_tokens - start,
                 hit_source=request.hit_source.value,
             )
-        return ScheduledChunk(request, tokens, computed)
+        return ScheduledChunk(request, tokens, start, write_from)
 
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
-        self.manager.free(request.request_id)
+        self.kv.free(request.request_id)
         self._log.emit(
             EventKind.PREEMPT,
             request_id=request.request_id,
@@ -167,19 +175,19 @@ class Scheduler:
         request.num_computed_tokens += len(chunk.token_ids)
         if request.prefilling:
             request.computed_tokens += len(chunk.token_ids)
-        self.manager.cache_full_blocks(request.request_id)
+        self.kv.finish_chunk(request.request_id)
 
     def finish_request(self, request: Request, reason: str) -> None:
         """Take a finished request out of the running set; free its blocks unless it is retained."""
         self.running.remove(request)
         request.finish_reason = reason
         request.finish_time = time.time()
-        request.final_block_table = self.manager.block_ids(request.request_id)
+        request.final_block_tables = self.kv.block_ids(request.request_id)
         if request.retain:
             request.status = RequestStatus.RETAINED
         else:
             request.status = RequestStatus.FINISHED
-            self.manager.free(request.request_id)
+            self.kv.free(request.request_id)
         self._log.emit(
             EventKind.FINISH,
             request_id=request.request_id,

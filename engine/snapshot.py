@@ -32,8 +32,18 @@ class RequestView:
     first_scheduled_time: float | None
     first_token_time: float | None
     finish_time: float | None
-    block_table: tuple[int, ...]
+    block_tables: dict[str, tuple[int, ...]]  # per KV group ("full", "sliding"): physical blocks held
     max_new_tokens: int
+    window_start: int
+    window_end: int
+    replay_from: int
+    replay_mode: str
+    replayed_tokens: int
+
+    @property
+    def block_table(self) -> tuple[int, ...]:
+        """The first group's table (the full group when the model has full-attention layers)."""
+        return next(iter(self.block_tables.values()), ())
 
     @property
     def queue_s(self) -> float | None:
@@ -50,7 +60,7 @@ class RequestView:
         return self.finish_time - self.first_token_time
 
     @staticmethod
-    def of(request: Request, block_table: list[int]) -> RequestView:
+    def of(request: Request, block_tables: dict[str, list[int]]) -> RequestView:
         return RequestView(
             request_id=request.request_id,
             parent_id=request.parent_id,
@@ -71,14 +81,20 @@ class RequestView:
             first_scheduled_time=request.first_scheduled_time,
             first_token_time=request.first_token_time,
             finish_time=request.finish_time,
-            block_table=tuple(block_table),
+            block_tables={group: tuple(ids) for group, ids in block_tables.items()},
             max_new_tokens=request.sampling.max_new_tokens,
+            window_start=request.window_start,
+            window_end=request.window_end,
+            replay_from=request.replay_from,
+            replay_mode=request.replay_mode,
+            replayed_tokens=request.replayed_tokens,
         )
 
 
 @dataclass(frozen=True, slots=True)
 class BlockView:
-    block_id: int
+    block_id: int  # unique within its group's pool
+    group: str  # KV group: "full" (full-attention layers) or "sliding" (sliding-window layers)
     state: str  # "free", "evictable" (cached, unreferenced) or "referenced"
     ref_count: int
     num_tokens: int
@@ -90,6 +106,23 @@ class BlockView:
     last_used: float
     hit_count: int
     holders: tuple[str, ...]  # request ids whose tables point here
+
+
+@dataclass(frozen=True, slots=True)
+class GroupStats:
+    """One KV group's pool (full-attention layers or sliding-window layers)."""
+
+    name: str
+    window: int | None
+    num_blocks: int
+    free_blocks: int
+    cached_blocks: int
+    evictable_blocks: int
+    used_blocks: int
+    logical_blocks: int
+    evictions: int
+    cow_copies: int
+    window_released_blocks: int  # sliding groups: blocks released because they left the window
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,6 +143,7 @@ class PoolStats:
     num_waiting: int
     num_running: int
     num_retained: int
+    groups: tuple[GroupStats, ...] = ()  # the same counters per KV group
 
     @property
     def kv_usage(self) -> float:

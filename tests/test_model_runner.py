@@ -1,0 +1,199 @@
+"""ModelRunner against the transformers reference on the same weights (fp32, CPU, tiny models).
+
+The reference is an independently loaded copy of the model run as a plain full forward with its own
+SDPA attention and no cache. Every scenario checks last-position logits within 1e-4 and equal greedy
+tokens.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from engine.kv_coordinator import GroupSlots
+from engine.model_runner import ModelRunner, SeqChunk
+
+ATOL = 1e-4
+BLOCK_SIZE = 4
+NUM_BLOCKS = 48
+ARCHITECTURES = ["tiny-llama", "tiny-mistral", "tiny-qwen2", "tiny-qwen3"]
+
+
+def tokens(n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(3, 512) for _ in range(n)]
+
+
+def shuffled_blocks(seed: int) -> list[int]:
+    blocks = list(range(NUM_BLOCKS))
+    random.Random(seed).shuffle(blocks)
+    return blocks
+
+
+@torch.inference_mode()
+def reference_logits(reference, token_ids: list[int]) -> torch.Tensor:
+    """Logits at every position of a full forward: row i predicts the token after token_ids[i]."""
+    return reference.model(input_ids=torch.tensor([token_ids]), use_cache=False).logits[0].float()
+
+
+def chunk(runner: ModelRunner, token_ids: list[int], start: int, table: list[int]) -> SeqChunk:
+    """A chunk whose table (from block 0) is the same in every KV group's memory."""
+    return SeqChunk(token_ids, start, tuple(GroupSlots(table, 0, start) for _ in runner.groups))
+
+
+def assert_close(got: torch.Tensor, want: torch.Tensor) -> None:
+    assert (got - want).abs().max().item() < ATOL
+    assert int(got.argmax()) == int(want.argmax())
+
+
+@pytest.fixture
+def pair(make_model):
+    """(runner, reference) on the same seeded weights."""
+
+    def make(name: str, attention_override: str | None = None) -> tuple[ModelRunner, object]:
+        runner = ModelRunner(make_model(name, attention_override=attention_override), NUM_BLOCKS, BLOCK_SIZE)
+        return runner, make_model(name, attention_override=attention_override)
+
+    return make
+
+
+@pytest.mark.parametrize("name", ARCHITECTURES)
+def test_cold_prompt_in_one_chunk_matches_reference(pair, name):
+    runner, reference = pair(name)
+    prompt = tokens(13, 1)
+    logits = runner.execute([chunk(runner, prompt, 0, shuffled_blocks(1))])
+    assert logits.shape == (1, reference.vocab_size) and logits.dtype == torch.float32
+    assert_close(logits[0], reference_logits(reference, prompt)[-1])
+
+
+@pytest.mark.parametrize("name", ARCHITECTURES)
+def test_prompt_prefilled_in_several_chunks_matches_reference(pair, name):
+    runner, reference = pair(name)
+    prompt, table = tokens(23, 2), shuffled_blocks(2)
+    want = reference_logits(reference, prompt)
+    for start, end in [(0, 5), (5, 6), (6, 16), (16, 23)]:  # unaligned, single-token, aligned boundaries
+        logits = runner.execute([chunk(runner, prompt[start:end], start, table)])
+        assert_close(logits[0], want[end - 1])
+
+
+def test_suffix_reads_prefix_blocks_shared_from_another_sequence(pair):
+    runner, reference = pair("tiny-llama")
+    prefix, blocks = tokens(16, 3), shuffled_blocks(3)
+    runner.execute([chunk(runner, prefix, 0, blocks[:4])])
+    suffix = tokens(7, 4)
+    other_table = blocks[:4] + blocks[10:12]  # shares the four full prefix blocks, then its own
+    logits = runner.execute([chunk(runner, suffix, 16, other_table)])
+    assert_close(logits[0], reference_logits(reference, prefix + suffix)[-1])
+
+
+def test_greedy_generation_by_decode_steps_matches_reference(pair):
+    runner, reference = pair("tiny-qwen3")
+    context, table = tokens(9, 5), shuffled_blocks(5)
+    logits = runner.execute([chunk(runner, context, 0, table)])
+    for _ in range(8):
+        context.append(int(logits[0].argmax()))
+        logits = runner.execute([chunk(runner, context[-1:], len(context) - 1, table)])
+    assert_close(logits[0], reference_logits(reference, context)[-1])
+    greedy = [int(row.argmax()) for row in reference_logits(reference, context)[8:-1]]
+    assert greedy == context[9:]
+
+
+def test_copy_blocks_then_both_copies_continue_independently(pair):
+    runner, reference = pair("tiny-llama")
+    shared, blocks = tokens(10, 6), shuffled_blocks(6)  # 2 full blocks + 2 slots of a third
+    parent_table = blocks[:3]
+    runner.execute([chunk(runner, shared, 0, parent_table)])
+    child_table = blocks[:2] + [blocks[20]]
+    runner.copy_blocks([[(parent_table[2], child_table[2], 2)]])
+    parent_next, child_next = tokens(3, 7), tokens(3, 8)
+    child_logits = runner.execute([chunk(runner, child_next, 10, child_table + [blocks[21]])])
+    parent_logits = runner.execute([chunk(runner, parent_next, 10, parent_table + [blocks[3]])])
+    assert_close(child_logits[0], reference_logits(reference, shared + child_next)[-1])
+    assert_close(parent_logits[0], reference_logits(reference, shared + parent_next)[-1])
+
+
+def test_mixed_batch_of_prefills_and_a_decode_in_one_call(pair):
+    runner, reference = pair("tiny-qwen2")
+    blocks = shuffled_blocks(9)
+    cached = tokens(11, 10)
+    runner.execute([chunk(runner, cached, 0, blocks[:3])])
+    decoding = tokens(6, 11)
+    runner.execute([chunk(runner, decoding[:5], 0, blocks[3:5])])
+    cold, continued = tokens(9, 12), tokens(6, 13)
+    logits = runner.execute(
+        [
+            chunk(runner, cold, 0, blocks[5:8]),
+            chunk(runner, decoding[5:], 5, blocks[3:5]),
+            chunk(runner, continued, 11, blocks[:3] + blocks[8:10]),
+        ]
+    )
+    assert logits.shape[0] == 3
+    assert_close(logits[0], reference_logits(reference, cold)[-1])
+    assert_close(logits[1], reference_logits(reference, decoding)[-1])
+    assert_close(logits[2], reference_logits(reference, cached + continued)[-1])
+
+
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-mistral"])
+def test_several_decodes_of_different_lengths_batch_together(pair, name):
+    runner, reference = pair(name)
+    blocks = shuffled_blocks(14)
+    contexts = [tokens(n, 20 + n) for n in (3, 14, 8)]
+    tables = [blocks[0:1], blocks[1:5], blocks[5:7]]
+    for context, table in zip(contexts, tables):
+        runner.execute([chunk(runner, context[:-1], 0, table)])
+    logits = runner.execute([chunk(runner, c[-1:], len(c) - 1, t) for c, t in zip(contexts, tables)])
+    for row, context in zip(logits, contexts):
+        assert_close(row, reference_logits(reference, context)[-1])
+
+
+@pytest.mark.parametrize(("name", "override"), [("tiny-mistral", None), ("tiny-llama", "hybrid:5")])
+def test_sliding_window_context_beyond_window_matches_reference(pair, name, override):
+    runner, reference = pair(name, override)
+    assert any(kind.startswith("sliding:") for kind in runner.loaded.attention_spec)
+    context, table = tokens(30, 15), shuffled_blocks(15)
+    want = reference_logits(reference, context)
+    for start, end in [(0, 11), (11, 12), (12, 25), (25, 26), (26, 30)]:
+        logits = runner.execute([chunk(runner, context[start:end], start, table)])
+        assert_close(logits[0], want[end - 1])
+
+
+def test_all_sliding_model_never_reads_blocks_before_the_window(pair):
+    runner, reference = pair("tiny-mistral")  # window 8
+    context, table = tokens(28, 16), shuffled_blocks(16)
+    runner.execute([chunk(runner, context[:24], 0, table)])
+    runner.kv[0][:, :, table[40]] = float("nan")  # any read of this block would poison the logits
+    scrubbed = [table[40]] * 4 + table[4:7]  # positions 0..15 now point at it
+    logits = runner.execute([chunk(runner, context[24:], 24, scrubbed)])
+    assert_close(logits[0], reference_logits(reference, context)[-1])
+
+
+def test_sliding_override_differs_from_full_attention_beyond_the_window(pair):
+    runner, _ = pair("tiny-llama", "sliding:4")
+    _, full_reference = pair("tiny-llama")
+    context = tokens(12, 17)
+    logits = runner.execute([chunk(runner, context, 0, shuffled_blocks(17))])
+    assert (logits[0] - reference_logits(full_reference, context)[-1]).abs().max().item() > ATOL
+
+
+def test_bytes_per_block_matches_the_allocation(make_model):
+    loaded = make_model("tiny-llama")
+    runner = ModelRunner(loaded, NUM_BLOCKS, BLOCK_SIZE)
+    allocated = sum(kv.numel() * kv.element_size() for kv in runner.kv)
+    assert ModelRunner.bytes_per_block(loaded, BLOCK_SIZE) * (NUM_BLOCKS + 1) == allocated  # + scratch block
+
+
+@pytest.mark.parametrize(
+    "chunk_args",
+    [
+        ([], 0, [0]),
+        ([5], -1, [0]),
+        ([5] * 5, 0, [0]),  # table too short for 5 positions
+        ([5], 0, [NUM_BLOCKS]),  # block id out of range
+    ],
+)
+def test_malformed_chunks_are_refused(pair, chunk_args):
+    runner, _ = pair("tiny-llama")
+    with pytest.raises(ValueError):
+        runner.execute([SeqChunk.of_table(*chunk_args)])
