@@ -22,6 +22,10 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--device", default="auto")
     run.add_argument("--dtype", default="float32")
     run.add_argument("--seed", type=int, default=0)
+    run.add_argument("--attention-override", default=None, help="'sliding:W' or 'hybrid:W' (even layers sliding)")
+    run.add_argument("--window-backtrack", type=int, default=0, help="extra window state kept when caching")
+    run.add_argument("--allow-approximate-replay", action="store_true")
+    run.add_argument("--verify-replay", action="store_true", help="measure approximate replays against a full recompute")
     args = parser.parse_args(argv)
 
     try:
@@ -32,6 +36,10 @@ def main(argv: list[str] | None = None) -> int:
             block_size=args.block_size,
             num_blocks=args.num_blocks,
             seed=args.seed,
+            attention_override=args.attention_override,
+            window_backtrack=args.window_backtrack,
+            allow_approximate_replay=args.allow_approximate_replay,
+            verify_replay=args.verify_replay,
         )
     except ValueError as exc:
         parser.error(str(exc))

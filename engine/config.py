@@ -41,6 +41,7 @@ class EngineConfig:
     attention_override: str | None = None  # "sliding:W" (all layers) or "hybrid:W" (even layers sliding)
     window_backtrack: int = 0  # sliding layers: extra tokens of window state kept when caching
     allow_approximate_replay: bool = False  # may recover window state by a bounded approximate replay
+    verify_replay: bool = False  # after an approximate replay, recompute from scratch and record divergence
     data_dir: Path | None = None  # None -> default_data_dir()
 
     def __post_init__(self) -> None:

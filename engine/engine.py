@@ -36,6 +36,7 @@ from engine.namespace import CacheNamespace
 from engine.request import HitSource, Request, RequestStatus, SamplingParams
 from engine.sampler import sample
 from engine.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
+from engine.verify import divergence
 from engine.snapshot import BlockView, EngineSnapshot, GroupStats, PoolStats, RequestView
 
 logger = logging.getLogger(__name__)
@@ -115,6 +116,7 @@ class Engine:
         self.max_model_len = int(self.loaded.max_position_embeddings)
         self._requests: dict[str, Request] = {}
         self._generators: dict[str, torch.Generator] = {}
+        self._replay_logits: dict[str, list[torch.Tensor]] = {}  # approximate replays under verification
         self._ids = itertools.count()
         self._step = 0
         self._listeners: list[Listener] = []
@@ -273,6 +275,10 @@ class Engine:
         if not ends:
             return {}
         requests = [out.chunks[i].request for i in ends]
+        if self.config.verify_replay:
+            for i, request in zip(ends, requests):
+                if request.replay_mode == "approximate":
+                    self._replay_logits.setdefault(request.request_id, []).append(logits[i].cpu())
         tokens = sample(
             logits[ends], [r.sampling for r in requests], [self._generators.get(r.request_id) for r in requests]
         )
@@ -295,8 +301,27 @@ class Engine:
             if reason is not None:
                 self.scheduler.finish_request(request, reason)
                 self._generators.pop(request.request_id, None)
+                self._verify_replay(request)
                 finished.append(request)
         return finished
+
+    def _verify_replay(self, request: Request) -> None:
+        """For an approximate replay under verification: recompute from scratch, record the divergence."""
+        recorded = self._replay_logits.pop(request.request_id, None)
+        if not recorded:
+            return
+        tokens = request.all_token_ids
+        n = len(recorded)
+        reference = self.runner.reference_logits(tokens[:-1])[-n:].cpu()
+        request.replay_divergence = divergence(torch.stack(recorded[-n:]), reference).as_dict()
+        self.log.emit(
+            EventKind.REPLAY,
+            request_id=request.request_id,
+            tokens=request.replayed_tokens,
+            mode=request.replay_mode,
+            verified=True,
+            **request.replay_divergence,
+        )
 
     def _stop_reason(self, request: Request, token: int) -> str | None:
         if not request.sampling.ignore_eos and token in self.loaded.eos_token_ids:

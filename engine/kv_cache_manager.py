@@ -50,7 +50,9 @@ class BlockTable:
     blocks: list[Block] = field(default_factory=list)  # logical blocks offset, offset + 1, ...
     keys: list[bytes] = field(default_factory=list)  # keys of logical blocks [0, len(keys)), all full
     offset: int = 0  # logical index of blocks[0]; earlier blocks were released (sliding window only)
-    retired: int = 0  # logical blocks [0, retired) of this chain were dropped from the cache (retention)
+    # Retention bookkeeping: logical blocks [0, retired) are not this table's to drop from the cache, either
+    # because it already did (they left the retained tail) or because it shared them from another chain.
+    retired: int = 0
 
     def num_tokens(self, block_size: int) -> int:
         if not self.blocks:
@@ -204,8 +206,9 @@ class KVCacheManager:
             if start is not None:
                 if self.window is None and start.offset:
                     raise RuntimeError("a full-attention table always starts at block 0")
-                table.offset = table.retired = start.offset
+                table.offset = start.offset
                 table.keys = list(start.chain_keys[: start.offset + len(hits)])
+            table.retired = table.offset + len(hits)  # shared state stays under its own chain's retention
         elif hits or start is not None:
             raise RuntimeError("prefix hits can only seed a new table")
         if hits:
@@ -320,7 +323,7 @@ class KVCacheManager:
             blocks=list(parent.blocks),
             keys=list(parent.keys),
             offset=parent.offset,
-            retired=parent.retired,
+            retired=parent.offset + len(parent.blocks),  # inherited state stays under the parent's retention
         )
         self.pool.touch_blocks(child.blocks)
         self._tables[child_id] = child

@@ -202,6 +202,20 @@ class ModelRunner:
         )
         return output.logits[0].float()
 
+    @torch.inference_mode()
+    def reference_logits(self, token_ids: list[int]) -> torch.Tensor:
+        """Logits at every position of a from-scratch forward with transformers' own SDPA attention.
+
+        Reads and writes no block; used to measure approximate replays. Returns float32 [len, vocab].
+        """
+        model = self.loaded.model
+        model.set_attn_implementation("sdpa")
+        try:
+            ids = torch.tensor([token_ids], device=self.loaded.device)
+            return model(input_ids=ids, use_cache=False).logits[0].float()
+        finally:
+            model.set_attn_implementation(PAGED_ATTENTION)
+
     def _plan_batches(self, chunks: Sequence[SeqChunk], g: int) -> tuple[_Batch, ...]:
         """One SDPA call per prefill chunk and one for all decodes, for the layers of KV group g."""
         batches: list[_Batch] = []

@@ -39,6 +39,7 @@ class RequestView:
     replay_from: int
     replay_mode: str
     replayed_tokens: int
+    replay_divergence: dict[str, float] | None
 
     @property
     def block_table(self) -> tuple[int, ...]:
@@ -88,6 +89,7 @@ class RequestView:
             replay_from=request.replay_from,
             replay_mode=request.replay_mode,
             replayed_tokens=request.replayed_tokens,
+            replay_divergence=request.replay_divergence,
         )
 
 

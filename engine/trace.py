@@ -40,6 +40,14 @@ def request_record(view: RequestView) -> dict[str, Any]:
         "cow_copies": view.cow_copies,
         "preemptions": view.preemptions,
         "finish_reason": view.finish_reason,
+        "block_tables": {group: list(ids) for group, ids in view.block_tables.items()},
+        "h": view.cached_tokens,
+        "s": view.window_start,
+        "e": view.window_end,
+        "r": view.replay_from,
+        "replay_mode": view.replay_mode,
+        "replayed_tokens": view.replayed_tokens,
+        "replay_divergence": view.replay_divergence,
     }
 
 
