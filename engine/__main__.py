@@ -22,6 +22,7 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--device", default="auto")
     run.add_argument("--dtype", default="float32")
     run.add_argument("--seed", type=int, default=0)
+    run.add_argument("--db", default=None, help="SQLAlchemy URL: persist everything the replay ran there")
     run.add_argument("--attention-override", default=None, help="'sliding:W' or 'hybrid:W' (even layers sliding)")
     run.add_argument("--window-backtrack", type=int, default=0, help="extra window state kept when caching")
     run.add_argument("--allow-approximate-replay", action="store_true")
@@ -44,6 +45,13 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         parser.error(str(exc))
     engine = Engine(config)
+    writer = None
+    if args.db is not None:
+        from storage.recorder import record_engine  # the history is optional: import it only when asked
+        from storage.writer import EventWriter
+
+        writer = EventWriter(args.db)
+        record_engine(engine, writer)
 
     def emit(record: dict) -> None:
         print(json.dumps(record), flush=True)
@@ -57,6 +65,12 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: {exc}", file=sys.stderr)
             status = 2
     emit(summary_record(engine))
+    if writer is not None:
+        writer.close()
+        lost = writer.stats().dropped
+        if lost:
+            print(f"error: {lost} history rows could not be written to {args.db}", file=sys.stderr)
+            status = status or 1
     return status
 
 

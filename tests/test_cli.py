@@ -111,3 +111,22 @@ def test_cli_runs_as_a_module(tmp_path):
     assert proc.returncode == 0, proc.stderr
     lines = [json.loads(line) for line in proc.stdout.splitlines()]
     assert lines[0]["id"] == "a" and lines[-1]["summary"]["invariants_ok"] is True
+
+
+def test_db_flag_persists_requests_events_and_evictions(tmp_path, capsys):
+    from sqlalchemy import func, select
+
+    from storage.db import db_engine
+    from storage.models import Eviction, RequestRecord, Run
+
+    url = f"sqlite:///{tmp_path / 'history.sqlite'}"
+    lines = [{"op": "submit", "id": f"r{i}", "tokens": list(range(10 + 20 * i, 30 + 20 * i)), "max_new_tokens": 2}
+             for i in range(4)]
+    proc = run_trace(tmp_path, lines + [{"op": "run"}], "--num-blocks", "12", "--db", url, capsys=capsys)
+    assert proc.returncode == 0, proc.stderr
+    summary = records(proc)[-1]["summary"]
+    db = db_engine(url)
+    with db.connect() as conn:
+        assert conn.execute(select(func.count()).select_from(Run)).scalar() == 1
+        assert conn.execute(select(func.count()).select_from(RequestRecord)).scalar() == 4
+        assert conn.execute(select(func.count()).select_from(Eviction)).scalar() == summary["evictions"] > 0
