@@ -49,3 +49,26 @@ def test_prefix_hit_and_fork_match_reference_on_smollm2(smollm2_pair):
         assert_matches_reference(engine, spy, reference, rid)
     engine.release(a)
     engine.check_invariants()
+
+
+def test_smollm2_as_hybrid_model_exact_replay_matches_ministral_reference():
+    from tests.conftest import TEST_DATA_DIR
+
+    override = "hybrid:32"
+    reference = load_model("smollm2", dtype="float32", device="cpu", data_dir=TEST_DATA_DIR, seed=0,
+                           attention_override=override)
+    engine = Engine(EngineConfig(model="smollm2", device="cpu", block_size=16, num_blocks=64, data_dir=TEST_DATA_DIR,
+                                 attention_override=override))
+    spy = LogitSpy(engine)
+    assert [g.name for g in engine.runner.groups] == ["full", "sliding"]
+    text = engine.tokenizer("Prefix caching shares the KV of a common prompt between requests. " * 8)["input_ids"]
+    short, long = text[:48], text[:112]
+    for prompt in (short, long):  # window state cached at 48 (short's end) and at 112 (long's end)
+        engine.submit(prompt, SamplingParams(max_new_tokens=1, ignore_eos=True))
+        engine.run_until_idle()
+    rid = engine.submit(long[:96] + text[:5], SamplingParams(max_new_tokens=3, ignore_eos=True))
+    engine.run_until_idle()
+    view = engine.get(rid)
+    assert view.cached_tokens == 96 and view.replay_mode == "exact" and view.replay_from == 48
+    assert_matches_reference(engine, spy, reference, rid)
+    engine.check_invariants()
