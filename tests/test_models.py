@@ -47,12 +47,12 @@ def test_smollm2_conversion_is_cached_and_runs_like_transformers_generate(smollm
     runner = ModelRunner(loaded, num_blocks=8, block_size=16)
     table, context, got = list(range(8))[::-1], list(prompt_ids), []
     split = len(context) // 2
-    runner.execute([SeqChunk(context[:split], 0, table)])
-    logits = runner.execute([SeqChunk(context[split:], split, table)])
+    runner.execute([SeqChunk.of_table(context[:split], 0, table)])
+    logits = runner.execute([SeqChunk.of_table(context[split:], split, table)])
     while len(got) < len(want):
         got.append(sample(logits, [SamplingParams()], [None])[0])
         context.append(got[-1])
-        logits = runner.execute([SeqChunk(context[-1:], len(context) - 1, table)])
+        logits = runner.execute([SeqChunk.of_table(context[-1:], len(context) - 1, table)])
     assert got == want
 
 
