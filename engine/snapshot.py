@@ -41,6 +41,27 @@ class RequestView:
     replayed_tokens: int
     replay_divergence: dict[str, float] | None
 
+    # The sliding-window vocabulary of engine/kv_groups.py (and of the stored request rows).
+    @property
+    def h(self) -> int:
+        """Hit position."""
+        return self.cached_tokens
+
+    @property
+    def s(self) -> int:
+        """Start of the valid window-state range found at admission."""
+        return self.window_start
+
+    @property
+    def e(self) -> int:
+        """End of the valid window-state range."""
+        return self.window_end
+
+    @property
+    def r(self) -> int:
+        """Replay boundary: computation started here."""
+        return self.replay_from
+
     @property
     def block_table(self) -> tuple[int, ...]:
         """The first group's table (the full group when the model has full-attention layers)."""

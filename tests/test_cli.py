@@ -130,3 +130,26 @@ def test_db_flag_persists_requests_events_and_evictions(tmp_path, capsys):
         assert conn.execute(select(func.count()).select_from(Run)).scalar() == 1
         assert conn.execute(select(func.count()).select_from(RequestRecord)).scalar() == 4
         assert conn.execute(select(func.count()).select_from(Eviction)).scalar() == summary["evictions"] > 0
+
+
+def test_db_rows_carry_the_sliding_window_replay_fields(tmp_path, capsys):
+    from sqlalchemy import select
+
+    from storage.db import db_engine
+    from storage.models import RequestRecord
+
+    url = f"sqlite:///{tmp_path / 'history.sqlite'}"
+    prefix = list(range(10, 50))
+    lines = [
+        {"op": "submit", "id": "a", "tokens": prefix, "max_new_tokens": 1},
+        {"op": "run"},
+        {"op": "submit", "id": "b", "tokens": prefix[:36] + [7, 8, 9], "max_new_tokens": 1},
+    ]
+    proc = run_trace(tmp_path, lines, "--num-blocks", "64", "--attention-override", "hybrid:8", "--db", url,
+                     capsys=capsys)
+    assert proc.returncode == 0, proc.stderr
+    out = {r["id"]: r for r in records(proc) if "id" in r}
+    assert (out["b"]["h"], out["b"]["r"], out["b"]["replay_mode"]) == (36, 0, "exact")
+    with db_engine(url).connect() as conn:
+        row = conn.execute(select(RequestRecord).where(RequestRecord.request_id == "b")).mappings().one()
+    assert (row["h"], row["r"], row["replay_mode"], row["replayed_tokens"]) == (36, 0, "exact", 36)
