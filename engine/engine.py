@@ -206,6 +206,7 @@ class Engine:
                 salt=parent.salt,
                 hit_source=HitSource.FORK,
                 arrival_time=time.time(),
+                cacheable=parent.cacheable,
             )
             if self._blocks_for(len(context), sampling) > self.num_blocks:
                 self._enqueue(child)  # records the rejection and raises

@@ -269,11 +269,12 @@ class KVCacheManager:
         return copies
 
     # ------------------------------------------------------------------ caching, forks, release
-    def cache_full_blocks(self, request_id: str) -> None:
+    def cache_full_blocks(self, request_id: str, *, offer: bool = True) -> None:
         """Key every newly full block of the table and offer it to the prefix index.
 
         Call after the forward that computed their KV: only computed blocks may be hit. Emits one
-        CACHE event listing the blocks that entered the index.
+        CACHE event listing the blocks that entered the index. With `offer=False` the keys are only
+        recorded in the table (its chain continues) and nothing enters the index.
         """
         table = self._tables[request_id]
         bs = self.block_size
@@ -288,6 +289,8 @@ class KVCacheManager:
             parent_key = keys[i - 1] if i else root_key
             key = chain_key(parent_key, block.token_ids)
             keys.append(key)
+            if not offer:
+                continue
             parent = None
             if i and chained:
                 parent = blocks[i - 1]

@@ -185,10 +185,16 @@ class KVCoordinator:
         return tuple(m.take_copies() for m in self.managers)
 
     # ------------------------------------------------------------------ after a forward, forks, release
-    def finish_chunk(self, request_id: str) -> None:
-        """Offer newly full blocks to every group's index, then release blocks outside the window."""
+    def finish_chunk(self, request_id: str, *, cacheable: bool) -> None:
+        """Offer newly full blocks to every group's index, then release blocks outside the window.
+
+        Args:
+            request_id: the request whose chunk was computed.
+            cacheable: False for state derived from an approximate replay: it is not what a from-scratch
+                run computes, so it must never be hit (its blocks stay private and are freed, not cached).
+        """
         for manager in self.managers:
-            manager.cache_full_blocks(request_id)
+            manager.cache_full_blocks(request_id, offer=cacheable)
             manager.release_outside_window(request_id)
 
     def fork(self, parent_id: str, child_id: str) -> int:

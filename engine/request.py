@@ -72,7 +72,10 @@ class Request:
     replay_from: int = 0  # r: computation started here; [r, h) was replayed
     replay_mode: str = "none"  # none | full | ready | exact | approximate | fork
     replayed_tokens: int = 0  # h - r
-    replay_divergence: dict[str, float] | None = None  # approximate replays with verify on (engine/verify.py)
+    replay_divergence: dict[str, float] | None = None
+    # False while the request's KV derives from an approximate replay (its own or a fork parent's):
+    # such state is never offered to the prefix index, so no later request can hit it.
+    cacheable: bool = True  # approximate replays with verify on (engine/verify.py)
     prefilling: bool = True  # no token sampled since the last admission (fresh or after preemption)
     arrival_time: float = 0.0
     first_scheduled_time: float | None = None

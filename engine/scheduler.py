@@ -140,6 +140,8 @@ class Scheduler:
                 request.window_start, request.window_end = plan.s, plan.e
                 request.replay_from, request.replay_mode = plan.r, plan.mode
                 request.replayed_tokens = plan.replayed_tokens
+            if plan is not None:  # every (re)admission decides afresh whether its state is exact
+                request.cacheable = plan.mode != "approximate"
             self.prefix_query_tokens += request.num_prompt_tokens
             self.prefix_hit_tokens += request.cached_tokens
             self._log.emit(
@@ -175,7 +177,7 @@ class Scheduler:
         request.num_computed_tokens += len(chunk.token_ids)
         if request.prefilling:
             request.computed_tokens += len(chunk.token_ids)
-        self.kv.finish_chunk(request.request_id)
+        self.kv.finish_chunk(request.request_id, cacheable=request.cacheable)
 
     def finish_request(self, request: Request, reason: str) -> None:
         """Take a finished request out of the running set; free its blocks unless it is retained."""

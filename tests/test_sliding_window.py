@@ -113,6 +113,26 @@ def test_approximate_replay_is_bounded_and_its_divergence_is_measured(tmp_path):
     engine.check_invariants()
 
 
+def test_state_from_an_approximate_replay_is_never_hit(tmp_path):
+    """Regression: blocks computed after an approximate replay were cached like exact ones, so a follow-up
+    request got a "ready" hit on approximate state and its logits drifted from the reference."""
+    engine, _ = hybrid_engine(tmp_path, allow_approximate_replay=True)
+    _, a_prompt = exact_replay_setup(engine)
+    events = []
+    engine.add_listener(lambda batch, _views: events.extend(batch))
+    b = engine.submit(a_prompt[:36] + tokens(8, 5), SamplingParams(max_new_tokens=6, ignore_eos=True), retain=True)
+    engine.run_until_idle()
+    assert engine.get(b).replay_mode == "approximate"
+    child = engine.fork(b, tokens(3, 6), GREEDY)  # a fork shares b's state, so it inherits the taint
+    engine.run_until_idle()
+    assert not [e for e in events if e.kind is EventKind.CACHE and e.request_id in (b, child)]
+    context = list(engine.get(b).prompt_token_ids) + list(engine.get(b).output_token_ids)
+    engine.release(b)
+    c = run(engine, context + tokens(4, 7))
+    assert engine.get(c).cached_tokens <= 36  # nothing b or its fork computed is in the index
+    engine.check_invariants()
+
+
 def test_approximate_replay_is_not_used_unless_allowed(tmp_path):
     engine, _ = hybrid_engine(tmp_path)
     _, a_prompt = exact_replay_setup(engine)
