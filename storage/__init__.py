@@ -1,0 +1,41 @@
+"""The history store: what the engine did, kept across restarts, for the console to query.
+
+Imports no Streamlit and no torch. Modules, one job each:
+    db          `db_engine(url)`: the one engine factory (SQLite pragmas, PostgreSQL lock timeout),
+                `default_db_url()`, `open_session(engine)`, `encode_json`.
+    models      the schema at head (runs, requests, events, evictions, prunes, eviction_rollups).
+    migrate     `upgrade(url_or_engine, revision="head")`, `current_revision(...)` (Alembic, in code).
+    rows        engine values -> table rows (the only code that knows engine field names).
+    writer      `EventWriter`: the single writer thread; the engine never waits on the database.
+    rollups     per-minute eviction aggregates kept equal to the log.
+    retention   `prune(engine, RetentionPolicy, now)`: age and row-count bounds, logged in `prunes`.
+    buckets     `bucket_index`: floor(time / seconds) on every backend.
+    queries     read functions for the pages, returning DataFrames or small dataclasses.
+
+Engine side (never blocks on the database; nothing is lost without being counted):
+
+    writer = EventWriter(url)                       # url=None: $PREFIX_CONSOLE_DB_URL or <data>/history.sqlite
+    run_id = writer.start_run(RunInfo(model=..., num_blocks=..., block_size=..., dtype=..., device=...,
+                                      weights_revision=..., namespace=..., started_at=...))
+    writer.submit(events)                           # list[engine.events.Event]; one call <= 512 events is atomic
+    writer.record_requests(views)                   # RequestView / Request objects or dicts; upsert per request
+    writer.stats()                                  # WriterStats: queued, written_*, dropped, failed_batches,
+                                                    #   retries, retrying, last_error, schema_ready, pruned_rows
+    writer.flush(timeout_s=None) -> bool            # wait until everything queued so far is written or dropped
+    writer.close(timeout_s=30.0) -> bool            # stop the run, drain, stop the thread
+
+Console side (`db` is an Engine, Connection or Session; times are epoch seconds):
+
+    queries.eviction_log(db, EvictionFilters(...), page_size=50, after=None) -> EvictionPage(rows, next_cursor)
+    queries.eviction_count(db, filters) -> int
+    queries.evictions_over_time(db, bucket_seconds=60.0, filters) -> DataFrame[bucket_start, reason, evictions]
+    queries.age_at_eviction_histogram(db, filters) -> DataFrame[bin_start, bin_end, evictions]
+    queries.hits_before_eviction_histogram(db, filters) -> DataFrame[bin_start, bin_end, evictions]
+    queries.request_timeline(db, request_id, run_id=None) -> DataFrame of that request's events, in order
+    queries.hit_rate_over_time(db, bucket_seconds=60.0, run_id=None, since=None, until=None) -> DataFrame
+    queries.runs(db, limit=100), queries.recent_requests(db, run_id=None, limit=100), queries.prune_log(db)
+    queries.export_evictions_csv(db, filters) -> str
+
+EvictionFilters(since, until, reasons, request_id, run_id, key_prefix); the aggregates also take
+`use_rollups=False` to scan the log instead of the per-minute rollups (same numbers, slower).
+"""

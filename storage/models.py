@@ -1,0 +1,175 @@
+"""The history schema (the head revision; `storage/migrations/` builds it step by step).
+
+Tables:
+    runs       one row per engine start.
+    requests   the engine's per-request record, one row per (run_id, request_id), upserted.
+    events     every engine event, append-only, in insertion (id) order.
+    evictions  the eviction log: one row per EVICT event, denormalised for the eviction pages.
+    prunes     one row per retention deletion (which table, why, how many rows).
+    eviction_rollups  per (run, minute, reason): eviction count and age / hit histograms, so the
+               eviction charts read thousands of rows instead of millions.
+
+Invariants:
+    * Times are float seconds since the epoch, so bucketing is plain arithmetic on every backend.
+    * ``events.id`` and ``evictions.id`` grow with insertion; retention deletes the oldest ids first.
+    * ``evictions.key_hex`` is lowercase hex; a key-prefix filter is a range scan on its index.
+    * Strings are unbounded (VARCHAR without a length on PostgreSQL): an engine value that outgrew a
+      length would otherwise fail its whole batch, or block a run row forever.
+    * Every row but a run's belongs to a run (foreign key to ``runs.id``).
+    * After every commit, each ``eviction_rollups`` row equals the aggregate of the ``evictions`` rows
+      with its (run_id, minute = floor(time / 60), reason), and no rollup row has zero evictions.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from sqlalchemy import JSON, BigInteger, Column, Double, ForeignKey, Index, Integer, String, Table
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+# SQLite only makes INTEGER PRIMARY KEY an alias of the rowid; other backends get a 64-bit key.
+RowId = BigInteger().with_variant(Integer(), "sqlite")
+
+ROLLUP_SECONDS = 60  # width of an eviction_rollups bucket
+# Histogram bins of eviction_rollups, as upper edges: bin i holds values in [edge[i-1], edge[i]),
+# the last bin everything from the last edge up. Changing them needs a migration that rebuilds.
+AGE_EDGES_S = (1.0, 10.0, 60.0, 300.0, 900.0, 3600.0, 4 * 3600.0, 86400.0)  # seconds since filled
+HIT_EDGES = (1, 2, 3, 5, 10, 20, 50, 100)  # prefix hits while cached: 0, 1, 2, 3-4, ..., 100+
+AGE_BIN_COLUMNS = tuple(f"age_bin_{index}" for index in range(len(AGE_EDGES_S) + 1))
+HIT_BIN_COLUMNS = tuple(f"hit_bin_{index}" for index in range(len(HIT_EDGES) + 1))
+
+
+class Base(DeclarativeBase):
+    pass
+
+
+class Run(Base):
+    """One engine start and the settings that shape its cache."""
+
+    __tablename__ = "runs"
+
+    id: Mapped[str] = mapped_column(String, primary_key=True)  # see writer.new_run_id
+    model: Mapped[str] = mapped_column(String)  # preset name or model directory
+    weights_revision: Mapped[str | None] = mapped_column(String)  # hash/revision of the weights
+    namespace: Mapped[str | None] = mapped_column(String)  # cache namespace (hex)
+    num_blocks: Mapped[int] = mapped_column(Integer)
+    block_size: Mapped[int] = mapped_column(Integer)
+    dtype: Mapped[str] = mapped_column(String)
+    device: Mapped[str] = mapped_column(String)
+    started_at: Mapped[float] = mapped_column(Double, index=True)
+    stopped_at: Mapped[float | None] = mapped_column(Double)  # None while running or after a crash
+
+
+class RequestRecord(Base):
+    """What the engine recorded about one request (the last write wins)."""
+
+    __tablename__ = "requests"
+
+    run_id: Mapped[str] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True)
+    request_id: Mapped[str] = mapped_column(String, primary_key=True)
+    parent_id: Mapped[str | None] = mapped_column(String)  # set for forks
+    status: Mapped[str] = mapped_column(String)  # RequestStatus value
+    prompt_tokens: Mapped[int] = mapped_column(Integer)
+    output_token_ids: Mapped[list[int]] = mapped_column(JSON)
+    cached_tokens: Mapped[int] = mapped_column(Integer)
+    computed_tokens: Mapped[int] = mapped_column(Integer)
+    hit_source: Mapped[str] = mapped_column(String)  # HitSource value
+    cow_copies: Mapped[int] = mapped_column(Integer)
+    preemptions: Mapped[int] = mapped_column(Integer)
+    finish_reason: Mapped[str | None] = mapped_column(String)
+    arrival_time: Mapped[float] = mapped_column(Double)
+    first_scheduled_time: Mapped[float | None] = mapped_column(Double)
+    first_token_time: Mapped[float | None] = mapped_column(Double)
+    finish_time: Mapped[float | None] = mapped_column(Double)
+    # Sliding-window replay (revision 0002), named as in the REPLAY event's detail.
+    h: Mapped[int | None] = mapped_column(Integer)
+    s: Mapped[int | None] = mapped_column(Integer)
+    e: Mapped[int | None] = mapped_column(Integer)
+    r: Mapped[int | None] = mapped_column(Integer)
+    replay_mode: Mapped[str | None] = mapped_column(String)
+    replayed_tokens: Mapped[int | None] = mapped_column(Integer)
+
+    __table_args__ = (
+        Index("ix_requests_arrival_time", "arrival_time"),  # recent requests, retention
+        Index("ix_requests_first_scheduled_time", "first_scheduled_time"),  # hit rate over time
+    )
+
+
+class EventRecord(Base):
+    """One engine event as it left the engine."""
+
+    __tablename__ = "events"
+
+    id: Mapped[int] = mapped_column(RowId, primary_key=True, autoincrement=True)
+    run_id: Mapped[str] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"))
+    step: Mapped[int] = mapped_column(Integer)
+    time: Mapped[float] = mapped_column(Double)
+    kind: Mapped[str] = mapped_column(String)  # EventKind value
+    request_id: Mapped[str | None] = mapped_column(String)
+    block_id: Mapped[int | None] = mapped_column(Integer)
+    tokens: Mapped[int] = mapped_column(Integer)
+    detail: Mapped[dict[str, Any]] = mapped_column(JSON)
+
+    # Few indexes on purpose: every one costs the writer on each of many rows.
+    __table_args__ = (
+        Index("ix_events_time", "time"),  # retention, time ranges
+        Index("ix_events_request", "request_id", "run_id"),  # request timelines
+    )
+
+
+class Eviction(Base):
+    """One cached block losing its key: what it held, why, and its life before that."""
+
+    __tablename__ = "evictions"
+
+    id: Mapped[int] = mapped_column(RowId, primary_key=True, autoincrement=True)
+    run_id: Mapped[str] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"))
+    time: Mapped[float] = mapped_column(Double)
+    block_id: Mapped[int | None] = mapped_column(Integer)
+    key_hex: Mapped[str | None] = mapped_column(String)
+    start_pos: Mapped[int | None] = mapped_column(Integer)  # token positions [start_pos, end_pos)
+    end_pos: Mapped[int | None] = mapped_column(Integer)
+    reason: Mapped[str] = mapped_column(String)  # EvictReason value
+    age_s: Mapped[float | None] = mapped_column(Double)  # seconds since the block was filled
+    hit_count: Mapped[int | None] = mapped_column(Integer)  # prefix hits while cached
+    last_used: Mapped[float | None] = mapped_column(Double)
+    group: Mapped[str | None] = mapped_column(String)  # KV cache group (full / sliding layers)
+    request_id: Mapped[str | None] = mapped_column(String)  # who needed the block
+
+    __table_args__ = (
+        Index("ix_evictions_time", "time"),
+        Index("ix_evictions_reason_time", "reason", "time"),
+        Index("ix_evictions_run_time", "run_id", "time"),
+        Index("ix_evictions_key", "key_hex"),
+        Index("ix_evictions_request", "request_id"),
+    )
+
+
+class Prune(Base):
+    """One retention deletion (revision 0002)."""
+
+    __tablename__ = "prunes"
+
+    id: Mapped[int] = mapped_column(RowId, primary_key=True, autoincrement=True)
+    time: Mapped[float] = mapped_column(Double, index=True)
+    table_name: Mapped[str] = mapped_column(String)
+    rows_deleted: Mapped[int] = mapped_column(Integer)
+    reason: Mapped[str] = mapped_column(String)  # "age" | "max_rows"
+
+
+class EvictionRollup(Base):
+    """Evictions of one run, minute and reason, counted and binned (revision 0003).
+
+    Bins count only evictions whose age_s / hit_count is known, so a bin sum may be below `evictions`.
+    """
+
+    __table__ = Table(
+        "eviction_rollups",
+        Base.metadata,
+        Column("run_id", ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True),
+        Column("minute", BigInteger, primary_key=True),  # floor(time / ROLLUP_SECONDS)
+        Column("reason", String, primary_key=True),
+        Column("evictions", Integer, nullable=False),
+        *(Column(name, Integer, nullable=False) for name in AGE_BIN_COLUMNS + HIT_BIN_COLUMNS),
+        Index("ix_eviction_rollups_minute", "minute"),
+    )

@@ -1,0 +1,110 @@
+"""Keep the history bounded: by age and by row count, oldest rows first.
+
+Invariants:
+    * Only rows older than the age limit, or beyond the newest `max_*` rows (by id, i.e. insertion
+      order), are deleted; runs are never deleted.
+    * Deleting evictions keeps `eviction_rollups` equal to the log (see storage.rollups).
+    * Deletions run in chunks of `chunk_rows`, one short transaction each, so readers and the next
+      write batch never wait behind one huge delete.
+    * Every (table, reason) that lost rows in a pruning run gets one `prunes` row; runs that delete
+      nothing leave no trace (the log stays about deletions, not about the clock).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from sqlalchemy import ColumnElement, Engine, Table, delete, func, insert, select, tuple_
+
+from storage import rollups
+from storage.models import EventRecord, Eviction, Prune, RequestRecord
+
+EVICTIONS = Eviction.__table__
+SECONDS_PER_DAY = 86_400.0
+
+
+@dataclass(frozen=True)
+class RetentionPolicy:
+    """How much history to keep. None disables a bound."""
+
+    max_age_days: float | None = 30.0  # events, evictions, requests and prune logs older than this go
+    max_events: int | None = 5_000_000  # newest events rows kept
+    max_evictions: int | None = 1_000_000  # newest evictions rows kept
+    chunk_rows: int = 50_000  # rows deleted per transaction
+
+
+@dataclass(frozen=True)
+class PruneResult:
+    table_name: str
+    reason: str  # "age" | "max_rows"
+    rows_deleted: int
+
+
+def prune(engine: Engine, policy: RetentionPolicy, now: float) -> list[PruneResult]:
+    """Apply `policy` as of `now` (epoch seconds) and log what was deleted.
+
+    Returns:
+        One result per (table, reason) that deleted at least one row.
+    """
+    results: list[PruneResult] = []
+    events = EventRecord.__table__
+    evictions = EVICTIONS
+    if policy.max_age_days is not None:
+        cutoff = now - policy.max_age_days * SECONDS_PER_DAY
+        aged = (
+            (events, events.c.time),
+            (evictions, evictions.c.time),
+            (RequestRecord.__table__, RequestRecord.__table__.c.arrival_time),
+            (Prune.__table__, Prune.__table__.c.time),
+        )
+        for table, time_column in aged:
+            deleted = _delete_chunked(engine, table, time_column < cutoff, time_column, policy.chunk_rows)
+            results.append(PruneResult(table.name, "age", deleted))
+    for table, max_rows in ((events, policy.max_events), (evictions, policy.max_evictions)):
+        if max_rows is not None:
+            results.append(PruneResult(table.name, "max_rows", _delete_beyond(engine, table, max_rows, policy)))
+    results = [result for result in results if result.rows_deleted]
+    if results:
+        with engine.begin() as connection:
+            connection.execute(
+                insert(Prune.__table__),
+                [
+                    {"time": now, "table_name": r.table_name, "reason": r.reason, "rows_deleted": r.rows_deleted}
+                    for r in results
+                ],
+            )
+    return results
+
+
+def _delete_beyond(engine: Engine, table: Table, max_rows: int, policy: RetentionPolicy) -> int:
+    """Delete all but the newest `max_rows` rows of `table` (by id)."""
+    with engine.connect() as connection:
+        newest_dropped_id = connection.scalar(select(table.c.id).order_by(table.c.id.desc()).offset(max_rows).limit(1))
+    if newest_dropped_id is None:
+        return 0
+    return _delete_chunked(engine, table, table.c.id <= newest_dropped_id, table.c.id, policy.chunk_rows)
+
+
+def _delete_chunked(
+    engine: Engine, table: Table, condition: ColumnElement[bool], order: ColumnElement, chunk_rows: int
+) -> int:
+    """Delete the rows matching `condition` in `order` (an indexed column of the condition, so an
+    empty match costs an index probe, not a scan), `chunk_rows` per transaction.
+
+    Eviction chunks also rebuild the rollup minutes they touched, in the same transaction.
+    """
+    key = tuple_(*table.primary_key.columns)
+    total = 0
+    while True:
+        chunk = select(*table.primary_key.columns).where(condition).order_by(order).limit(chunk_rows)
+        with engine.begin() as connection:
+            if table is EVICTIONS:
+                first, last = connection.execute(
+                    select(func.min(EVICTIONS.c.time), func.max(EVICTIONS.c.time)).where(key.in_(chunk))
+                ).one()
+            deleted = connection.execute(delete(table).where(key.in_(chunk))).rowcount
+            if table is EVICTIONS and deleted:
+                rollups.rebuild(connection, rollups.minute_of(first), rollups.minute_of(last))
+        total += deleted
+        if deleted < chunk_rows:
+            return total

@@ -1,0 +1,119 @@
+"""Turn engine values (events, request views) into rows of the history tables.
+
+Event and eviction rows are tuples of driver-ready values (JSON already encoded) for the writer's bulk
+insert; request rows are dicts for SQLAlchemy's upsert.
+
+The storage layer depends on the engine only through `engine.events` (the Event type and the detail
+field names per kind) and the field names of `engine.request.Request`. A request may be given as any
+object with those attributes (a `RequestView`, a `Request`) or as a mapping with those keys.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping
+from typing import Any
+
+from engine.events import Event, EventKind
+from storage.db import encode_json
+
+# Column order of `event_values` and `eviction_values`.
+EVENT_COLUMNS = ("run_id", "step", "time", "kind", "request_id", "block_id", "tokens", "detail")
+EVICTION_COLUMNS = (
+    "run_id", "time", "block_id", "key_hex", "start_pos", "end_pos", "reason",
+    "age_s", "hit_count", "last_used", "group", "request_id",
+)  # fmt: skip
+# Request fields copied as they are (the columns of `requests` that mirror engine.request.Request).
+REQUEST_FIELDS = (
+    "request_id",
+    "parent_id",
+    "status",
+    "output_token_ids",
+    "cached_tokens",
+    "computed_tokens",
+    "hit_source",
+    "cow_copies",
+    "preemptions",
+    "finish_reason",
+    "arrival_time",
+    "first_scheduled_time",
+    "first_token_time",
+    "finish_time",
+)
+# Sliding-window replay fields; absent until the engine records them.
+WINDOW_FIELDS = ("h", "s", "e", "r", "replay_mode", "replayed_tokens")
+REQUIRED_REQUEST_FIELDS = ("request_id", "status", "arrival_time")
+# Enum `.value` is a slow descriptor; event rows are the hot path of the writer.
+_KIND_VALUES = {kind: kind.value for kind in EventKind}
+
+
+def event_values(run_id: str, event: Event) -> tuple[Any, ...]:
+    """The `events` row for one event, as driver-ready values in EVENT_COLUMNS order."""
+    return (
+        run_id,
+        event.step,
+        event.time,
+        _KIND_VALUES.get(event.kind, event.kind),
+        event.request_id,
+        event.block_id,
+        event.tokens,
+        encode_json(event.detail),
+    )
+
+
+def eviction_values(run_id: str, event: Event) -> tuple[Any, ...]:
+    """The `evictions` row for an EVICT event, in EVICTION_COLUMNS order (detail names: engine.events)."""
+    if event.kind is not EventKind.EVICT:
+        raise ValueError(f"not an eviction: {event.kind}")
+    detail = event.detail
+    key = detail.get("key")
+    group = detail.get("group")
+    return (
+        run_id,
+        event.time,
+        event.block_id,
+        key.lower() if isinstance(key, str) else None,
+        detail.get("start_pos"),
+        detail.get("end_pos"),
+        _plain(detail.get("reason")),
+        detail.get("age_s"),
+        detail.get("hit_count"),
+        detail.get("last_used"),
+        None if group is None else str(_plain(group)),
+        event.request_id,
+    )
+
+
+def request_row(run_id: str, request: Mapping[str, Any] | object) -> dict[str, Any]:
+    """The `requests` row for one request view or mapping.
+
+    The prompt length is taken from `prompt_tokens`, else `num_prompt_tokens`, else the length of
+    `prompt_token_ids`; enum values are stored as their string values.
+
+    Raises:
+        ValueError: a required field (request_id, status, arrival_time) is missing.
+    """
+    read = request.get if isinstance(request, Mapping) else lambda name: getattr(request, name, None)
+    missing = [name for name in REQUIRED_REQUEST_FIELDS if read(name) is None]
+    if missing:
+        raise ValueError(f"request record lacks {missing}")
+    row = {name: _plain(read(name)) for name in REQUEST_FIELDS + WINDOW_FIELDS}
+    row["run_id"] = run_id
+    row["prompt_tokens"] = _prompt_tokens(read)
+    row["output_token_ids"] = list(row["output_token_ids"] or ())
+    for count in ("cached_tokens", "computed_tokens", "cow_copies", "preemptions"):
+        row[count] = row[count] or 0
+    row["hit_source"] = row["hit_source"] or "none"
+    return row
+
+
+def _prompt_tokens(read) -> int:
+    for name in ("prompt_tokens", "num_prompt_tokens"):
+        value = read(name)
+        if value is not None:
+            return int(value)
+    return len(read("prompt_token_ids") or ())
+
+
+def _plain(value: Any) -> Any:
+    return value.value if isinstance(value, enum.Enum) else value
