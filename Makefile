@@ -32,3 +32,5 @@ test: install system-deps
 bench: install
 	$(PY) benchmarks/block_manager.py
 	$(PY) benchmarks/prefix_reuse.py
+	$(PY) benchmarks/sliding_window.py
+	$(PY) benchmarks/storage.py

@@ -260,6 +260,7 @@ class KVCacheManager:
             src_block=old.block_id,
             dst_block=new.block_id,
             num_slots=len(new.token_ids),
+            group=self.pool.group,
         )
         return new
 
@@ -338,6 +339,7 @@ class KVCacheManager:
             tokens=shared,
             parent_id=parent_id,
             shared_blocks=len(child.blocks),
+            group=self.pool.group,
         )
         return shared
 

@@ -1,0 +1,227 @@
+"""Engine snapshots as DataFrames and headline numbers: plain functions, no Streamlit, no plotting.
+
+Everything here reads immutable values (`EngineSnapshot`, `BlockView`, `RequestView`, `PoolStats`), so
+pages can call it on any thread and tests can call it without a server.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import pandas as pd
+
+from engine.snapshot import BlockView, PoolStats, RequestView
+
+FREE = "free"
+CACHED = "cached (evictable)"
+MAX_REF_CATEGORY = 4  # reference counts of this or more share one colour
+HOLDING = ("running", "retained")  # request statuses that hold blocks
+
+
+def block_category(block: BlockView) -> str:
+    """The colour class of a block: free, cached-evictable, or referenced ×k (k capped)."""
+    if block.state == "referenced":
+        k = block.ref_count
+        return f"referenced ×{k}" if k < MAX_REF_CATEGORY else f"referenced ×{MAX_REF_CATEGORY}+"
+    return CACHED if block.state == "evictable" else FREE
+
+
+def category_order() -> list[str]:
+    return [FREE, CACHED, *(f"referenced ×{k}" for k in range(1, MAX_REF_CATEGORY)), f"referenced ×{MAX_REF_CATEGORY}+"]
+
+
+def block_counts(blocks: Sequence[BlockView]) -> pd.DataFrame:
+    """How many blocks are in each colour class (every class listed, zeros included)."""
+    counts = {name: 0 for name in category_order()}
+    for block in blocks:
+        counts[block_category(block)] += 1
+    return pd.DataFrame({"state": list(counts), "blocks": list(counts.values())})
+
+
+def requests_frame(requests: Sequence[RequestView]) -> pd.DataFrame:
+    """One row per request, newest first, with its reuse numbers."""
+    rows = [
+        {
+            "request": r.request_id,
+            "parent": r.parent_id or "",
+            "status": r.status,
+            "retain": r.retain,
+            "prompt tokens": r.num_prompt_tokens,
+            "output tokens": len(r.output_token_ids),
+            "hit position": r.cached_tokens,
+            "computed tokens": r.computed_tokens,
+            "hit source": r.hit_source,
+            "cow copies": r.cow_copies,
+            "preemptions": r.preemptions,
+            "TTFT ms": None if r.ttft_s is None else round(r.ttft_s * 1000, 1),
+            "finish": r.finish_reason or "",
+            "blocks": sum(len(t) for t in r.block_tables.values()),
+            "arrival": r.arrival_time,
+        }
+        for r in requests
+    ]
+    frame = pd.DataFrame(rows, columns=REQUEST_COLUMNS)
+    return frame.sort_values("arrival", ascending=False, kind="stable").drop(columns="arrival").reset_index(drop=True)
+
+
+REQUEST_COLUMNS = [
+    "request", "parent", "status", "retain", "prompt tokens", "output tokens", "hit position",
+    "computed tokens", "hit source", "cow copies", "preemptions", "TTFT ms", "finish", "blocks", "arrival",
+]  # fmt: skip
+
+
+def prefill_seconds_per_token(requests: Sequence[RequestView]) -> float | None:
+    """Measured prefill cost: time from first schedule to first token over the tokens computed.
+
+    Only requests never preempted and with computed prefill tokens count; None until one finished its
+    prefill. An estimate (batched steps share time), good enough to price reuse.
+    """
+    seconds = 0.0
+    tokens = 0
+    for r in requests:
+        if r.first_token_time is None or r.first_scheduled_time is None or r.preemptions or r.computed_tokens <= 0:
+            continue
+        seconds += r.first_token_time - r.first_scheduled_time
+        tokens += r.computed_tokens
+    return seconds / tokens if tokens else None
+
+
+@dataclass(frozen=True)
+class Headline:
+    """The Overview's numbers at one moment."""
+
+    stats: PoolStats
+    tokens_saved: int  # prompt tokens not computed thanks to prefix hits and forks
+    seconds_per_token: float | None  # measured prefill cost
+    evictions_per_min: float | None  # over the last minute of samples (None without history)
+
+    @property
+    def prefill_seconds_saved(self) -> float | None:
+        return None if self.seconds_per_token is None else self.tokens_saved * self.seconds_per_token
+
+
+def headline(
+    stats: PoolStats, requests: Sequence[RequestView], samples: Sequence[tuple[float, PoolStats]], now: float
+) -> Headline:
+    return Headline(
+        stats=stats,
+        tokens_saved=stats.prefix_hit_tokens,
+        seconds_per_token=prefill_seconds_per_token(requests),
+        evictions_per_min=evictions_per_minute(samples, stats, now),
+    )
+
+
+def evictions_per_minute(
+    samples: Sequence[tuple[float, PoolStats]], current: PoolStats, now: float, window_s: float = 60.0
+) -> float | None:
+    """Evictions per minute since the newest sample at least `window_s` old (else the oldest sample)."""
+    if not samples:
+        return None
+    base_time, base = samples[0]
+    for t, s in samples:
+        if t > now - window_s:
+            break
+        base_time, base = t, s
+    span = now - base_time
+    if span <= 0:
+        return None
+    return (current.evictions - base.evictions) * 60.0 / span
+
+
+def history_frame(samples: Sequence[tuple[float, PoolStats]]) -> pd.DataFrame:
+    """The ring of PoolStats samples as one row per sample (time as a timestamp)."""
+    rows = [
+        {
+            "time": t,
+            "KV usage": s.kv_usage,
+            "hit rate": s.hit_rate,
+            "sharing ratio": s.sharing_ratio,
+            "free": s.free_blocks,
+            "cached (evictable)": s.evictable_blocks,
+            "referenced": s.used_blocks,
+            "evictions": s.evictions,
+            "cow copies": s.cow_copies,
+            "preemptions": s.preemptions,
+            "running": s.num_running,
+            "waiting": s.num_waiting,
+        }
+        for t, s in samples
+    ]
+    frame = pd.DataFrame(rows)
+    if not frame.empty:
+        frame["time"] = pd.to_datetime(frame["time"], unit="s", utc=True)
+    return frame
+
+
+@dataclass(frozen=True)
+class TableAlignment:
+    """Block tables of several requests laid out by logical block index."""
+
+    request_ids: list[str]
+    block_ids: list[list[int | None]]  # [row][logical index]; None past the end of a shorter table
+    shared: list[list[int]]  # how many of the rows hold the same physical block at that index
+    divergence: dict[str, int | None]  # first logical index where a row differs from the first row
+
+
+def align_tables(requests: Sequence[RequestView], group: str = "full") -> TableAlignment:
+    """Rows side by side: equal ids in a column are shared blocks; a copy-on-write is where rows part.
+
+    Args:
+        requests: the rows, in order (the first is the reference for `divergence`).
+        group: which KV group's tables ("full" or "sliding"); a request without one has an empty row.
+    """
+    tables = [r.block_tables.get(group, ()) for r in requests]
+    width = max((len(t) for t in tables), default=0)
+    ids = [[*t, *([None] * (width - len(t)))] for t in tables]
+    shared = [[sum(1 for other in ids if cell is not None and other[i] == cell) for i, cell in enumerate(row)] for row in ids]
+    divergence: dict[str, int | None] = {}
+    if ids:
+        first = ids[0]
+        for r, row in zip(requests, ids):
+            diff = [i for i, (a, b) in enumerate(zip(first, row)) if a != b and a is not None and b is not None]
+            divergence[r.request_id] = diff[0] if diff else None
+    return TableAlignment([r.request_id for r in requests], ids, shared, divergence)
+
+
+@dataclass(frozen=True)
+class PrefixNode:
+    key: str
+    parent: str  # parent node key, or a namespace root id
+    block: BlockView
+
+
+def prefix_tree(blocks: Sequence[BlockView], limit: int) -> tuple[list[PrefixNode], list[str], int]:
+    """The prefix index as a forest, parents before children, at most `limit` nodes.
+
+    Returns:
+        (nodes, roots, dropped): the kept nodes in breadth-first order, the namespace roots they hang
+        from (parent keys that are not block keys), and how many nodes were left out.
+    """
+    keyed = {b.key: b for b in blocks if b.key is not None}
+    children: dict[str, list[BlockView]] = {}
+    for block in keyed.values():
+        children.setdefault(block.parent_key or "", []).append(block)
+    roots = sorted(k for k in children if k not in keyed)
+    order: list[PrefixNode] = []
+    frontier = [(root, b) for root in roots for b in sorted(children[root], key=lambda b: -b.hit_count)]
+    while frontier and len(order) < limit:
+        following = []
+        for parent, block in frontier:
+            if len(order) >= limit:
+                break
+            order.append(PrefixNode(block.key or "", parent, block))
+            following += [(block.key, c) for c in sorted(children.get(block.key or "", []), key=lambda b: -b.hit_count)]
+        frontier = following
+    return order, roots, len(keyed) - len(order)
+
+
+def prefix_chain(blocks: Sequence[BlockView], key: str) -> list[BlockView]:
+    """The cached blocks from a namespace root down to `key`, in order."""
+    keyed = {b.key: b for b in blocks if b.key is not None}
+    chain = []
+    node = keyed.get(key)
+    while node is not None:
+        chain.append(node)
+        node = keyed.get(node.parent_key)
+    return chain[::-1]

@@ -1,0 +1,271 @@
+"""The one engine per server process, shared by every browser session.
+
+    host = get_host()            # st.cache_resource: created once, shut down on release
+    console = host.console       # the running engine, its run id and its in-process history
+    host.restart(new_config)     # Settings: a new engine (and a new run) replaces the old one
+
+The engine steps on its own background thread. A listener, called on that thread after every step,
+feeds the storage writer (events and request records of the current run), a bounded ring of
+`PoolStats` samples for the Overview charts and a bounded ring of recent block events for the
+Blocks inspector. Nothing here calls `st.*` except the cached constructor at the bottom, so the engine
+thread never touches Streamlit.
+
+Configuration comes from environment variables (see `config_from_env`) and, after a restart, from the
+Settings page. The history database is `storage.db.default_db_url()` ($PREFIX_CONSOLE_DB_URL).
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import threading
+import time
+import weakref
+from collections import deque
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import streamlit as st
+from sqlalchemy import Engine as DbEngine
+
+from engine.config import DEFAULT_MODEL, EngineConfig
+from engine.engine import Engine
+from engine.events import Event, EventKind
+from engine.snapshot import PoolStats, RequestView
+from storage import migrate
+from storage.db import db_engine, default_db_url
+from storage.writer import EventWriter, RunInfo, WriterStats
+
+logger = logging.getLogger(__name__)
+
+ENV_MODEL = "PREFIX_CONSOLE_MODEL"
+ENV_NUM_BLOCKS = "PREFIX_CONSOLE_NUM_BLOCKS"
+ENV_BLOCK_SIZE = "PREFIX_CONSOLE_BLOCK_SIZE"
+ENV_DEVICE = "PREFIX_CONSOLE_DEVICE"
+ENV_DTYPE = "PREFIX_CONSOLE_DTYPE"
+ENV_DATA_DIR = "PREFIX_CONSOLE_DATA_DIR"
+ENV_ATTENTION = "PREFIX_CONSOLE_ATTENTION"  # attention override: "sliding:W" or "hybrid:W"
+
+HISTORY_SAMPLES = 3600  # PoolStats samples kept for the Overview charts
+HISTORY_INTERVAL_S = 0.5  # at most one sample per this many seconds
+RECENT_EVENTS = 50_000  # block events kept for the Blocks inspector
+BLOCK_EVENT_KINDS = frozenset({EventKind.ALLOCATE, EventKind.CACHE, EventKind.COW, EventKind.EVICT})
+
+
+def config_from_env(environ: Mapping[str, str] | None = None) -> EngineConfig:
+    """The engine configuration the console starts with.
+
+    Reads PREFIX_CONSOLE_MODEL (default "smollm2"), PREFIX_CONSOLE_NUM_BLOCKS, PREFIX_CONSOLE_BLOCK_SIZE,
+    PREFIX_CONSOLE_DEVICE, PREFIX_CONSOLE_DTYPE and PREFIX_CONSOLE_DATA_DIR; unset means the
+    EngineConfig default.
+
+    Raises:
+        ValueError: a variable that is not a valid value (the message names it).
+    """
+    env = os.environ if environ is None else environ
+    fields: dict[str, object] = {"model": env.get(ENV_MODEL) or DEFAULT_MODEL}
+    for name, key in ((ENV_NUM_BLOCKS, "num_blocks"), (ENV_BLOCK_SIZE, "block_size")):
+        text = env.get(name)
+        if text:
+            try:
+                fields[key] = int(text)
+            except ValueError:
+                raise ValueError(f"{name} must be an integer, got {text!r}") from None
+    for name, key in ((ENV_DEVICE, "device"), (ENV_DTYPE, "dtype"), (ENV_ATTENTION, "attention_override")):
+        if env.get(name):
+            fields[key] = env[name]
+    if env.get(ENV_DATA_DIR):
+        fields["data_dir"] = Path(env[ENV_DATA_DIR]).resolve()
+    try:
+        return EngineConfig(**fields)
+    except ValueError as exc:
+        raise ValueError(f"invalid console configuration from the environment: {exc}") from None
+
+
+class StatsHistory:
+    """A bounded ring of (time, PoolStats) samples; written on the engine thread, read by pages."""
+
+    def __init__(self, maxlen: int = HISTORY_SAMPLES, min_interval_s: float = HISTORY_INTERVAL_S) -> None:
+        self._samples: deque[tuple[float, PoolStats]] = deque(maxlen=maxlen)
+        self._min_interval_s = min_interval_s
+        self._lock = threading.Lock()
+
+    def offer(self, now: float, stats: PoolStats, *, force: bool = False) -> None:
+        """Keep `stats` unless the newest sample is younger than the minimum interval."""
+        with self._lock:
+            if force or not self._samples or now - self._samples[-1][0] >= self._min_interval_s:
+                self._samples.append((now, stats))
+
+    def samples(self) -> list[tuple[float, PoolStats]]:
+        with self._lock:
+            return list(self._samples)
+
+
+class RecentEvents:
+    """The most recent block-level events (allocate, cache, copy-on-write, evict), oldest first."""
+
+    def __init__(self, maxlen: int = RECENT_EVENTS) -> None:
+        self._events: deque[Event] = deque(maxlen=maxlen)
+        self._lock = threading.Lock()
+
+    def extend(self, events: list[Event]) -> None:
+        kept = [e for e in events if e.kind in BLOCK_EVENT_KINDS]
+        if kept:
+            with self._lock:
+                self._events.extend(kept)
+
+    def for_block(self, block_id: int, group: str) -> list[Event]:
+        """Events about one block of one KV group: allocated, cached, evicted, copied from or into.
+
+        Multi-block events (allocate, cache) list their blocks in `block_ids`.
+        """
+        with self._lock:
+            events = list(self._events)
+        return [
+            e
+            for e in events
+            if e.detail.get("group") == group
+            and (e.block_id == block_id or e.detail.get("src_block") == block_id or block_id in e.detail.get("block_ids", ()))
+        ]
+
+    @property
+    def capacity(self) -> int:
+        return self._events.maxlen or 0
+
+
+@dataclass
+class Console:
+    """One running engine and what the console keeps about it in memory."""
+
+    config: EngineConfig  # what it was started with
+    engine: Engine
+    run_id: str  # the storage run its events and requests are written under
+    started_at: float  # epoch seconds
+    history: StatsHistory = field(default_factory=StatsHistory)
+    recent: RecentEvents = field(default_factory=RecentEvents)
+    listener_errors: int = 0  # listener calls that raised (logged; the engine keeps stepping)
+    active: bool = True  # False once a restart replaced it; its listener then ignores late calls
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+
+class ConsoleHost:
+    """Owns the shared engine, the history writer and a read-only database handle."""
+
+    def __init__(self, config: EngineConfig, db_url: str | None = None) -> None:
+        self.db_url = db_url or default_db_url()
+        self.db: DbEngine = db_engine(self.db_url)  # for the pages' reads (storage.queries)
+        self.schema_error: str | None = None
+        try:
+            migrate.upgrade(self.db)  # so pages can read before the writer's first batch lands
+        except Exception as exc:  # reported on the pages; the writer keeps retrying on its own
+            self.schema_error = f"{type(exc).__name__}: {exc}"
+        self.writer = EventWriter(self.db_url)
+        self._lock = threading.RLock()
+        self._closed = False
+        try:
+            self._console = self._launch(config)
+        except BaseException:
+            self.writer.close(timeout_s=5)
+            self.db.dispose()
+            raise
+
+    @classmethod
+    def from_env(cls) -> ConsoleHost:
+        return cls(config_from_env())
+
+    @property
+    def console(self) -> Console:
+        with self._lock:
+            return self._console
+
+    def writer_stats(self) -> WriterStats:
+        return self.writer.stats()
+
+    def restart(self, config: EngineConfig) -> Console:
+        """Replace the running engine with one built from `config` (a new storage run).
+
+        The new engine is built first: when that fails (a bad model path, not enough memory) the old
+        one keeps serving and the error propagates. Requests of the old engine are dropped.
+        """
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("the console host is shut down")
+            old = self._console
+            engine = Engine(config)
+            old.active = False
+            old.engine.stop()
+            self._console = self._launch(config, engine)
+            return self._console
+
+    def shutdown(self) -> None:
+        """Stop the engine thread, mark the run stopped and flush the writer. Safe to call twice."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            self._console.active = False
+            self._console.engine.stop()
+        self.writer.close(timeout_s=10)
+        self.db.dispose()
+
+    def _launch(self, config: EngineConfig, engine: Engine | None = None) -> Console:
+        engine = engine or Engine(config)
+        started = time.time()
+        run_id = self.writer.start_run(
+            RunInfo(
+                model=engine.loaded.model_id,
+                num_blocks=engine.num_blocks,
+                block_size=config.block_size,
+                dtype=config.dtype,
+                device=str(engine.loaded.device),
+                weights_revision=engine.loaded.weights_revision,
+                namespace=engine.namespace.root_key(None).hex(),
+                started_at=started,
+            )
+        )
+        console = Console(config=config, engine=engine, run_id=run_id, started_at=started)
+        console.history.offer(started, engine.stats(), force=True)
+        engine.add_listener(self._listener(console))
+        engine.start()
+        return console
+
+    def _listener(self, console: Console):
+        writer = self.writer
+
+        def on_step(events: list[Event], views: list[RequestView]) -> None:
+            if not console.active:
+                return
+            try:
+                writer.submit(events)
+                writer.record_requests(views)
+                console.recent.extend(events)
+                console.history.offer(time.time(), console.engine.stats())
+            except Exception:  # a listener must never stop the engine; counted and shown instead
+                console.listener_errors += 1
+                logger.exception("console listener failed")
+
+        return on_step
+
+
+@st.cache_resource(show_spinner="Loading the model and starting the engine…", on_release=ConsoleHost.shutdown)
+def get_host() -> ConsoleHost:
+    """The process-wide host (created on first use, shared by every session)."""
+    host = ConsoleHost.from_env()
+    atexit.register(_shutdown_at_exit, weakref.ref(host))  # on_release is not guaranteed at server shutdown
+    return host
+
+
+def _shutdown_at_exit(host_ref: weakref.ref[ConsoleHost]) -> None:
+    host = host_ref()
+    if host is not None:
+        host.shutdown()
+
+
+def get_console() -> Console:
+    """The running engine every session shares."""
+    return get_host().console

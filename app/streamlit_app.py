@@ -1,0 +1,53 @@
+"""prefix-console: the operator console of a paged prefix KV cache.
+
+Run from the repository root with `streamlit run app`. This entry lists the pages (each a module in
+`pages/`), starts the shared engine on first use and shows its status in the sidebar.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:  # `streamlit run app` puts only app/ on the path; the pages import engine/, storage/
+    sys.path.insert(0, str(ROOT))
+
+import streamlit as st  # noqa: E402
+
+from app.hosting import get_host  # noqa: E402
+from app.ui import health_banners  # noqa: E402
+
+PAGES = ROOT / "pages"
+
+st.set_page_config(page_title="prefix-console", page_icon=":material/memory:", layout="wide")
+
+navigation = st.navigation(
+    {
+        "Cache": [
+            st.Page(PAGES / "overview.py", title="Overview", icon=":material/monitoring:", default=True),
+            st.Page(PAGES / "submit.py", title="Submit & fork", icon=":material/call_split:"),
+            st.Page(PAGES / "blocks.py", title="Blocks", icon=":material/grid_view:"),
+            st.Page(PAGES / "prefix_tree.py", title="Prefix tree", icon=":material/account_tree:"),
+            st.Page(PAGES / "replay.py", title="Replay", icon=":material/replay:"),
+        ],
+        "History": [st.Page(PAGES / "evictions.py", title="Evictions", icon=":material/delete_sweep:")],
+        "Admin": [st.Page(PAGES / "settings.py", title="Settings", icon=":material/settings:")],
+    }
+)
+
+try:
+    host = get_host()
+except Exception as exc:  # a bad environment or a model that fails to load: say so, run no page
+    st.error(f"The engine could not start: {exc}")
+    st.stop()
+
+console = host.console
+with st.sidebar:
+    st.caption(
+        f"**{console.engine.loaded.model_id}** · {console.engine.num_blocks} blocks × "
+        f"{console.config.block_size} tokens · {console.config.dtype} on {console.engine.loaded.device}  \n"
+        f"run `{console.run_id}`"
+    )
+health_banners(host)
+navigation.run()

@@ -1,0 +1,130 @@
+"""Overview: the cache's headline numbers now, and how they moved."""
+
+from __future__ import annotations
+
+import time
+
+import pandas as pd
+import streamlit as st
+
+from app import charts
+from app.frames import headline, history_frame
+from app.hosting import get_host
+from app.ui import REFRESH_S, SLOW_REFRESH_S, fmt_duration, kept, read_history
+from storage import queries
+
+host = get_host()
+
+st.title("Overview")
+st.caption("Shared by every operator: all sessions see the same engine and cache. Numbers refresh live.")
+
+
+@st.fragment(run_every=REFRESH_S * 2)
+def headline_numbers() -> None:
+    console = host.console
+    engine = console.engine
+    now = time.time()
+    stats = engine.stats()
+    console.history.offer(now, stats)  # so the charts reach "now" while the engine idles
+    numbers = headline(stats, engine.requests(), console.history.samples(), now)
+    stats = numbers.stats
+
+    st.subheader("KV pool")
+    c = st.columns(5)
+    c[0].metric("KV usage", f"{stats.kv_usage:.1%}", help="Referenced blocks over the pool")
+    c[1].metric("Blocks free", f"{stats.free_blocks:,}", help="No reference, no key: handed out first")
+    c[2].metric("Blocks cached", f"{stats.evictable_blocks:,}", help="Unreferenced but keyed: kept for prefix hits, evicted LRU-first")
+    c[3].metric("Blocks referenced", f"{stats.used_blocks:,}", help="Held by running or retained requests")
+    c[4].metric("Sharing ratio", f"{stats.sharing_ratio:.2f}×", help="Logical block-table entries over physical referenced blocks")
+
+    if len(stats.groups) > 1:  # hybrid models: full-attention and sliding-window layers pool separately
+        st.table(
+            pd.DataFrame(
+                {
+                    "KV group": [g.name for g in stats.groups],
+                    "window": ["—" if g.window is None else g.window for g in stats.groups],
+                    "free": [g.free_blocks for g in stats.groups],
+                    "cached": [g.evictable_blocks for g in stats.groups],
+                    "referenced": [g.used_blocks for g in stats.groups],
+                    "evictions": [g.evictions for g in stats.groups],
+                    "copy-on-write": [g.cow_copies for g in stats.groups],
+                    "released outside the window": [g.window_released_blocks for g in stats.groups],
+                }
+            )
+        )
+
+    st.subheader("Reuse")
+    c = st.columns(5)
+    c[0].metric("Prefix hit rate", f"{stats.hit_rate:.1%}", help="Prompt tokens served from cache (prefix hits and forks) over prompt tokens")
+    c[1].metric("Tokens saved", f"{numbers.tokens_saved:,}")
+    c[2].metric(
+        "Prefill time saved",
+        fmt_duration(numbers.prefill_seconds_saved),
+        help="Estimate: tokens saved × measured prefill seconds per token"
+        + ("" if numbers.seconds_per_token is None else f" ({numbers.seconds_per_token * 1000:.2f} ms/token)"),
+    )
+    c[3].metric("Copy-on-write copies", f"{stats.cow_copies:,}")
+    c[4].metric("Preemptions", f"{stats.preemptions:,}")
+
+    st.subheader("Churn and queue")
+    c = st.columns(5)
+    rate = numbers.evictions_per_min
+    c[0].metric("Evictions / min", "—" if rate is None else f"{rate:.1f}", help="Over the last minute")
+    c[1].metric("Evictions (total)", f"{stats.evictions:,}")
+    c[2].metric("Running", stats.num_running)
+    c[3].metric("Waiting", stats.num_waiting)
+    c[4].metric("Retained", stats.num_retained)
+
+    writer = host.writer_stats()
+    st.subheader("History writer")
+    c = st.columns(5)
+    c[0].metric("Rows dropped", f"{writer.dropped:,}", help="Rows that will never be written (queue full, batch given up)")
+    c[1].metric("Failed batches", f"{writer.failed_batches:,}")
+    c[2].metric("Queued rows", f"{writer.queued:,}")
+    c[3].metric("Events written", f"{writer.written_events:,}")
+    c[4].metric("Retrying", "yes" if writer.retrying else "no")
+    if writer.last_error:
+        st.caption(f"Last database error: `{writer.last_error}`")
+    if console.listener_errors:
+        st.error(f"{console.listener_errors} engine-listener calls failed; see the server log.")
+
+
+
+headline_numbers()
+
+
+@st.fragment(run_every=SLOW_REFRESH_S)
+def history_charts() -> None:
+    frame = history_frame(host.console.history.samples())
+    if len(frame) >= 2:
+        left, right = st.columns(2)
+        left.plotly_chart(charts.history_lines(frame, ["KV usage", "hit rate"], "KV usage and hit rate", percent=True))
+        right.plotly_chart(charts.history_lines(frame, ["free", "cached (evictable)", "referenced"], "Blocks by state"))
+        left, right = st.columns(2)
+        left.plotly_chart(charts.history_lines(frame, ["evictions", "cow copies", "preemptions"], "Evictions, copies, preemptions (totals)"))
+        right.plotly_chart(charts.history_lines(frame, ["sharing ratio"], "Sharing ratio"))
+    else:
+        st.info("Charts appear once the engine has run a few steps.")
+
+
+history_charts()
+
+st.subheader("Prefix hit rate over time (history database)")
+scope = st.radio("Runs", ["This run", "All runs"], horizontal=True, **kept("overview_hit_scope", "This run"))
+bucket = st.select_slider("Bucket", options=[10, 60, 300, 3600], format_func=fmt_duration, **kept("overview_bucket", 60))
+
+
+@st.fragment(run_every=SLOW_REFRESH_S)
+def stored_hit_rate() -> None:
+    run_id = host.console.run_id if scope == "This run" else None
+    frame = read_history(queries.hit_rate_over_time, host.db, bucket_seconds=float(bucket), run_id=run_id)
+    if frame is None:
+        return
+    if frame.empty:
+        st.info("No scheduled requests recorded yet.")
+        return
+    frame["time"] = pd.to_datetime(frame["bucket_start"], unit="s", utc=True)
+    st.plotly_chart(charts.rate_bars(frame, "time", "hit_rate", f"Hit rate per {fmt_duration(bucket)} bucket", float(bucket)))
+
+
+stored_hit_rate()

@@ -1,0 +1,231 @@
+"""Settings: what the engine runs with, the history database, and the two destructive actions
+(reset the prefix cache, restart the engine with a new configuration), each behind a confirmation."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+
+import pandas as pd
+import streamlit as st
+import torch
+from sqlalchemy import make_url
+
+from app.hosting import get_host
+from app.ui import fmt_duration, fmt_time
+from engine.config import DTYPES, MAX_BATCHED_TOKENS, MAX_BLOCK_SIZE, MAX_NUM_BLOCKS, EngineConfig
+from engine.model_runner import ModelRunner
+from engine.models import PRESETS
+
+LOCAL_DIRECTORY = "local directory…"
+LAYOUTS = ("", "sliding", "hybrid")
+LAYOUT_LABELS = {"": "as the model defines it", "sliding": "every layer sliding", "hybrid": "hybrid: even layers sliding"}
+MEMORY_SHARE = 0.8  # refuse a KV pool estimated above this share of the machine's memory (CPU)
+
+host = get_host()
+console = host.console
+engine = console.engine
+config = console.config
+state = st.session_state
+
+
+def flash(kind: str, message: str) -> None:
+    """A message shown once, after the rerun that follows an action."""
+    state["settings_flash"] = (kind, message)
+
+
+def kv_bytes(new: EngineConfig) -> int | None:
+    """KV pool bytes for `new` when it runs the current model (other models are only known once loaded)."""
+    if new.model != config.model or new.num_blocks is None:
+        return None
+    per_block = ModelRunner.bytes_per_block(engine.loaded, new.block_size)
+    scale = torch.tensor([], dtype=getattr(torch, new.dtype)).element_size() / torch.tensor([], dtype=engine.loaded.dtype).element_size()
+    return int(per_block * scale * new.num_blocks)
+
+
+def machine_bytes() -> int | None:
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+st.title("Settings")
+if "settings_flash" in state:
+    kind, message = state.pop("settings_flash")
+    getattr(st, kind)(message)
+
+# ---------------------------------------------------------------- what runs now
+st.subheader("Running engine")
+loaded = engine.loaded
+groups = [g.name for g in engine.stats().groups]
+st.table(
+    pd.DataFrame(
+        {
+            "setting": [
+                "model", "weights revision", "device", "dtype", "pool", "KV pool memory", "max batched tokens",
+                "max running requests", "seed", "data directory", "run", "started",
+            ],
+            "value": [
+                loaded.model_id,
+                loaded.weights_revision[:16] + "…",
+                str(loaded.device),
+                config.dtype,
+                f"{engine.num_blocks:,} blocks × {config.block_size} tokens"
+                + (f" per KV group ({', '.join(groups)})" if len(groups) > 1 else ""),
+                f"{ModelRunner.bytes_per_block(loaded, config.block_size) * engine.num_blocks / 2**20:,.1f} MiB",
+                f"{config.max_num_batched_tokens:,}",
+                f"{config.max_num_seqs:,}",
+                str(config.seed),
+                str(config.resolved_data_dir),
+                console.run_id,
+                f"{fmt_time(console.started_at)} ({fmt_duration(time.time() - console.started_at)} ago)",
+            ],
+        }
+    )
+)
+
+# ---------------------------------------------------------------- database
+st.subheader("History database")
+url = make_url(host.db_url)
+st.markdown(f"URL: `{url.render_as_string(hide_password=True)}`")
+if url.get_backend_name() == "sqlite" and url.database:
+    st.markdown(f"SQLite file: `{os.path.abspath(url.database)}`")
+writer = host.writer_stats()
+st.caption(
+    f"writer: {writer.written_events:,} events and {writer.written_requests:,} request records written in "
+    f"{writer.written_batches:,} transactions · {writer.queued:,} rows queued · {writer.dropped:,} dropped · "
+    f"{writer.failed_batches:,} failed batches · {writer.pruned_rows:,} pruned by retention"
+)
+if host.schema_error:
+    st.error(f"Schema upgrade failed at start: {host.schema_error}")
+if writer.last_error:
+    st.warning(f"Last database error: {writer.last_error}")
+
+# ---------------------------------------------------------------- reset
+st.subheader("Reset the prefix cache")
+st.caption(
+    "Evicts every unreferenced cached block for every operator (for example after a weight update). "
+    "Blocks held by running or retained requests stay; the result says whether the cache is now empty."
+)
+if state.get("settings_confirm") != "reset":
+    if st.button("Reset prefix cache…", key="settings_reset"):
+        state["settings_confirm"] = "reset"
+        st.rerun()
+else:
+    st.warning(f"Reset the prefix cache of the shared engine? {engine.stats().evictable_blocks:,} cached blocks would be evicted.")
+    c = st.columns([1, 1, 4])
+    if c[0].button("Confirm reset", type="primary", key="settings_reset_confirm"):
+        result = engine.reset_cache()
+        state.pop("settings_confirm")
+        if result.ok:
+            flash("success", f"Prefix cache reset: {result.dropped_blocks:,} blocks evicted; the cache is empty.")
+        else:
+            flash(
+                "warning",
+                f"Prefix cache partly reset: {result.dropped_blocks:,} blocks evicted, {result.kept_blocks:,} cached "
+                "blocks kept because running or retained requests hold them.",
+            )
+        st.rerun()
+    if c[1].button("Cancel", key="settings_reset_cancel"):
+        state.pop("settings_confirm")
+        st.rerun()
+
+# ---------------------------------------------------------------- restart
+st.subheader("Restart the engine")
+st.caption(
+    "Builds a new engine with these settings, then replaces the running one: every request and every "
+    "cached block is dropped, for every operator. The history keeps the old run."
+)
+models = list(PRESETS)
+current_model = config.model if config.model in models else LOCAL_DIRECTORY
+devices = ["auto", "cpu"] + (["cuda"] + [f"cuda:{i}" for i in range(torch.cuda.device_count())] if torch.cuda.is_available() else [])
+with st.form("settings_form"):
+    c = st.columns(3)
+    model = c[0].selectbox("Model", [*models, LOCAL_DIRECTORY], index=[*models, LOCAL_DIRECTORY].index(current_model), key="settings_model")
+    model_path = c[0].text_input("Model directory (for a local directory)", value="" if current_model != LOCAL_DIRECTORY else config.model, key="settings_model_path")
+    num_blocks = c[1].number_input("Pool size (blocks)", 1, MAX_NUM_BLOCKS, engine.num_blocks, step=1, key="settings_num_blocks")
+    block_size = c[1].number_input("Block size (tokens)", 1, MAX_BLOCK_SIZE, config.block_size, step=1, key="settings_block_size")
+    dtype = c[2].selectbox("Dtype", DTYPES, index=DTYPES.index(config.dtype), key="settings_dtype")
+    device = c[2].selectbox("Device", devices, index=devices.index(config.device) if config.device in devices else 0, key="settings_device")
+    with st.expander("Scheduler"):
+        c = st.columns(3)
+        max_batched = c[0].number_input("Max batched tokens per step", 1, MAX_BATCHED_TOKENS, config.max_num_batched_tokens, key="settings_max_batched")
+        max_seqs = c[1].number_input("Max running requests", 1, 4096, config.max_num_seqs, key="settings_max_seqs")
+        seed = c[2].number_input("Seed", 0, 2**31 - 1, config.seed, key="settings_seed")
+    with st.expander("Sliding-window attention"):
+        c = st.columns(3)
+        layout_now, _, window_now = (config.attention_override or "").partition(":")
+        layout = c[0].selectbox(
+            "Attention layout", LAYOUTS, index=LAYOUTS.index(layout_now) if layout_now in LAYOUTS else 0,
+            format_func=LAYOUT_LABELS.get, key="settings_layout",
+        )
+        window = c[0].number_input("Window (tokens)", 1, MAX_BATCHED_TOKENS, int(window_now or 64), key="settings_window")
+        backtrack = c[1].number_input(
+            "Window backtrack (tokens)", 0, MAX_BATCHED_TOKENS, config.window_backtrack, key="settings_backtrack",
+            help="Extra tokens of window state kept when caching",
+        )
+        approximate = c[2].checkbox("Allow approximate replay", config.allow_approximate_replay, key="settings_approximate")
+        verify = c[2].checkbox("Verify approximate replays", config.verify_replay, key="settings_verify")
+    asked = st.form_submit_button("Restart with these settings…")
+
+if asked:
+    try:
+        name = model_path.strip() if model == LOCAL_DIRECTORY else model
+        if not name:
+            raise ValueError("give the model directory")
+        new = dataclasses.replace(  # fields this form does not show keep their running values
+            config,
+            model=name,
+            device=device,
+            dtype=dtype,
+            block_size=int(block_size),
+            num_blocks=int(num_blocks),
+            kv_memory_mb=None,
+            max_num_batched_tokens=int(max_batched),
+            max_num_seqs=int(max_seqs),
+            seed=int(seed),
+            attention_override=None if not layout else f"{layout}:{int(window)}",
+            window_backtrack=int(backtrack),
+            allow_approximate_replay=approximate,
+            verify_replay=verify,
+        )
+        needed, available = kv_bytes(new), machine_bytes()
+        if needed is not None and available is not None and device in ("auto", "cpu") and not torch.cuda.is_available():
+            if needed > MEMORY_SHARE * available:
+                raise ValueError(
+                    f"a pool of {new.num_blocks:,} blocks needs about {needed / 2**30:,.1f} GiB of KV memory; this "
+                    f"machine has {available / 2**30:,.1f} GiB"
+                )
+    except ValueError as exc:
+        st.error(f"Not restarted: {exc}")
+    else:
+        state["settings_confirm"] = "restart"
+        state["settings_pending"] = new
+
+if state.get("settings_confirm") == "restart" and "settings_pending" in state:
+    new = state["settings_pending"]
+    needed = kv_bytes(new)
+    st.warning(
+        f"Restart the shared engine as **{new.model}**, {new.num_blocks:,} blocks × {new.block_size} tokens, "
+        f"{new.dtype} on {new.device}"
+        + (f" (about {needed / 2**20:,.0f} MiB of KV)" if needed is not None else "")
+        + "? Every request and cached block is dropped for every operator."
+    )
+    c = st.columns([1, 1, 4])
+    if c[0].button("Confirm restart", type="primary", key="settings_restart_confirm"):
+        state.pop("settings_confirm")
+        state.pop("settings_pending")
+        try:
+            with st.spinner("Loading the model and restarting the engine…"):
+                restarted = host.restart(new)
+        except Exception as exc:  # the old engine keeps serving; say why the new one did not start
+            flash("error", f"Restart failed, the previous engine keeps running: {exc}")
+        else:
+            flash("success", f"Engine restarted: run {restarted.run_id}, {restarted.engine.num_blocks:,} blocks.")
+        st.rerun()
+    if c[1].button("Cancel", key="settings_restart_cancel"):
+        state.pop("settings_confirm")
+        state.pop("settings_pending")
+        st.rerun()

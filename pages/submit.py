@@ -1,0 +1,261 @@
+"""Submit & fork: write a prompt, see its exact token ids, submit it, fork it, watch the output stream."""
+
+from __future__ import annotations
+
+import pandas as pd
+import streamlit as st
+
+from app.frames import HOLDING, requests_frame
+from app.hosting import get_host
+from app.prompting import CHAT, MODES, PRESETS, TEXT, TOKEN_IDS, decode, encode_prompt, parse_suffixes, token_pieces
+from app.ui import REFRESH_S, fmt_duration, kept
+from engine.config import MAX_NEW_TOKENS
+from engine.engine import RequestRejected
+from engine.prompts import first_divergence
+from engine.request import SamplingParams
+
+host = get_host()
+console = host.console
+engine = console.engine
+tokenizer = console.tokenizer
+block_size = console.config.block_size
+state = st.session_state
+
+available_modes = [
+    m for m in MODES if m == TOKEN_IDS or (tokenizer is not None and (m != CHAT or getattr(tokenizer, "chat_template", None)))
+]
+if state.get("submit_mode") not in available_modes:  # a restart may have loaded a model without a tokenizer
+    state["submit_mode"] = available_modes[0]
+state.setdefault("submit_last_ids", None)
+
+
+def apply_preset() -> None:
+    preset = PRESETS.get(state["submit_preset"])
+    if preset is None:
+        return
+    state["submit_mode"] = preset.mode if preset.mode in available_modes else available_modes[0]
+    state["submit_system"] = preset.system
+    state["submit_text"] = preset.text
+
+
+def request_label(request_id: str, statuses: dict[str, str]) -> str:
+    return f"{request_id} · {statuses.get(request_id, 'gone')}"
+
+
+st.title("Submit & fork")
+
+# ---------------------------------------------------------------- prompt editor
+st.subheader("Prompt")
+left, right = st.columns([3, 2])
+with left:
+    st.selectbox("Preset", ["(none)", *PRESETS], **kept("submit_preset", "(none)"), on_change=apply_preset)
+    mode = st.radio("Format", available_modes, **kept("submit_mode", available_modes[0]), horizontal=True)
+    system = ""
+    if mode == CHAT:
+        system = st.text_area("System prompt", **kept("submit_system", ""), height=120)
+    label = {TEXT: "Prompt", CHAT: "User message", TOKEN_IDS: "Token ids (comma or space separated)"}[mode]
+    text = st.text_area(label, **kept("submit_text", ""), height=140, max_chars=200_000)
+
+try:
+    prompt_ids: list[int] | None = encode_prompt(tokenizer, mode, text=text, system=system, vocab_size=engine.vocab_size)
+    preview_problem = None
+except ValueError as exc:
+    prompt_ids, preview_problem = None, str(exc)
+
+with right:
+    st.markdown("**Token ids the model will see**")
+    if prompt_ids is None:
+        st.caption(f"Nothing to show: {preview_problem}.")
+    else:
+        st.caption(
+            f"{len(prompt_ids)} tokens · {len(prompt_ids) // block_size} full blocks of {block_size} "
+            f"(only full blocks enter the prefix cache)"
+        )
+        st.code(", ".join(map(str, prompt_ids)), language=None, wrap_lines=True, height=160)
+        requests = sorted(engine.requests(), key=lambda r: -r.arrival_time)
+        targets = {"(nothing)": None}
+        if state["submit_last_ids"]:
+            targets["my previous submission"] = state["submit_last_ids"]
+        for r in requests[:200]:
+            targets[r.request_id] = list(r.prompt_token_ids) + list(r.output_token_ids)
+        if state.get("submit_compare") not in targets:
+            state["submit_compare"] = "(nothing)"
+        statuses = {r.request_id: r.status for r in requests}
+        other_label = st.selectbox(
+            "Compare with",
+            list(targets),
+            **kept("submit_compare", "(nothing)"),
+            format_func=lambda t: f"{t} ({statuses[t]}: prompt + output)" if t in statuses else t,
+        )
+        other = targets.get(other_label)
+        if other is not None:
+            d = first_divergence(prompt_ids, other)
+            reusable = min(d, len(prompt_ids) - 1) // block_size
+            if d == len(prompt_ids) == len(other):
+                st.info("Identical token ids.")
+            else:
+                ours = token_pieces(tokenizer, prompt_ids[d : d + 1]) or ["(end)"]
+                theirs = token_pieces(tokenizer, other[d : d + 1]) or ["(end)"]
+                st.info(
+                    f"Shares the first **{d}** tokens ({reusable} full blocks reusable); diverges at position "
+                    f"**{d}**: this prompt has `{ours[0]!r}`, the other has `{theirs[0]!r}`."
+                )
+        with st.expander("Tokens by block"):
+            pieces = token_pieces(tokenizer, prompt_ids)
+            st.dataframe(
+                pd.DataFrame(
+                    {
+                        "block": [i // block_size for i in range(len(prompt_ids))],
+                        "position": range(len(prompt_ids)),
+                        "token id": prompt_ids,
+                        "text": pieces,
+                    }
+                ),
+                hide_index=True,
+                height=240,
+            )
+
+# ---------------------------------------------------------------- sampling
+st.subheader("Sampling")
+c = st.columns(5)
+max_new_tokens = c[0].number_input("Max new tokens", 1, MAX_NEW_TOKENS, step=1, **kept("submit_max_new", 32))
+temperature = c[1].number_input("Temperature", 0.0, 10.0, step=0.1, **kept("submit_temperature", 0.0), help="0 is greedy")
+top_p = c[2].number_input("Top-p", 0.01, 1.0, step=0.05, **kept("submit_top_p", 1.0))
+seed = c[3].number_input("Seed", 0, 2**31 - 1, step=1, **kept("submit_seed", None), placeholder="engine default")
+ignore_eos = c[4].checkbox("Ignore EOS", **kept("submit_ignore_eos", False), help="Always generate max new tokens")
+
+
+def sampling() -> SamplingParams:
+    return SamplingParams(
+        max_new_tokens=int(max_new_tokens),
+        temperature=float(temperature),
+        top_p=float(top_p),
+        seed=None if seed is None else int(seed),
+        ignore_eos=ignore_eos,
+    )
+
+
+# ---------------------------------------------------------------- submit
+c = st.columns([2, 1, 1])
+request_id = c[0].text_input("Request id (optional)", **kept("submit_request_id", ""), placeholder="assigned by the engine")
+retain = c[1].checkbox("Retain as fork base", **kept("submit_retain", False), help="Keep its blocks after it finishes, to fork from")
+if c[2].button("Submit", type="primary", key="submit_go"):
+    try:
+        ids = encode_prompt(tokenizer, mode, text=text, system=system, vocab_size=engine.vocab_size)
+        rid = engine.submit(ids, sampling(), request_id=request_id.strip() or None, retain=retain)
+    except RequestRejected as exc:
+        st.error(f"Rejected: {exc}")
+    except ValueError as exc:
+        st.error(f"Not submitted: {exc}")
+    else:
+        state["submit_last_ids"] = ids
+        state["submit_watch"] = [rid]
+        st.success(f"Submitted **{rid}** ({len(ids)} prompt tokens).")
+
+# ---------------------------------------------------------------- fork
+st.subheader("Fork")
+views = sorted(engine.requests(), key=lambda r: -r.arrival_time)
+statuses = {r.request_id: r.status for r in views}
+if not views:
+    st.caption("Submit a request (retained, or still running) to fork it.")
+else:
+    holding = [r.request_id for r in views if r.status in HOLDING]
+    others = [r.request_id for r in views if r.status not in HOLDING]
+    options = holding + others
+    if state.get("submit_fork_parent") not in options:
+        state["submit_fork_parent"] = options[0]
+    c = st.columns([2, 1, 1])
+    parent = c[0].selectbox(
+        "Parent (running or retained requests hold KV to share)",
+        options,
+        **kept("submit_fork_parent", options[0]),
+        format_func=lambda rid: request_label(rid, statuses),
+    )
+    suffix_modes = [m for m in (TEXT, TOKEN_IDS) if m == TOKEN_IDS or tokenizer is not None]
+    if state.get("submit_fork_mode") not in suffix_modes:
+        state["submit_fork_mode"] = suffix_modes[0]
+    suffix_mode = c[1].radio("Suffix format", suffix_modes, **kept("submit_fork_mode", suffix_modes[0]))
+    retain_children = c[2].checkbox("Retain children", **kept("submit_fork_retain", False))
+    suffix_text = st.text_area(
+        "Suffixes, one child per line", **kept("submit_fork_suffixes", ""), height=100,
+        placeholder=" Answer in French.\n Answer in German.",
+    )
+    if st.button("Fork children", key="submit_fork_go"):
+        created: list[str] = []
+        try:
+            suffixes = parse_suffixes(tokenizer, suffix_mode, suffix_text, engine.vocab_size)
+            params = sampling()
+            for suffix in suffixes:
+                created.append(engine.fork(parent, suffix, params, retain=retain_children))
+        except RequestRejected as exc:
+            st.error(f"Rejected: {exc}" + (f" (children created before it: {', '.join(created)})" if created else ""))
+        except ValueError as exc:
+            st.error(f"Not forked: {exc}" + (f" (children created before it: {', '.join(created)})" if created else ""))
+        if created:
+            state["submit_watch"] = created
+            st.success(f"Forked {parent} into {len(created)} children: {', '.join(created)}.")
+
+# ---------------------------------------------------------------- live output
+st.subheader("Output")
+all_ids = [r.request_id for r in sorted(engine.requests(), key=lambda r: -r.arrival_time)]
+state["submit_watch"] = [rid for rid in state.get("submit_watch", []) if rid in all_ids]
+st.multiselect("Watch", all_ids, **kept("submit_watch", []), placeholder="Pick requests to follow")
+
+
+@st.fragment(run_every=REFRESH_S)
+def live_output() -> None:
+    watched = st.session_state.get("submit_watch", [])
+    if not watched:
+        st.caption("Submit or fork to follow the output here.")
+        return
+    for rid in watched:
+        try:
+            view = engine.get(rid)
+        except KeyError:
+            continue
+        done = len(view.output_token_ids)
+        with st.container(border=True):
+            st.markdown(f"**{rid}** · `{view.status}`" + (f" ({view.finish_reason})" if view.finish_reason else ""))
+            st.progress(min(1.0, done / view.max_new_tokens), text=f"{done}/{view.max_new_tokens} new tokens")
+            st.text(decode(tokenizer, view.output_token_ids) or "…")
+            st.caption(
+                f"hit position {view.cached_tokens} of {view.num_prompt_tokens} · computed {view.computed_tokens} · "
+                f"hit source {view.hit_source} · copy-on-write {view.cow_copies} · preemptions {view.preemptions} · "
+                f"TTFT {fmt_duration(view.ttft_s)}"
+            )
+
+
+live_output()
+
+# ---------------------------------------------------------------- release
+st.subheader("Release")
+releasable = [r.request_id for r in views if r.status == "retained" or (r.retain and r.status in ("running", "waiting"))]
+if not releasable:
+    st.caption("No retained request holds blocks.")
+else:
+    if state.get("submit_release_pick") not in releasable:
+        state["submit_release_pick"] = releasable[0]
+    c = st.columns([3, 1])
+    to_release = c[0].selectbox("Retained request", releasable, key="submit_release_pick")
+    if c[1].button("Release", key="submit_release_go"):
+        try:
+            engine.release(to_release)
+        except ValueError as exc:
+            st.error(f"Not released: {exc}")
+        else:
+            st.success(f"Released {to_release}: its blocks return to the pool (cached blocks stay for hits).")
+
+# ---------------------------------------------------------------- all requests
+st.subheader("Requests")
+
+
+@st.fragment(run_every=REFRESH_S)
+def request_table() -> None:
+    frame = requests_frame(engine.requests())
+    if frame.empty:
+        st.caption("No requests yet.")
+    else:
+        st.dataframe(frame, hide_index=True, height=min(400, 38 + 35 * len(frame)))
+
+
+request_table()

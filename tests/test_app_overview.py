@@ -1,0 +1,53 @@
+"""Overview page: headline metrics of the shared engine and their history."""
+
+from __future__ import annotations
+
+import time
+
+from engine.request import SamplingParams
+from tests.test_app_support import console_env, host, no_exceptions, open_page, wait_idle  # noqa: F401
+
+LABELS = [
+    "KV usage", "Blocks free", "Blocks cached", "Blocks referenced", "Sharing ratio",
+    "Prefix hit rate", "Tokens saved", "Prefill time saved", "Copy-on-write copies", "Preemptions",
+    "Evictions / min", "Evictions (total)", "Running", "Waiting", "Retained",
+    "Rows dropped", "Failed batches", "Queued rows", "Events written", "Retrying",
+]  # fmt: skip
+
+
+def metrics(at) -> dict[str, str]:
+    return {m.label: m.value for m in at.metric}
+
+
+def test_overview_metrics_render_for_an_idle_engine(console_env):
+    at = open_page("overview")
+    no_exceptions(at)
+    assert [m.label for m in at.metric] == LABELS
+    values = metrics(at)
+    assert (values["KV usage"], values["Blocks free"], values["Sharing ratio"]) == ("0.0%", "64", "1.00×")
+    assert (values["Rows dropped"], values["Failed batches"]) == ("0", "0")
+
+
+def test_overview_metrics_follow_the_engine(console_env):
+    engine = host().console.engine
+    prompt = list(range(10, 74))  # 4 full blocks
+    params = SamplingParams(max_new_tokens=4, ignore_eos=True)
+    parent = engine.submit(prompt, params, retain=True)
+    wait_idle()
+    engine.fork(parent, [5, 6], params)
+    engine.fork(parent, [7, 8], params, retain=True)
+    engine.submit(prompt + [9], params)  # a prefix hit on the parent's 4 cached blocks
+    wait_idle()
+    time.sleep(0.6)  # one history sample interval: the page adds a second sample
+    at = open_page("overview")
+    values = metrics(at)
+    stats = engine.stats()
+    assert values["Blocks referenced"] == str(stats.used_blocks)
+    assert values["KV usage"] == f"{stats.kv_usage:.1%}"
+    assert values["Sharing ratio"] == f"{stats.sharing_ratio:.2f}×" and stats.sharing_ratio > 1
+    assert values["Tokens saved"] == f"{stats.prefix_hit_tokens:,}" and stats.prefix_hit_tokens > 0
+    assert values["Prefix hit rate"] == f"{stats.hit_rate:.1%}"
+    assert values["Copy-on-write copies"] == str(stats.cow_copies)
+    assert values["Retained"] == "2"
+    assert values["Prefill time saved"] != "—"
+    assert len(at.get("plotly_chart")) >= 4  # history charts from the in-process ring buffer

@@ -1,0 +1,85 @@
+"""Settings page: destructive actions ask first; bad configurations change nothing."""
+
+from __future__ import annotations
+
+import time
+
+from engine.request import SamplingParams
+from tests.test_app_support import console_env, errors, host, no_exceptions, open_page, texts, wait_idle  # noqa: F401
+
+PARAMS = SamplingParams(max_new_tokens=2, ignore_eos=True)
+
+
+def cache_something() -> None:
+    host().console.engine.submit(list(range(10, 60)), PARAMS)  # 3 full blocks stay cached
+    wait_idle()
+
+
+def test_settings_shows_the_running_engine_and_the_database(console_env, tmp_path):
+    at = open_page("settings")
+    no_exceptions(at)
+    table = at.table[0].value
+    values = dict(zip(table["setting"], table["value"]))
+    assert values["model"] == "tiny-chat" and values["pool"] == "64 blocks × 16 tokens"
+    assert f"SQLite file: `{tmp_path / 'history.sqlite'}`" in texts(at)
+
+
+def test_reset_asks_for_confirmation_first(console_env):
+    cache_something()
+    engine = host().console.engine
+    at = open_page("settings")
+    at.button(key="settings_reset").click().run()
+    assert engine.stats().evictable_blocks == 3  # nothing happened yet
+    assert "Reset the prefix cache of the shared engine? 3 cached blocks would be evicted." in texts(at)
+    at.button(key="settings_reset_cancel").click().run()
+    assert engine.stats().evictable_blocks == 3
+    assert not at.button(key="settings_reset").disabled
+
+    at.button(key="settings_reset").click().run()
+    at.button(key="settings_reset_confirm").click().run()
+    no_exceptions(at)
+    assert engine.stats().evictable_blocks == 0
+    assert "Prefix cache reset: 3 blocks evicted; the cache is empty." in [s.value for s in at.success]
+
+
+def test_reset_says_honestly_when_held_blocks_stay(console_env):
+    engine = host().console.engine
+    engine.submit(list(range(10, 60)), PARAMS, retain=True)
+    wait_idle()
+    at = open_page("settings")
+    at.button(key="settings_reset").click().run()
+    at.button(key="settings_reset_confirm").click().run()
+    assert [w.value for w in at.warning] == [
+        "Prefix cache partly reset: 0 blocks evicted, 3 cached blocks kept because running or retained requests hold them."
+    ]
+
+
+def test_restart_asks_for_confirmation_then_starts_a_new_run(console_env):
+    old = host().console
+    at = open_page("settings")
+    at.number_input(key="settings_num_blocks").set_value(32)
+    next(b for b in at.button if b.label == "Restart with these settings…").click().run()
+    assert host().console is old  # nothing happened yet
+    assert "Restart the shared engine as **tiny-chat**, 32 blocks × 16 tokens" in texts(at)
+    at.button(key="settings_restart_confirm").click().run()
+    no_exceptions(at)
+    new = host().console
+    assert new is not old and new.engine.num_blocks == 32 and new.run_id != old.run_id
+    stale = old.engine.submit([5, 6, 7], PARAMS)  # a session still holding the old engine
+    time.sleep(0.5)
+    assert old.engine.get(stale).status == "waiting"  # its loop was stopped
+    assert [s.value for s in at.success] == [f"Engine restarted: run {new.run_id}, 32 blocks."]
+
+
+def test_a_bad_configuration_shows_an_error_and_changes_nothing(console_env):
+    old = host().console
+    at = open_page("settings")
+    at.selectbox(key="settings_model").select("local directory…")
+    next(b for b in at.button if b.label == "Restart with these settings…").click().run()
+    assert errors(at) == ["Not restarted: give the model directory"]
+    at.text_input(key="settings_model_path").input("/nonexistent/model")
+    next(b for b in at.button if b.label == "Restart with these settings…").click().run()
+    assert not errors(at)
+    at.button(key="settings_restart_confirm").click().run()
+    assert host().console is old
+    assert [e.value for e in at.error][0].startswith("Restart failed, the previous engine keeps running: unknown model")

@@ -1,0 +1,145 @@
+"""Submit & fork page: prompts become exact token ids, requests run, forks fan out, bad input changes nothing."""
+
+from __future__ import annotations
+
+from engine.prompts import encode_chat, encode_text
+from tests.test_app_support import (  # noqa: F401  (console_env is a fixture)
+    console_env,
+    errors,
+    host,
+    no_exceptions,
+    open_page,
+    texts,
+    wait_for,
+    wait_idle,
+)
+
+PROMPT = "The quick brown fox jumps over the lazy dog. " * 4
+
+
+def submit(at, text: str, *, retain: bool = False, max_new: int = 4):
+    at.text_area(key="submit_text").input(text)
+    at.number_input(key="submit_max_new").set_value(max_new)
+    at.checkbox(key="submit_ignore_eos").check()
+    if retain:
+        at.checkbox(key="submit_retain").check()
+    return at.button(key="submit_go").click().run()
+
+
+def test_preview_shows_the_exact_token_ids(console_env):
+    at = open_page("submit")
+    at.text_area(key="submit_text").input(PROMPT).run()
+    ids = encode_text(host().console.tokenizer, PROMPT)
+    assert ", ".join(map(str, ids)) in [c.value for c in at.code]
+    assert f"{len(ids)} tokens" in texts(at)
+
+
+def test_chat_preset_renders_through_the_template(console_env):
+    at = open_page("submit")
+    at.selectbox(key="submit_preset").select("Long shared system prompt").run()
+    assert at.radio(key="submit_mode").value == "Chat template"
+    system = at.text_area(key="submit_system").value
+    user = at.text_area(key="submit_text").value
+    ids = encode_chat(host().console.tokenizer, [{"role": "system", "content": system}, {"role": "user", "content": user}])
+    assert ", ".join(map(str, ids)) in [c.value for c in at.code]
+
+
+def test_submitted_prompt_runs_to_the_end_and_streams_its_output(console_env):
+    at = open_page("submit")
+    at = submit(at, PROMPT, max_new=6)
+    no_exceptions(at)
+    assert not errors(at)
+    assert "Submitted **req-0**" in texts(at)
+    engine = host().console.engine
+    wait_for(lambda: engine.get("req-0").status == "finished", "req-0 to finish")
+    at.run()
+    assert at.multiselect(key="submit_watch").value == ["req-0"]
+    assert "**req-0** · `finished` (length)" in texts(at)
+    assert "6/6 new tokens" in [p.proto.text for p in at.get("progress")]
+    table = at.dataframe[-1].value
+    row = table[table["request"] == "req-0"].iloc[0]
+    assert (row["status"], row["output tokens"], row["hit source"]) == ("finished", 6, "none")
+
+
+def test_compare_shows_where_two_prompts_diverge(console_env):
+    at = open_page("submit")
+    at = submit(at, PROMPT)
+    wait_idle()
+    at.text_area(key="submit_text").input(PROMPT + "Then it sleeps.").run()
+    at.selectbox(key="submit_compare").select("my previous submission").run()
+    tokenizer = host().console.tokenizer
+    a, b = encode_text(tokenizer, PROMPT + "Then it sleeps."), encode_text(tokenizer, PROMPT)
+    d = next(i for i, (x, y) in enumerate(zip(a, b)) if x != y)  # the last token of PROMPT re-tokenizes
+    assert 0 < d < len(b)
+    assert f"Shares the first **{d}** tokens ({d // 16} full blocks reusable)" in texts(at)
+
+
+def test_fork_makes_one_child_per_suffix_line_in_one_action(console_env):
+    at = open_page("submit")
+    at = submit(at, PROMPT, retain=True)
+    engine = host().console.engine
+    wait_for(lambda: engine.get("req-0").status == "retained", "req-0 to be retained")
+    at.run()
+    assert at.selectbox(key="submit_fork_parent").value == "req-0"
+    at.text_area(key="submit_fork_suffixes").input(" in French.\n in German.\n\n in Dutch.")
+    at.button(key="submit_fork_go").click().run()
+    assert not errors(at)
+    assert "Forked req-0 into 3 children: req-1, req-2, req-3." in texts(at)
+    wait_idle()
+    children = [engine.get(f"req-{i}") for i in (1, 2, 3)]
+    assert all(c.parent_id == "req-0" and c.hit_source == "fork" for c in children)
+    assert all(c.cached_tokens == engine.get("req-0").num_prompt_tokens + 4 - 1 for c in children)
+    at.run()
+    assert at.multiselect(key="submit_watch").value == ["req-1", "req-2", "req-3"]
+
+
+def test_bad_inputs_show_an_error_and_change_nothing(console_env):
+    console_env(num_blocks=8)
+    at = open_page("submit")
+    engine = host().console.engine
+    stats_before = engine.stats()
+
+    at = submit(at, "")  # empty prompt
+    assert errors(at) == ["Not submitted: the prompt is empty"]
+
+    at.radio(key="submit_mode").set_value("Token ids").run()
+    at = submit(at, " ".join(["5"] * 3000))  # longer than the model's 2048 positions
+    assert len(errors(at)) == 1 and "exceeds the model's maximum of 2048 positions" in errors(at)[0]
+
+    at = submit(at, "1 2 99999999")  # outside the vocabulary
+    assert len(errors(at)) == 1 and "outside this model's vocabulary" in errors(at)[0]
+    assert engine.requests() == []
+
+    at = submit(at, " ".join(["5"] * 200))  # 13 blocks with its new tokens; the pool has 8
+    assert len(errors(at)) == 1 and "rejected: needs 13 blocks" in errors(at)[0]
+    assert [r.status for r in engine.requests()] == ["rejected"]
+    assert engine.stats() == stats_before  # no block moved
+
+
+def test_forking_a_released_request_shows_an_error(console_env):
+    at = open_page("submit")
+    at = submit(at, PROMPT, retain=True)
+    engine = host().console.engine
+    wait_for(lambda: engine.get("req-0").status == "retained", "req-0 to be retained")
+    at.run()
+    at.button(key="submit_release_go").click().run()
+    assert "Released req-0" in texts(at)
+    assert engine.get("req-0").status == "released"
+    at.selectbox(key="submit_fork_parent").select("req-0")
+    at.text_area(key="submit_fork_suffixes").input("more")
+    at.button(key="submit_fork_go").click().run()
+    assert errors(at) == [
+        "Not forked: cannot fork 'req-0': it is released; only running or retained requests hold KV to share"
+    ]
+    assert len(engine.requests()) == 1
+
+
+def test_empty_fork_suffixes_show_an_error(console_env):
+    at = open_page("submit")
+    at = submit(at, PROMPT, retain=True)
+    wait_idle()
+    at.run()
+    at.text_area(key="submit_fork_suffixes").input("\n  \n")
+    at.button(key="submit_fork_go").click().run()
+    assert errors(at) == ["Not forked: give at least one suffix (one per line)"]
+    assert len(host().console.engine.requests()) == 1
