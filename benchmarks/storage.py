@@ -1,19 +1,31 @@
-"""Storage benchmark: writer throughput and eviction-log query latency.
+"""Storage benchmark: writer throughput, eviction-log query latency, engine step overhead.
 
-    .venv/bin/python benchmarks/storage.py [--rows 1000000] [--url URL]
+    .venv/bin/python benchmarks/storage.py [--rows 1000000] [--url URL] [--only-step-overhead] [--smollm2]
 
 1. Insert throughput through the real `EventWriter` (batched, one transaction per batch) against a
    naive writer that commits one row per transaction (run on fewer rows; its rate is extrapolated).
 2. The eviction-log queries on `--rows` eviction rows, against the indexed schema and against a copy
    whose evictions table has no secondary indexes. Each query's time is the median of repeated runs.
+3. Engine step time with persistence off and on. One engine per mode (no listener; a listener that
+   does nothing; `record_engine(engine, EventWriter(...))`), all on the same weights, run the same
+   rounds in turns (order rotating): a round is requests on a fresh shared prefix, forks of some of
+   them, and LRU evictions of earlier rounds' blocks. Every `engine.step()` is timed, `--step-reps`
+   rounds per engine after untimed ones that fill the pool. The writer thread runs during the steps
+   (that is the cost measured); between rounds it is drained untimed, and closed at the end. The
+   tiny random-weight model always runs (its steps are short, so it exaggerates the relative
+   overhead; the absolute overhead per step and per row is printed too); `--smollm2` adds
+   SmolLM2-135M on a smaller round. Section 3 alone: `--only-step-overhead` (about a minute; about
+   two more with --smollm2).
 
-Goals: >= 50,000 events/s; every log query < 50 ms on 1M rows. Without --url everything runs on
-SQLite files in a temporary directory; with a PostgreSQL URL the database must be empty.
+Goals: >= 50,000 events/s; every log query < 50 ms on 1M rows; engine step time with persistence on
+within 5% of persistence off (median and mean). Without --url everything runs on SQLite files in a
+temporary directory; with a PostgreSQL URL the database must be empty.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import random
 import statistics
@@ -22,21 +34,35 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+# Only section 3 imports torch (lazily, in bench_step_overhead); these must be set before it is.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing reaches a hub
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as prefix_reuse.py: spinning threads hog shared cores
 
 from sqlalchemy import Engine, create_engine, insert, make_url, select, text  # noqa: E402
 
+from engine.config import EngineConfig  # noqa: E402
 from engine.events import Event, EventKind, EvictReason  # noqa: E402
+from engine.request import SamplingParams  # noqa: E402
 from storage import migrate, queries  # noqa: E402
 from storage.db import db_engine  # noqa: E402
 from storage.models import EventRecord, Eviction, Run  # noqa: E402
+from storage.recorder import record_engine  # noqa: E402
 from storage.retention import RetentionPolicy  # noqa: E402
 from storage.writer import EventWriter, RunInfo, WriterOptions  # noqa: E402
 
+if TYPE_CHECKING:
+    from engine.models import LoadedModel
+
 GOAL_EVENTS_PER_S = 50_000
 GOAL_QUERY_MS = 50.0
+GOAL_STEP_RATIO = 1.05  # step time with persistence on / off
+SMOLLM2_DATA_DIR = Path(os.environ.get("PREFIX_CONSOLE_TEST_DATA_DIR", ROOT / "data" / "test-cache"))  # as tests
 START = 1_750_000_000.0  # evictions are spread over one day from here
 SPAN_S = 86_400.0
 REASON_WEIGHTS = {EvictReason.LRU: 80, EvictReason.PARENT_EVICTED: 15, EvictReason.WINDOW: 4, EvictReason.RESET: 1}
@@ -48,16 +74,21 @@ def main() -> None:
     parser.add_argument("--write-events", type=int, default=200_000, help="events through the real writer")
     parser.add_argument("--naive-events", type=int, default=2_000, help="events through the naive writer")
     parser.add_argument("--url", help="database URL (default: SQLite files in a temporary directory)")
+    parser.add_argument("--only-step-overhead", action="store_true", help="run only section 3 (engine step time)")
+    parser.add_argument("--smollm2", action="store_true", help="section 3 also on SmolLM2-135M (about 2 minutes)")
+    parser.add_argument("--step-reps", type=int, help="section 3 timed rounds per engine (default: 12 tiny, 4 SmolLM2)")
     args = parser.parse_args()
     backend = make_url(args.url).get_backend_name() if args.url else "sqlite (temporary files)"
     print(f"backend: {backend}; load average {_load()} ({os.cpu_count()} CPUs)\n")
     with fresh_databases(args.url) as url_for:
-        history_url = url_for("history")
-        run_ids, fill_rate = fill_evictions(history_url, args.rows)
-        print(f"history: {args.rows:,} EVICT events through the writer at {fill_rate:,.0f} events/s")
-        print("  (each: an events row, an evictions row with 5 indexes, a rollup update)")
-        bench_writes(url_for("write"), history_url, url_for("naive"), args.write_events, args.naive_events)
-        bench_queries(history_url, run_ids)
+        if not args.only_step_overhead:
+            history_url = url_for("history")
+            run_ids, fill_rate = fill_evictions(history_url, args.rows)
+            print(f"history: {args.rows:,} EVICT events through the writer at {fill_rate:,.0f} events/s")
+            print("  (each: an events row, an evictions row with 5 indexes, a rollup update)")
+            bench_writes(url_for("write"), history_url, url_for("naive"), args.write_events, args.naive_events)
+            bench_queries(history_url, run_ids)
+        bench_step_overhead(url_for, args.smollm2, args.step_reps)
     print(f"\nload average at the end: {_load()}")
 
 
@@ -343,6 +374,254 @@ def bench_queries(url: str, run_ids: list[str]) -> None:
         log_ms, no_index_ms = scanned[name][0], unindexed[name][0]
         ratio = no_index_ms / ms
         print(f"  {name:40} {ms:>9.1f} {cpu_ms:>6.1f} {log_ms:>9.1f} {no_index_ms:>9.1f} {ratio:>11.1f}x  {verdict}")
+
+
+# ---- engine step overhead --------------------------------------------------------------------
+
+FORK_EVERY = 8  # every 8th request of a round is retained and forked twice, then released
+# Persistence modes, one long-lived engine each. "listener" (a listener that does nothing) is a diagnostic:
+# the engine builds request views only when it has a listener, so it splits the overhead of "on" into
+# the engine's publishing and storage's own (the listener and the writer thread).
+STEP_MODES = ("off", "listener", "on")
+
+
+@dataclass(frozen=True)
+class StepCase:
+    """An engine configuration and the round every engine runs once per repetition."""
+
+    config: EngineConfig
+    requests: int  # per round, all on the round's shared prefix
+    prefix_len: int
+    suffix_len: int  # each request's own tokens; forks add half as many
+    new_tokens: int  # per request and fork, EOS ignored
+    warm_rounds: int  # untimed rounds first: the pool fills up, so every timed round evicts
+    repetitions: int  # timed rounds per engine, the engines' order rotating
+
+    def describe(self) -> str:
+        return (
+            f"{self.requests} requests on a fresh {self.prefix_len}-token prefix + {self.suffix_len} own tokens, "
+            f"every {FORK_EVERY}th retained and forked twice, {self.new_tokens} new tokens each"
+        )
+
+
+@dataclass
+class RoundRun:
+    """One timed round of one engine. The listener fields stay 0 unless persisted."""
+
+    step_s: list[float]  # wall seconds of each engine.step()
+    step_cpu_s: float  # CPU of the engine thread in steps (its share of the forward included)
+    cpu_s: float  # process CPU from the round's first submit until the writer has drained it (all threads)
+    listener_s: float = 0.0  # inside the persistence listener during steps (on the engine thread)
+    step_events: int = 0  # events published by steps
+    step_evictions: int = 0  # of which EVICT
+    step_requests: int = 0  # request records published by steps
+    written_rows: int = 0  # events and request records written for the round (submits' included)
+
+
+class ListenerProbe:
+    """Listeners added just before and just after the persistence listener: time spent inside it and
+    what steps publish. Counts only while `stepping` (submits, forks and releases publish too)."""
+
+    def __init__(self) -> None:
+        self.stepping = False
+        self.seconds = 0.0
+        self.events = 0
+        self.evictions = 0
+        self.requests = 0
+        self._entered = 0.0
+
+    def enter(self, events: list[Event], views: list) -> None:
+        self._entered = time.perf_counter()
+
+    def leave(self, events: list[Event], views: list) -> None:
+        if self.stepping:
+            self.seconds += time.perf_counter() - self._entered
+            self.events += len(events)
+            self.evictions += sum(event.kind is EventKind.EVICT for event in events)
+            self.requests += len(views)
+
+
+class StepEngine:
+    """A long-lived engine in one persistence mode. Every instance of a case draws the same tokens, so
+    instances running their rounds in lockstep do the same work, round by round."""
+
+    def __init__(self, case: StepCase, loaded: LoadedModel, mode: str, url: str | None = None) -> None:
+        from engine.engine import Engine as PrefixEngine  # torch: only this section needs it
+
+        self.case = case
+        self.engine = PrefixEngine(case.config, loaded=loaded)
+        self.rng = random.Random(2)
+        self.probe = ListenerProbe()
+        self.writer: EventWriter | None = None
+        if mode == "listener":
+            self.engine.add_listener(lambda events, views: None)
+        elif mode == "on":
+            # Schema, run row and first statements are one-time start-up costs: done before any timing.
+            self.writer = EventWriter(url)
+            self.engine.add_listener(self.probe.enter)
+            record_engine(self.engine, self.writer)
+            self.engine.add_listener(self.probe.leave)
+            self.writer.flush()
+
+    def run_round(self) -> RoundRun:
+        """Submit a round's requests on a fresh prefix, fork some, release them; time every step.
+
+        The writer thread works during the steps; after the last one the round waits (untimed) until
+        it has drained, so its work never runs into another engine's round.
+        """
+        gc.collect()
+        probe = self.probe
+        probe.seconds = 0.0
+        probe.events = probe.evictions = probe.requests = 0
+        written_before = self._written_rows()
+        step_s: list[float] = []
+        step_cpu_s = 0.0
+        sampling = SamplingParams(max_new_tokens=self.case.new_tokens, ignore_eos=True)
+        engine = self.engine
+
+        def drain() -> None:
+            nonlocal step_cpu_s
+            probe.stepping = True
+            while engine.has_work():
+                cpu_started, started = time.thread_time(), time.perf_counter()
+                engine.step()
+                step_s.append(time.perf_counter() - started)
+                step_cpu_s += time.thread_time() - cpu_started
+            probe.stepping = False
+
+        cpu_started = time.process_time()
+        prefix = self._tokens(self.case.prefix_len)
+        ids = [
+            engine.submit(prefix + self._tokens(self.case.suffix_len), sampling, retain=i % FORK_EVERY == 0)
+            for i in range(self.case.requests)
+        ]
+        drain()
+        parents = ids[::FORK_EVERY]
+        for parent in parents:
+            for _ in range(2):
+                engine.fork(parent, self._tokens(self.case.suffix_len // 2), sampling)
+        drain()
+        for parent in parents:
+            engine.release(parent)
+        if self.writer is not None:
+            self.writer.flush()
+        cpu_s = time.process_time() - cpu_started
+        return RoundRun(
+            step_s, step_cpu_s, cpu_s, probe.seconds, probe.events, probe.evictions, probe.requests,
+            self._written_rows() - written_before,
+        )  # fmt: skip
+
+    def close(self, url: str | None) -> tuple[int, int]:
+        """Close the writer. Returns the rows and the eviction rows in the history (0, 0 when off)."""
+        if self.writer is None:
+            return 0, 0
+        closed = self.writer.close()
+        stats = self.writer.stats()
+        if not closed or stats.dropped or stats.failed_batches:
+            raise RuntimeError(f"the writer lost rows: {stats}")
+        history = db_engine(url)
+        eviction_rows = queries.eviction_count(history, use_rollups=False)
+        history.dispose()
+        return stats.written_events + stats.written_requests, eviction_rows
+
+    def _tokens(self, count: int) -> list[int]:
+        return [self.rng.randrange(3, self.engine.vocab_size) for _ in range(count)]  # no special tokens
+
+    def _written_rows(self) -> int:
+        if self.writer is None:
+            return 0
+        stats = self.writer.stats()
+        return stats.written_events + stats.written_requests
+
+
+def step_cases(data_dir: Path, smollm2: bool, repetitions: int | None) -> dict[str, StepCase]:
+    """The tiny model on 64 requests a round; SmolLM2 (CPU, ~0.5 s a decode step) on a smaller round."""
+    tiny = EngineConfig(model="tiny-llama", device="cpu", block_size=16, num_blocks=512, data_dir=data_dir)
+    cases = {"tiny-llama": StepCase(tiny, 64, 256, 32, 8, warm_rounds=3, repetitions=repetitions or 12)}
+    if smollm2:
+        config = EngineConfig(model="smollm2", device="cpu", block_size=16, num_blocks=24, data_dir=SMOLLM2_DATA_DIR)
+        cases["smollm2"] = StepCase(config, 8, 32, 8, 4, warm_rounds=2, repetitions=repetitions or 4)
+    return cases
+
+
+def bench_step_overhead(url_for: Callable[[str], str], smollm2: bool, repetitions: int | None) -> None:
+    from engine.engine import Engine as PrefixEngine  # torch: only this section needs it
+
+    with tempfile.TemporaryDirectory() as data_dir:
+        for index, (name, case) in enumerate(step_cases(Path(data_dir), smollm2, repetitions).items()):
+            started = time.perf_counter()
+            loaded = PrefixEngine(case.config).loaded  # the weights, loaded once and shared by the engines
+            url = url_for(f"steps{index}")
+            engines = {mode: StepEngine(case, loaded, mode, url) for mode in STEP_MODES}
+            for _ in range(case.warm_rounds):  # also the first forwards and the writer's first statements
+                for engine in engines.values():
+                    engine.run_round()
+            runs: list[dict[str, RoundRun]] = []
+            for rep in range(case.repetitions):
+                order = STEP_MODES[rep % 3 :] + STEP_MODES[: rep % 3]  # each engine goes first, second and last
+                rounds = {mode: engines[mode].run_round() for mode in order}
+                if len({len(run.step_s) for run in rounds.values()}) != 1:
+                    raise RuntimeError(f"the engines diverged: {[len(run.step_s) for run in rounds.values()]} steps")
+                runs.append(rounds)
+            history = engines["on"].close(url)
+            report_step_overhead(name, case, runs, history, time.perf_counter() - started)
+
+
+def report_step_overhead(
+    name: str, case: StepCase, runs: list[dict[str, RoundRun]], history: tuple[int, int], seconds: float
+) -> None:
+    steps = {mode: [s for rounds in runs for s in rounds[mode].step_s] for mode in STEP_MODES}
+    medians = {mode: statistics.median(values) for mode, values in steps.items()}
+    means = {mode: statistics.mean(values) for mode, values in steps.items()}
+    total_steps = len(steps["off"])
+    thread_ms = {mode: sum(rounds[mode].step_cpu_s for rounds in runs) / total_steps * 1e3 for mode in STEP_MODES}
+    on_runs = [rounds["on"] for rounds in runs]
+    step_rows = sum(run.step_events + run.step_requests for run in on_runs)
+    # Each repetition's rounds ran back to back, so their ratio cancels slow drifts of the machine's load.
+    paired = sorted(sum(rounds["on"].step_s) / sum(rounds["off"].step_s) for rounds in runs)
+    listener_us = sum(run.listener_s for run in on_runs) / total_steps * 1e6
+    extra_s = sum(sum(rounds["on"].step_s) - sum(rounds["off"].step_s) for rounds in runs)
+    extra_cpu_s = sum(rounds["on"].cpu_s - rounds["off"].cpu_s for rounds in runs)
+    median_ratio, mean_ratio = medians["on"] / medians["off"], means["on"] / means["off"]
+    config = case.config
+
+    print(f"\nengine step time, persistence off vs on: {name} ({config.device}, {config.dtype}, "
+          f"{config.num_blocks} blocks of {config.block_size}), load average {_load()}")
+    print(f"  one round: {case.describe()}")
+    print(f"  one engine per mode, each {case.warm_rounds} untimed rounds (the pool fills), then {case.repetitions} "
+          f"timed rounds, the engines taking turns")
+    print(f"  (order rotating); {total_steps} steps per mode, {seconds:.0f} s in all")
+    print(f"  timed rounds published {sum(run.step_events for run in on_runs):,} events from steps "
+          f"({sum(run.step_evictions for run in on_runs):,} EVICT) and "
+          f"{sum(run.step_requests for run in on_runs):,} request records; the history (warm-up included) got "
+          f"{history[0]:,} rows ({history[1]:,} eviction rows), nothing dropped")
+    print("  off = no listener; listener = one that does nothing (the engine still builds request views);")
+    print("  on = record_engine + EventWriter (SQLite in a temporary directory unless --url)")
+    print(f"  {'mode':10} {'median ms':>10} {'mean ms':>10} {'vs off':>13} {'engine-thread CPU ms':>21}")
+    for mode in STEP_MODES:
+        ratios = f"{medians[mode] / medians['off']:.3f} {means[mode] / means['off']:.3f}"
+        print(f"  {mode:10} {medians[mode] * 1e3:>10.2f} {means[mode] * 1e3:>10.2f} {ratios:>13} "
+              f"{thread_ms[mode]:>21.2f}")
+    print(f"  on/off of each repetition's step time: median {statistics.median(paired):.3f} "
+          f"(quartiles {_quantile(paired, 0.25):.3f}-{_quantile(paired, 0.75):.3f}, "
+          f"range {paired[0]:.3f}-{paired[-1]:.3f})")
+    print(f"  overhead per step: {(means['on'] - means['off']) * 1e6:+,.0f} us mean, "
+          f"{(medians['on'] - medians['off']) * 1e6:+,.0f} us median; {listener_us:,.0f} us of it inside the "
+          f"listener (queueing {step_rows / total_steps:.0f} rows a step)")
+    print(f"  per row (event or request record): {extra_s / step_rows * 1e6:+.1f} us of step time, "
+          f"{extra_cpu_s / sum(run.written_rows for run in on_runs) * 1e6:+.1f} us of process CPU "
+          f"(writer thread included)")
+    within = median_ratio <= GOAL_STEP_RATIO and mean_ratio <= GOAL_STEP_RATIO
+    verdict = "meets" if within else "MISSES"
+    print(f"  goal on/off <= {GOAL_STEP_RATIO} (median {median_ratio:.3f}, mean {mean_ratio:.3f}): {verdict}")
+
+
+def _quantile(ordered: list[float], q: float) -> float:
+    """Linear interpolation between the closest ranks of an ascending list."""
+    position = q * (len(ordered) - 1)
+    low = int(position)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
 
 
 if __name__ == "__main__":

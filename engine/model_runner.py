@@ -98,6 +98,7 @@ class PagedContext:
     windows: tuple[int | None, ...]  # per KV group: None (full) or the sliding window
     slots: tuple[torch.Tensor, ...]  # per KV group: [T] cache slot every packed token writes
     batches: tuple[tuple[_Batch, ...], ...]  # per KV group: the SDPA calls
+    gather: tuple[torch.Tensor, torch.Tensor]  # flat K and V buffers the gathers of every layer reuse
 
 
 class ModelRunner:
@@ -186,12 +187,18 @@ class ModelRunner:
                     for p in range(chunk.start_pos, end)
                 )
             last_rows.append(len(token_ids) - 1)
+        batches = tuple(self._plan_batches(chunks, g) for g in range(len(self.groups)))
+        # One gather buffer per step, not one allocation per layer: a fresh multi-MB tensor is mapped and
+        # page-faulted anew each time, which cost more than the copy itself (decodes of 64 requests: 2x).
+        num_gathered = max((b.block_ids.numel() for bs in batches for b in bs if b.block_ids is not None), default=0)
+        gather_numel = num_gathered * size * self.loaded.num_kv_heads * self.loaded.head_dim
         context = PagedContext(
             kv=self.kv,
             layers=self.layers,
             windows=tuple(spec.window for spec in self.groups),
             slots=tuple(torch.tensor(group_slots, device=device) for group_slots in slots),
-            batches=tuple(self._plan_batches(chunks, g) for g in range(len(self.groups))),
+            batches=batches,
+            gather=tuple(torch.empty(gather_numel, dtype=self.loaded.dtype, device=device) for _ in range(2)),
         )
         output = self.loaded.model(
             input_ids=torch.tensor([token_ids], device=device),
@@ -339,10 +346,10 @@ def paged_attention(
             k, v = key.index_select(2, batch.rows), value.index_select(2, batch.rows)
         else:
             k, v = (
-                cache.index_select(0, batch.block_ids)
+                _gather_blocks(cache, batch.block_ids, buffer)
                 .view(q.shape[0], -1, num_kv_heads, head_dim)[:, : batch.num_keys]
                 .transpose(1, 2)
-                for cache in (key_cache, value_cache)
+                for cache, buffer in zip((key_cache, value_cache), paged_context.gather)
             )
         attended = F.scaled_dot_product_attention(
             q,
@@ -355,3 +362,9 @@ def paged_attention(
         )
         output.index_copy_(0, batch.rows, attended.transpose(1, 2).reshape(-1, num_heads, head_dim))
     return output.unsqueeze(0), None
+
+
+def _gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor, buffer: torch.Tensor) -> torch.Tensor:
+    """`cache[block_ids]`, written into the front of `buffer` (overwritten by the next gather)."""
+    out = buffer[: block_ids.numel() * cache[0].numel()].view(block_ids.numel(), *cache.shape[1:])
+    return torch.index_select(cache, 0, block_ids, out=out)
