@@ -20,17 +20,23 @@ minus t0, and "KV held" is the KV bytes the system holds with all N requests res
     (d) engine       this engine (fp32, block size 16), prefix hits through its prefix index
 
 Goals (from the issue): a single request arriving alone with its prefix cached reaches its first token
-within 1.3x of a plain forward of its S suffix tokens alone (the floor for reuse); the steady N-request
+within 1.3x of a plain forward of its S suffix tokens alone (the floor for reuse). Two floors are
+measured: the literal `model(input_ids=suffix)`, which also computes S rows of LM-head logits, and the
+strict floor (`logits_to_keep=1`, no cache), which computes what a first token needs; the issue's
+figures ((b) at about 1.45x) match the strict one, so the goal is judged on it. The steady N-request
 run end to end at least 2x faster than (b); the engine's KV for N concurrent requests is exactly the
 shared prefix once plus each private suffix (asserted on block counts). (a), (b) and (d) must produce
 identical tokens (asserted). A scaling table runs 1..64 concurrent requests on the cached prefix for (b)
 and (d), and a breakdown shows where the single-request step spends its time.
 
-Timings on a shared machine are noisy: repetitions of the systems are interleaved and medians reported.
-Every repetition uses fresh suffixes, so no run ever hits a suffix an earlier run cached.
+Timings on a shared machine are noisy: repetitions of the systems are interleaved and medians reported,
+next to process CPU time (all threads), which other processes disturb far less. OpenMP threads wait
+passively (OMP_WAIT_POLICY=PASSIVE unless set): spinning threads made a forward 5-10x slower whenever
+other processes shared the two cores. Every run uses fresh suffixes, so no run hits a suffix an earlier
+run cached.
 
-Run: `.venv/bin/python benchmarks/prefix_reuse.py` (about 10 minutes on 2 loaded cores), `--skip-cb`
-without (c), or `--quick` (P=256, 4 requests, 4 new tokens, no (c)) for a smoke test under a minute.
+Run: `.venv/bin/python benchmarks/prefix_reuse.py` (about 6.5 minutes at load 1-3 on 2 cores, 16 at
+load 5; `--skip-cb` saves about 40 s) or `--quick` (P=256, 4 requests, 4 new tokens, no (c); about 70 s).
 """
 
 from __future__ import annotations
@@ -439,16 +445,17 @@ def profile_engine_step(hf: HFGenerate, eng: EngineSystem, work: Workload, reps:
     patches = [(engine.scheduler, "schedule"), (engine.runner, "execute"), (engine.loaded.model, "forward")]
     for obj, attr in patches:
         setattr(obj, attr, timed(attr, getattr(obj, attr)))
-    steps = []
+    steps, floors = [], []
     try:
-        for prompt in work.take(reps):
+        for prompt in work.take(reps):  # interleaved with the floor, like every other measurement
             steps.append(eng.ttft(prompt)[0])
+            floors.append(hf.floor(prompt[len(work.prefix) :], last_logits_only=True)[0])
     finally:
         for obj, attr in patches:
             delattr(obj, attr)  # back to the class attribute
     best = steps.index(min(steps))
     step, schedule, execute, forward = steps[best], *(phases[n][best] for n in ("schedule", "execute", "forward"))
-    floor = min(hf.floor(p[len(work.prefix) :], last_logits_only=True)[0] for p in work.take(reps))
+    floor = min(floors)
     print(f"\nWhere the single-request step goes (fastest of {reps}, wall clock):")
     print(f"  submit + schedule + sample + bookkeeping   {(step - execute) * 1e3:7.1f} ms   (schedule() {schedule * 1e3:.1f} ms)")
     print(f"  runner planning (slots, batches, mask)     {(execute - forward) * 1e3:7.1f} ms")
@@ -726,20 +733,20 @@ def report(s: Settings, single, runs, cb_rows, cb_identical, scaling, memory_che
     )
 
     steady_b, steady_d = Summary.of(runs["copy", "steady"]), Summary.of(runs["engine", "steady"])
-    ttft_ratio, ttft_cpu_ratio = wall("engine") / floor, cpu("engine") / floor_cpu
+    ttft_ratio, ttft_cpu_ratio = wall("engine") / strict, cpu("engine") / strict_cpu
     e2e_ratio, e2e_cpu_ratio = steady_b.e2e_s / steady_d.e2e_s, steady_b.cpu_s / steady_d.cpu_s
-    print("\nGoals:")
+    print("\nGoals (wall clock decides; CPU time shown as the less noisy cross-check):")
     print(
-        f"  single request TTFT <= {TTFT_GOAL}x the suffix-alone floor    wall {ttft_ratio:.2f}x, CPU {ttft_cpu_ratio:.2f}x   "
-        f"{'met' if ttft_ratio <= TTFT_GOAL else 'MISSED'}   (strict floor: wall {wall('engine') / strict:.2f}x, "
-        f"CPU {cpu('engine') / strict_cpu:.2f}x)"
+        f"  single request TTFT <= {TTFT_GOAL}x the strict floor           wall {ttft_ratio:.2f}x, CPU {ttft_cpu_ratio:.2f}x   "
+        f"{'met' if ttft_ratio <= TTFT_GOAL else 'MISSED'}   (against the issue's literal floor, which also computes "
+        f"{s.suffix_len} rows of logits: {wall('engine') / floor:.2f}x)"
     )
     print(
-        f"  steady {s.num_requests}-request E2E (b) / (d) >= {E2E_GOAL}x          wall {e2e_ratio:.2f}x, CPU {e2e_cpu_ratio:.2f}x   "
+        f"  steady {s.num_requests}-request E2E (b) / (d) >= {E2E_GOAL}x              wall {e2e_ratio:.2f}x, CPU {e2e_cpu_ratio:.2f}x   "
         f"{'met' if e2e_ratio >= E2E_GOAL else 'MISSED'}"
     )
     checked = ", ".join(f"N={n}: {p}" for n, p in memory_checks)
-    print(f"  KV for N requests = prefix once + N x private             met (asserted: used blocks == "
+    print(f"  KV for N requests = prefix once + N x private      met (asserted: used blocks == "
           f"{s.prefix_blocks} + N x {s.private_blocks}; {checked})")
 
 
