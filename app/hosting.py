@@ -36,7 +36,8 @@ from engine.events import Event, EventKind
 from engine.snapshot import PoolStats, RequestView
 from storage import migrate
 from storage.db import db_engine, default_db_url
-from storage.writer import EventWriter, RunInfo, WriterStats
+from storage.recorder import run_info
+from storage.writer import EventWriter, WriterStats
 
 logger = logging.getLogger(__name__)
 
@@ -216,18 +217,7 @@ class ConsoleHost:
     def _launch(self, config: EngineConfig, engine: Engine | None = None) -> Console:
         engine = engine or Engine(config)
         started = time.time()
-        run_id = self.writer.start_run(
-            RunInfo(
-                model=engine.loaded.model_id,
-                num_blocks=engine.num_blocks,
-                block_size=config.block_size,
-                dtype=config.dtype,
-                device=str(engine.loaded.device),
-                weights_revision=engine.loaded.weights_revision,
-                namespace=engine.namespace.root_key(None).hex(),
-                started_at=started,
-            )
-        )
+        run_id = self.writer.start_run(run_info(engine, started))
         console = Console(config=config, engine=engine, run_id=run_id, started_at=started)
         console.history.offer(started, engine.stats(), force=True)
         engine.add_listener(self._listener(console))

@@ -6,9 +6,24 @@ Duck-typed on the engine (no torch import here): it needs `config`, `namespace`,
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from storage.writer import EventWriter, RunInfo
+
+
+def run_info(engine: Any, started_at: float | None = None) -> RunInfo:
+    """What identifies this engine start in the history."""
+    return RunInfo(
+        model=engine.loaded.model_id,
+        num_blocks=engine.num_blocks,
+        block_size=engine.config.block_size,
+        dtype=engine.config.dtype,
+        device=str(engine.loaded.device),
+        weights_revision=engine.loaded.weights_revision,
+        namespace=engine.namespace.root_key(None).hex(),
+        started_at=time.time() if started_at is None else started_at,
+    )
 
 
 def record_engine(engine: Any, writer: EventWriter) -> str:
@@ -17,18 +32,7 @@ def record_engine(engine: Any, writer: EventWriter) -> str:
     The listener only queues (the writer thread does the I/O), so the engine's step time does not
     depend on the database.
     """
-    config = engine.config
-    run_id = writer.start_run(
-        RunInfo(
-            model=config.model,
-            num_blocks=engine.num_blocks,
-            block_size=config.block_size,
-            dtype=config.dtype,
-            device=str(engine.loaded.device),
-            weights_revision=engine.loaded.weights_revision,
-            namespace=engine.namespace.root_key().hex(),
-        )
-    )
+    run_id = writer.start_run(run_info(engine))
 
     def persist(events: list, views: list) -> None:
         if events:
