@@ -100,6 +100,10 @@ class Settings:
     fork_counts: tuple[int, ...]  # N values of the scaling table
     cb_requests: int  # requests (c) runs on; 0 skips it
 
+    def __post_init__(self) -> None:
+        if self.prefix_len % BLOCK_SIZE:
+            raise ValueError(f"the prefix must fill whole blocks of {BLOCK_SIZE} tokens, got {self.prefix_len}")
+
     @property
     def private_blocks(self) -> int:
         """Blocks one request holds beyond the prefix at its peak (the last sampled token has no KV yet)."""
@@ -125,7 +129,10 @@ class Workload:
 
     def suffix(self, index: int) -> list[int]:
         question = QUESTIONS[index % len(QUESTIONS)]
-        text = f"\n\nQuestion {index + 1}: In the documentation above, {question}? Please answer precisely, and quote the sentence that supports your answer."
+        text = (
+            f"\n\nQuestion {index + 1}: In the documentation above, {question}? "
+            "Please answer precisely, and quote the sentence that supports your answer."
+        )
         ids = list(self._tokenizer(text, add_special_tokens=False)["input_ids"])
         if len(ids) < self._settings.suffix_len:
             raise ValueError(f"suffix {index} has {len(ids)} tokens, fewer than {self._settings.suffix_len}")
@@ -356,7 +363,9 @@ class ContinuousBatching:
             generation_config=config, continuous_batching_config=self.cb_config, block=True, timeout=30, warmup=False
         ) as manager:
             if not cold:
-                manager.add_request(self.prefix, max_new_tokens=1)
+                # Two tokens, not one: a request that finishes in the forward completing its prefill never
+                # registers its blocks for sharing (transformers 5.23 `update_batch` marks it FINISHED first).
+                manager.add_request(self.prefix, max_new_tokens=2)
                 self._collect(manager, 1)
             t0, c0 = time.perf_counter(), time.process_time()
             ids = manager.add_requests(prompts, max_new_tokens=new_tokens, record_timestamps=True)
