@@ -124,6 +124,8 @@ class Scheduler:
             plan = None
         else:
             plan = kv.plan_hit(request.all_token_ids, request.salt)
+            if self._computed_by_another(request, plan.r):
+                return None  # wait: next step this request hits the blocks another one is computing now
             start = plan.r
             tokens = request.all_token_ids[start : start + min(budget, request.num_tokens - start)]
             write_from = kv.admit(rid, tokens, plan, request.salt)
@@ -153,6 +155,27 @@ class Scheduler:
                 hit_source=request.hit_source.value,
             )
         return ScheduledChunk(request, tokens, start, write_from)
+
+    def _computed_by_another(self, request: Request, hit_end: int) -> bool:
+        """True when a running request is still prefilling the block of this prompt that follows its hit.
+
+        Admitting now would compute that block, and usually the rest of a shared prefix, a second time
+        (a burst of requests with a new system prompt all prefill it together); once the other request's
+        forward caches it, this request hits it instead.
+        """
+        bs = self.kv.block_size
+        end = hit_end + bs
+        tokens = request.all_token_ids
+        if end > (len(tokens) - 1) // bs * bs:  # past the hit cap: no further block could be reused
+            return False
+        head = tokens[:end]
+        return any(
+            other.prefilling
+            and other.salt == request.salt
+            and other.num_computed_tokens < end
+            and other.all_token_ids[:end] == head
+            for other in self.running
+        )
 
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)

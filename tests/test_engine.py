@@ -232,3 +232,13 @@ def test_background_thread_serves_submissions(tmp_path):
     finally:
         engine.stop()
     assert engine.failure is None
+
+
+def test_a_burst_sharing_a_new_prefix_computes_it_once(make_model):
+    """Regression: requests arriving together used to prefill their shared, not yet cached prefix twice."""
+    engine = Engine(EngineConfig(model="tiny-llama", num_blocks=64, block_size=16), loaded=make_model("tiny-llama"))
+    prefix = [3 + i % 500 for i in range(64)]
+    ids = [engine.submit(prefix + [400 + i] * 4, SamplingParams(max_new_tokens=2)) for i in range(4)]
+    engine.run_until_idle()
+    assert [engine.get(i).cached_tokens for i in ids] == [0, 64, 64, 64]
+    assert sum(engine.get(i).computed_tokens for i in ids) == 68 + 3 * 4
