@@ -142,7 +142,7 @@ def walk(page, url: str, expect) -> None:
 
     # The engine starts with the first session.
     page.goto(url)
-    expect(page.get_by_text("KV usage", exact=True)).to_be_visible(timeout=4 * TIMEOUT_MS)  # loads the model
+    expect(page.get_by_text("KV usage", exact=True).first).to_be_visible(timeout=4 * TIMEOUT_MS)  # loads the model
 
     # Submit a retained request.
     go(page, "Submit & fork")
