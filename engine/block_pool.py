@@ -9,8 +9,16 @@ Every block is in exactly one of three states:
     evictable   ref_count == 0, key in index   -> kept for prefix hits, evicted LRU-first
     referenced  ref_count  > 0                 -> held by block tables, never handed out
 
+The LRU is a queue in release order with lazy deletion: a block joins its tail when its last reference
+goes, and its entry is left in place, dead, when the block is shared again or evicted out of turn (the
+block counts its dead entries in `Block.lru_dead`; they all precede its live one). Popping skips dead
+entries, and the queue is compacted once it holds more than twice the pool, so every operation stays
+O(1) amortized while a release costs one append.
+
 Invariants (checked by `check_invariants`):
-  * the free deque, the evictable LRU and the referenced blocks are disjoint and cover the pool;
+  * the free deque, the evictable blocks and the referenced blocks are disjoint and cover the pool;
+  * each block has `lru_dead` + (1 if evictable else 0) entries in the LRU queue, the live one last;
+    `num_evictable` counts the evictable blocks;
   * `index[key]` is a full block whose `key` is `key`, whose key is the chained hash of its
     `parent_key` and its token ids;
   * the index is a tree: an indexed block's `parent_key` is a registered namespace root, or the key
@@ -24,7 +32,7 @@ from __future__ import annotations
 
 import time
 from array import array
-from collections import OrderedDict, deque
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable, Iterable
 
@@ -55,6 +63,7 @@ class Block:
     created_at: float = 0.0  # when it was last handed out by `allocate`
     last_used: float = 0.0  # last allocation, hit, fork share or release
     hit_count: int = 0  # times it was reused (prefix hit or fork share) since allocation
+    lru_dead: int = 0  # its dead entries in the pool's LRU queue (see the module docstring)
 
 
 class BlockPool:
@@ -82,7 +91,9 @@ class BlockPool:
         self._log = log
         self._clock = clock
         self._free: deque[Block] = deque(self.blocks)  # ref 0, no key; allocated from the left
-        self._evictable: OrderedDict[int, Block] = OrderedDict()  # ref 0, keyed; LRU first
+        self._lru: deque[Block] = deque()  # evictable blocks, oldest release first, with dead entries
+        self._num_evictable = 0  # blocks with a live LRU entry
+        self._lru_limit = 2 * num_blocks  # compact the LRU queue beyond this many entries
         self._index: dict[bytes, Block] = {}  # key -> cached block
         self._children: dict[bytes, dict[bytes, None]] = {}  # key -> keys of indexed children, insertion order
         self._roots: dict[bytes, str] = {}  # namespace root key -> the namespace text it hashes
@@ -99,12 +110,12 @@ class BlockPool:
 
     @property
     def num_evictable(self) -> int:
-        return len(self._evictable)
+        return self._num_evictable
 
     @property
     def num_allocatable(self) -> int:
         """Blocks `allocate` can hand out now: free ones plus evictable cached ones."""
-        return len(self._free) + len(self._evictable)
+        return len(self._free) + self._num_evictable
 
     @property
     def num_cached(self) -> int:
@@ -134,16 +145,16 @@ class BlockPool:
         Raises:
             NoFreeBlocksError: fewer than `num` blocks are free or evictable; nothing changes.
         """
-        if num > len(self._free) + len(self._evictable):
+        if num > len(self._free) + self._num_evictable:
             raise NoFreeBlocksError(f"{num} blocks asked for, {self.num_allocatable} of {self.num_blocks} available")
-        free_queue, evictable, bs = self._free, self._evictable, self.block_size
+        free_queue, bs = self._free, self.block_size
         now = self._clock()
         blocks = []
         for i in range(num):
             if free_queue:
                 block = free_queue.popleft()
             else:
-                _, block = evictable.popitem(last=False)
+                block = self._pop_lru()
                 self._uncache(block, EvictReason.LRU, request_id)
             block.ref_count = 1
             block.token_ids = []
@@ -157,8 +168,7 @@ class BlockPool:
                 EventKind.ALLOCATE,
                 request_id=request_id,
                 block_id=blocks[0].block_id,
-                block_ids=[b.block_id for b in blocks],
-                group=self.group,
+                detail={"block_ids": [b.block_id for b in blocks], "group": self.group},
             )
         return blocks
 
@@ -167,46 +177,61 @@ class BlockPool:
 
         The caller emits the HIT or FORK event that explains the new references.
         """
-        now, evictable = self._clock(), self._evictable
+        now = self._clock()
         for block in blocks:
             if block.ref_count == 0:
                 if block.key is None:
                     raise RuntimeError(f"block {block.block_id} is free; only cached or held blocks can be shared")
-                del evictable[block.block_id]
+                self._num_evictable -= 1
+                block.lru_dead += 1  # its LRU entry stays behind, dead
             block.ref_count += 1
             block.hit_count += 1
             block.last_used = now
 
-    def free_blocks(self, blocks: Iterable[Block], request_id: str) -> None:
+    def free_blocks(self, blocks: list[Block], request_id: str) -> None:
         """Drop one reference on each block, in order; one RELEASE event for the call.
 
         At zero a keyed block joins the LRU tail (evictable); an unkeyed one goes back to the free deque.
-        Callers pass a table's blocks last-first, so a chain's tail is evicted before its head.
+        `blocks` are distinct, consecutive entries of one block table, in either order, so only an end
+        can be partially filled. Callers pass a table's blocks last-first, so a chain's tail is evicted
+        before its head.
+
+        Raises:
+            RuntimeError: a block has no reference left to drop; nothing changes.
         """
-        now, evictable, free_queue = self._clock(), self._evictable, self._free
-        released, freed, tokens = [], 0, 0
+        now, lru, free_queue = self._clock(), self._lru, self._free
+        lru_append, free_append = lru.append, free_queue.append
+        lru_before, free_before = len(lru), len(free_queue)
         for block in blocks:
-            if block.ref_count < 1:
-                raise RuntimeError(f"block {block.block_id} released more often than referenced")
-            block.ref_count -= 1
+            ref_count = block.ref_count - 1
+            if ref_count < 0:
+                self._undo_release(blocks[: blocks.index(block)], lru_before, free_before)
+                raise RuntimeError(f"block {block.block_id} released more often than referenced; nothing released")
+            block.ref_count = ref_count
             block.last_used = now
-            released.append(block.block_id)
-            tokens += len(block.token_ids)
-            if block.ref_count == 0:
-                freed += 1
-                if block.key is not None:
-                    evictable[block.block_id] = block
+            if not ref_count:
+                if block.key is None:
+                    free_append(block)
                 else:
-                    free_queue.append(block)
-        if released:
+                    lru_append(block)
+        cached = len(lru) - lru_before
+        freed = cached + len(free_queue) - free_before
+        self._num_evictable += cached
+        if len(lru) > self._lru_limit:
+            self._compact_lru()
+        if blocks:
+            # Interior blocks of a table are full: only the two ends can hold fewer tokens.
+            bs, first, last = self.block_size, blocks[0], blocks[-1]
+            tokens = len(first.token_ids)
+            if last is not first:
+                tokens += (len(blocks) - 2) * bs + len(last.token_ids)
+            released = [block.block_id for block in blocks]
             self._log.emit(
                 EventKind.RELEASE,
                 request_id=request_id,
                 block_id=released[0],
                 tokens=tokens,
-                block_ids=released,
-                freed=freed,
-                group=self.group,
+                detail={"block_ids": released, "freed": freed, "group": self.group},
             )
 
     # ------------------------------------------------------------------ prefix index
@@ -255,7 +280,8 @@ class BlockPool:
         """Evict one unreferenced cached block (and its indexed descendants) to the free deque."""
         if block.ref_count != 0 or block.key is None:
             raise RuntimeError(f"block {block.block_id} is not an evictable cached block")
-        del self._evictable[block.block_id]
+        self._num_evictable -= 1
+        block.lru_dead += 1  # its LRU entry dies with its key
         self._uncache(block, reason, request_id)
         self._free.append(block)
 
@@ -266,11 +292,40 @@ class BlockPool:
             (dropped, still_cached): blocks evicted, and cached blocks kept because they are referenced.
         """
         dropped = 0
-        while self._evictable:
-            _, block = self._evictable.popitem(last=False)
+        while self._num_evictable:
+            block = self._pop_lru()
             dropped += 1 + self._uncache(block, EvictReason.RESET, None)
             self._free.append(block)
         return dropped, len(self._index)
+
+    def _undo_release(self, blocks: list[Block], lru_before: int, free_before: int) -> None:
+        """Give back the references a failed `free_blocks` call had dropped (blocks in release order)."""
+        for _ in range(len(self._lru) - lru_before):
+            self._lru.pop()
+        for _ in range(len(self._free) - free_before):
+            self._free.pop()
+        for block in blocks:
+            block.ref_count += 1
+
+    def _pop_lru(self) -> Block:
+        """Take the least recently used evictable block out of the LRU (there must be one)."""
+        lru = self._lru
+        while True:
+            block = lru.popleft()
+            if not block.lru_dead:
+                self._num_evictable -= 1
+                return block
+            block.lru_dead -= 1
+
+    def _compact_lru(self) -> None:
+        """Drop the LRU queue's dead entries, keeping the live ones in order."""
+        live = []
+        for block in self._lru:
+            if block.lru_dead:
+                block.lru_dead -= 1
+            else:
+                live.append(block)
+        self._lru = deque(live)
 
     def _uncache(self, block: Block, reason: EvictReason, request_id: str | None) -> int:
         """Remove a block's key and its indexed descendants' keys. Returns how many descendants.
@@ -292,14 +347,16 @@ class BlockPool:
             request_id=request_id,
             block_id=block.block_id,
             tokens=len(block.token_ids),
-            reason=reason.value,
-            key=key.hex(),
-            start_pos=block.start_pos,
-            end_pos=block.start_pos + len(block.token_ids),
-            age_s=now - block.created_at,
-            hit_count=block.hit_count,
-            last_used=block.last_used,
-            group=self.group,
+            detail={
+                "reason": reason.value,
+                "key": key.hex(),
+                "start_pos": block.start_pos,
+                "end_pos": block.start_pos + len(block.token_ids),
+                "age_s": now - block.created_at,
+                "hit_count": block.hit_count,
+                "last_used": block.last_used,
+                "group": self.group,
+            },
         )
         self.num_evictions += 1
         block.key = None
@@ -312,7 +369,8 @@ class BlockPool:
 
     def _uncache_descendant(self, child: Block, request_id: str | None) -> int:
         if child.ref_count == 0:
-            del self._evictable[child.block_id]
+            self._num_evictable -= 1
+            child.lru_dead += 1
         removed = self._uncache(child, EvictReason.PARENT_EVICTED, request_id)
         if child.ref_count == 0:
             self._free.append(child)
@@ -326,14 +384,35 @@ class BlockPool:
         return "evictable" if block.key is not None else "free"
 
     def evictable_in_lru_order(self) -> list[int]:
-        return list(self._evictable)
+        """Ids of the blocks with a live LRU entry, least recently used first (the order of eviction)."""
+        dead_left: dict[int, int] = {}
+        order = []
+        for block in self._lru:
+            dead = dead_left.setdefault(block.block_id, block.lru_dead)
+            if dead:
+                dead_left[block.block_id] = dead - 1
+            else:
+                order.append(block.block_id)
+        return order
 
     def check_invariants(self) -> None:
         """Raise AssertionError if any pool invariant (module docstring) is broken."""
         free_ids = [b.block_id for b in self._free]
         assert len(free_ids) == len(set(free_ids)), "a block is twice in the free deque"
         free_set = set(free_ids)
-        evictable_set = set(self._evictable)
+        live = self.evictable_in_lru_order()
+        evictable_set = set(live)
+        assert len(live) == len(evictable_set), "a block has two live LRU entries"
+        assert evictable_set == {b.block_id for b in self.blocks if b.ref_count == 0 and b.key is not None}, (
+            "the live LRU entries are not the evictable blocks"
+        )
+        assert len(evictable_set) == self._num_evictable, "num_evictable does not count the evictable blocks"
+        entries: dict[int, int] = {}
+        for block in self._lru:
+            entries[block.block_id] = entries.get(block.block_id, 0) + 1
+        for block in self.blocks:
+            expected = block.lru_dead + (block.block_id in evictable_set)
+            assert entries.get(block.block_id, 0) == expected, f"block {block.block_id}: LRU entries miscounted"
         referenced = {b.block_id for b in self.blocks if b.ref_count > 0}
         assert not free_set & evictable_set, "free and evictable overlap"
         assert not free_set & referenced, "a referenced block is free"

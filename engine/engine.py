@@ -319,9 +319,7 @@ class Engine:
             EventKind.REPLAY,
             request_id=request.request_id,
             tokens=request.replayed_tokens,
-            mode=request.replay_mode,
-            verified=True,
-            **request.replay_divergence,
+            detail={"mode": request.replay_mode, "verified": True, **request.replay_divergence},
         )
 
     def _stop_reason(self, request: Request, token: int) -> str | None:
@@ -518,7 +516,12 @@ class Engine:
             request.status = RequestStatus.REJECTED
             request.finish_reason = "too large for the pool"
             reason = f"needs {needed} blocks for its context and new tokens; the whole pool has {self.num_blocks}"
-            self.log.emit(EventKind.REJECT, request_id=request.request_id, tokens=request.num_prompt_tokens, reason=reason)
+            self.log.emit(
+                EventKind.REJECT,
+                request_id=request.request_id,
+                tokens=request.num_prompt_tokens,
+                detail={"reason": reason},
+            )
             self._publish(self.log.take(), [request])
             raise RequestRejected(f"request {request.request_id!r} rejected: {reason}")
         if request.sampling.temperature > 0:
@@ -529,7 +532,7 @@ class Engine:
             EventKind.SUBMIT,
             request_id=request.request_id,
             tokens=request.num_prompt_tokens,
-            parent_id=request.parent_id,
+            detail={"parent_id": request.parent_id},
         )
         self._publish(self.log.take(), [request])
         self._work.notify_all()

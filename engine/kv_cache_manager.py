@@ -221,8 +221,7 @@ class KVCacheManager:
                 request_id=request_id,
                 block_id=hits[-1].block_id,
                 tokens=len(hits) * self.block_size,
-                cached_tokens=len(hits) * self.block_size,
-                num_blocks=len(hits),
+                detail={"cached_tokens": len(hits) * self.block_size, "num_blocks": len(hits)},
             )
         self._append(table, request_id, new_token_ids)
         return True
@@ -249,7 +248,7 @@ class KVCacheManager:
         new = self.pool.allocate(request_id, start_pos=old.start_pos)
         new.token_ids = list(old.token_ids)
         table.blocks[-1] = new
-        self.pool.free_blocks((old,), request_id)
+        self.pool.free_blocks([old], request_id)
         self._copies.append(BlockCopy(old.block_id, new.block_id, len(new.token_ids)))
         self.num_cow_copies += 1
         self._log.emit(
@@ -257,10 +256,12 @@ class KVCacheManager:
             request_id=request_id,
             block_id=new.block_id,
             tokens=len(new.token_ids),
-            src_block=old.block_id,
-            dst_block=new.block_id,
-            num_slots=len(new.token_ids),
-            group=self.pool.group,
+            detail={
+                "src_block": old.block_id,
+                "dst_block": new.block_id,
+                "num_slots": len(new.token_ids),
+                "group": self.pool.group,
+            },
         )
         return new
 
@@ -308,11 +309,13 @@ class KVCacheManager:
                 request_id=request_id,
                 block_id=cached[0].block_id,
                 tokens=len(cached) * bs,
-                block_ids=[b.block_id for b in cached],
-                keys=[b.key.hex() for b in cached],  # type: ignore[union-attr]
-                start_pos=cached[0].start_pos,
-                end_pos=cached[-1].start_pos + bs,
-                group=self.pool.group,
+                detail={
+                    "block_ids": [b.block_id for b in cached],
+                    "keys": [b.key.hex() for b in cached],
+                    "start_pos": cached[0].start_pos,
+                    "end_pos": cached[-1].start_pos + bs,
+                    "group": self.pool.group,
+                },
             )
 
     def fork(self, parent_id: str, child_id: str) -> int:
@@ -322,13 +325,9 @@ class KVCacheManager:
         parent = self._tables.get(parent_id)
         if parent is None:
             raise KeyError(f"request {parent_id!r} holds no blocks to fork from")
-        child = BlockTable(
-            root_key=parent.root_key,
-            blocks=list(parent.blocks),
-            keys=list(parent.keys),
-            offset=parent.offset,
-            retired=parent.offset + len(parent.blocks),  # inherited state stays under the parent's retention
-        )
+        # Inherited blocks stay under the parent's retention: the child's are retired up to its tail.
+        blocks, offset = list(parent.blocks), parent.offset
+        child = BlockTable(parent.root_key, blocks, list(parent.keys), offset, offset + len(blocks))
         self.pool.touch_blocks(child.blocks)
         self._tables[child_id] = child
         shared = child.num_tokens(self.block_size)
@@ -337,9 +336,7 @@ class KVCacheManager:
             request_id=child_id,
             block_id=child.blocks[-1].block_id if child.blocks else None,
             tokens=shared,
-            parent_id=parent_id,
-            shared_blocks=len(child.blocks),
-            group=self.pool.group,
+            detail={"parent_id": parent_id, "shared_blocks": len(child.blocks), "group": self.pool.group},
         )
         return shared
 
@@ -351,7 +348,7 @@ class KVCacheManager:
         table = self._tables.pop(request_id, None)
         if table is None:
             return
-        self.pool.free_blocks(reversed(table.blocks), request_id)
+        self.pool.free_blocks(table.blocks[::-1], request_id)
         if self.window is not None:
             self._retire(table, table.num_tokens(self.block_size), request_id, held=False)
 
@@ -380,9 +377,7 @@ class KVCacheManager:
             request_id=request_id,
             block_id=dropped[0].block_id,
             tokens=num_drop * bs,
-            num_blocks=num_drop,
-            block_ids=[b.block_id for b in dropped],
-            group=self.pool.group,
+            detail={"num_blocks": num_drop, "block_ids": [b.block_id for b in dropped], "group": self.pool.group},
         )
         self._retire(table, next_pos, request_id, held=True)
         return num_drop
@@ -407,7 +402,11 @@ class KVCacheManager:
     def reset_prefix_cache(self) -> tuple[int, int]:
         """Drop every unreferenced cached block. Returns (dropped, still cached because referenced)."""
         dropped, kept = self.pool.reset()
-        self._log.emit(EventKind.RESET, tokens=0, dropped_blocks=dropped, ok=kept == 0, kept_blocks=kept)
+        self._log.emit(
+            EventKind.RESET,
+            tokens=0,
+            detail={"dropped_blocks": dropped, "ok": kept == 0, "kept_blocks": kept},
+        )
         return dropped, kept
 
     # ------------------------------------------------------------------ inspection

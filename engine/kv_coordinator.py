@@ -149,12 +149,14 @@ class KVCoordinator:
                 EventKind.REPLAY,
                 request_id=request_id,
                 tokens=plan.replayed_tokens,
-                h=plan.h,
-                s=plan.s,
-                e=plan.e,
-                r=plan.r,
-                mode=plan.mode,
-                replayed_tokens=plan.replayed_tokens,
+                detail={
+                    "h": plan.h,
+                    "s": plan.s,
+                    "e": plan.e,
+                    "r": plan.r,
+                    "mode": plan.mode,
+                    "replayed_tokens": plan.replayed_tokens,
+                },
             )
         return tuple(write_from for *_, write_from in starts)
 

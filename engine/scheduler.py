@@ -150,9 +150,11 @@ class Scheduler:
                 EventKind.SCHEDULE,
                 request_id=rid,
                 tokens=request.num_prompt_tokens,
-                cached_tokens=request.cached_tokens,
-                computed_tokens=request.num_prompt_tokens - start,
-                hit_source=request.hit_source.value,
+                detail={
+                    "cached_tokens": request.cached_tokens,
+                    "computed_tokens": request.num_prompt_tokens - start,
+                    "hit_source": request.hit_source.value,
+                },
             )
         return ScheduledChunk(request, tokens, start, write_from)
 
@@ -184,7 +186,7 @@ class Scheduler:
             EventKind.PREEMPT,
             request_id=request.request_id,
             tokens=request.num_computed_tokens,
-            num_computed_tokens=request.num_computed_tokens,
+            detail={"num_computed_tokens": request.num_computed_tokens},
         )
         request.status = RequestStatus.WAITING
         request.num_computed_tokens = 0
@@ -217,6 +219,5 @@ class Scheduler:
             EventKind.FINISH,
             request_id=request.request_id,
             tokens=len(request.output_token_ids),
-            reason=reason,
-            output_tokens=len(request.output_token_ids),
+            detail={"reason": reason, "output_tokens": len(request.output_token_ids)},
         )

@@ -18,10 +18,12 @@ Engine side (never blocks on the database; nothing is lost without being counted
     run_id = writer.start_run(RunInfo(model=..., num_blocks=..., block_size=..., dtype=..., device=...,
                                       weights_revision=..., namespace=..., started_at=...))
     writer.submit(events)                           # list[engine.events.Event]; one call <= 512 events is atomic
-    writer.record_requests(views)                   # RequestView / Request objects or dicts; upsert per request
+    writer.record_requests(views)                   # immutable RequestViews or dicts (copied); converted by the
+                                                    #   writer thread, one upsert per request per batch (latest wins)
     writer.stats()                                  # WriterStats: queued, written_*, dropped, failed_batches,
                                                     #   retries, retrying, last_error, schema_ready, pruned_rows
     writer.flush(timeout_s=None) -> bool            # wait until everything queued so far is written or dropped
+                                                    #   (a batch otherwise gathers rows for up to 0.5 s)
     writer.close(timeout_s=30.0) -> bool            # stop the run, drain, stop the thread
 
 Console side (`db` is an Engine, Connection or Session; times are epoch seconds):

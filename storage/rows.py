@@ -11,6 +11,7 @@ object with those attributes (a `RequestView`, a `Request`) or as a mapping with
 from __future__ import annotations
 
 import enum
+import operator
 from collections.abc import Mapping
 from typing import Any
 
@@ -43,6 +44,8 @@ REQUEST_FIELDS = (
 # Sliding-window replay fields; absent until the engine records them.
 WINDOW_FIELDS = ("h", "s", "e", "r", "replay_mode", "replayed_tokens")
 REQUIRED_REQUEST_FIELDS = ("request_id", "status", "arrival_time")
+_ROW_FIELDS = REQUEST_FIELDS + WINDOW_FIELDS
+_READ_ROW_FIELDS = operator.attrgetter(*_ROW_FIELDS)
 # Enum `.value` is a slow descriptor; event rows are the hot path of the writer.
 _KIND_VALUES = {kind: kind.value for kind in EventKind}
 
@@ -93,11 +96,19 @@ def request_row(run_id: str, request: Mapping[str, Any] | object) -> dict[str, A
     Raises:
         ValueError: a required field (request_id, status, arrival_time) is missing.
     """
-    read = request.get if isinstance(request, Mapping) else lambda name: getattr(request, name, None)
-    missing = [name for name in REQUIRED_REQUEST_FIELDS if read(name) is None]
+    read = _reader(request)
+    values = None
+    if not isinstance(request, Mapping):
+        try:
+            values = _READ_ROW_FIELDS(request)  # one C call for the engine's views
+        except AttributeError:
+            pass  # an object without the window fields: read them one by one
+    if values is None:
+        values = tuple(read(name) for name in _ROW_FIELDS)
+    row = dict(zip(_ROW_FIELDS, map(_plain, values)))
+    missing = [name for name in REQUIRED_REQUEST_FIELDS if row[name] is None]
     if missing:
         raise ValueError(f"request record lacks {missing}")
-    row = {name: _plain(read(name)) for name in REQUEST_FIELDS + WINDOW_FIELDS}
     row["run_id"] = run_id
     row["prompt_tokens"] = _prompt_tokens(read)
     row["output_token_ids"] = list(row["output_token_ids"] or ())
@@ -105,6 +116,20 @@ def request_row(run_id: str, request: Mapping[str, Any] | object) -> dict[str, A
         row[count] = row[count] or 0
     row["hit_source"] = row["hit_source"] or "none"
     return row
+
+
+def missing_request_fields(request: Mapping[str, Any] | object) -> list[str]:
+    """The required fields (request_id, status, arrival_time) a request record lacks."""
+    read = _reader(request)
+    return [name for name in REQUIRED_REQUEST_FIELDS if read(name) is None]
+
+
+def request_id_of(request: Mapping[str, Any] | object) -> Any:
+    return _reader(request)("request_id")
+
+
+def _reader(request: Mapping[str, Any] | object):
+    return request.get if isinstance(request, Mapping) else lambda name: getattr(request, name, None)
 
 
 def _prompt_tokens(read) -> int:

@@ -1,8 +1,14 @@
 """The single writer: the engine hands it events and request records, a background thread stores them.
 
 Contract with the engine thread:
-    * `start_run`, `submit`, `record_requests` and `close` never wait on the database. Data goes into a
-      bounded `queue.Queue`; when it is full the newest data is dropped and counted in `stats().dropped`.
+    * `start_run`, `submit`, `record_requests` and `close` never wait on the database, and do no
+      conversion work: events and request records are queued as given (events are immutable; request
+      records must not change after the call, as the engine's RequestView snapshots never do). The
+      queue is a bounded `queue.Queue`; when it is full the newest data is dropped and counted in
+      `stats().dropped`.
+    * The writer thread gathers a batch for up to `batch_interval_s` after its first item (or until
+      `batch_rows`), so a request updated on every step is converted and upserted once per batch,
+      its latest record winning. `flush` and `close` cut the wait short.
     * One `submit()` call of at most `WriterOptions.item_rows` events is written in one transaction,
       together with the `evictions` rows of its EVICT events: a crash loses whole calls, never part
       of one. Longer calls are split into items of that size, each atomic.
@@ -21,6 +27,7 @@ database each run their own writer: every writer only adds rows of its own runs.
 
 from __future__ import annotations
 
+import functools
 import operator
 import queue
 import secrets
@@ -40,7 +47,15 @@ from storage import migrate, rollups
 from storage.db import DEFAULT_BUSY_TIMEOUT_MS, db_engine
 from storage.models import EventRecord, Eviction, RequestRecord, Run
 from storage.retention import RetentionPolicy, prune
-from storage.rows import EVENT_COLUMNS, EVICTION_COLUMNS, event_values, eviction_values, request_row
+from storage.rows import (
+    EVENT_COLUMNS,
+    EVICTION_COLUMNS,
+    event_values,
+    eviction_values,
+    missing_request_fields,
+    request_id_of,
+    request_row,
+)
 
 EVENTS = EventRecord.__table__
 EVICTIONS = Eviction.__table__
@@ -74,6 +89,7 @@ class WriterOptions:
     queue_items: int = 2048  # queue bound, in items (one item = one submit chunk or one request call)
     item_rows: int = 512  # most events per item; a submit() of at most this many is atomic
     batch_rows: int = 5000  # rows gathered into one transaction (whole items; may exceed by one item)
+    batch_interval_s: float = 0.5  # a batch waits this long after its first item for more (flush cuts it)
     max_attempts: int = 5  # tries per batch before it is given up and counted as dropped
     first_backoff_s: float = 0.05  # wait after the first failure; doubles per failure
     max_backoff_s: float = 2.0  # cap on that wait
@@ -105,8 +121,9 @@ class _Item:
     """One unit of the queue, written whole or not at all. An empty item only wakes the thread."""
 
     seq: int  # order of submission; `flush` waits on it
-    events: tuple[tuple[str, Event], ...] = ()  # (run_id, event)
-    requests: tuple[dict[str, Any], ...] = ()  # request rows
+    run_id: str | None = None  # the run its rows belong to
+    events: tuple[Event, ...] = ()
+    requests: tuple[Mapping[str, Any] | object, ...] = ()  # request records, converted by the writer thread
 
     @property
     def num_rows(self) -> int:
@@ -154,6 +171,7 @@ class EventWriter:
         self._current_run: str | None = None
         self._last_seq = 0  # the newest item put into the queue
         self._done_seq = 0  # the newest item written or dropped by the thread
+        self._hurry_seq = 0  # a flush waits for this item: batches stop waiting for more until it is done
         self._closing = threading.Event()
         self._thread = threading.Thread(target=self._run, name="storage-writer", daemon=True)
         self._thread.start()
@@ -181,23 +199,28 @@ class EventWriter:
         run_id = self._require_run()
         size = self._options.item_rows
         for start in range(0, len(events), size):
-            chunk = tuple((run_id, event) for event in events[start : start + size])
-            self._enqueue(lambda seq, chunk=chunk: _Item(seq, events=chunk), len(chunk))
+            chunk = tuple(events[start : start + size])
+            self._enqueue(lambda seq, chunk=chunk: _Item(seq, run_id, events=chunk), len(chunk))
 
     def record_requests(self, requests: Iterable[Mapping[str, Any] | object]) -> None:
         """Queue request records of the current run (upserted by (run_id, request_id), last wins).
 
-        Each is a mapping or an object with `engine.request.Request`'s field names (see storage.rows).
-        Conversion happens here, so the caller may reuse or mutate its objects afterwards.
+        Each is a mapping (copied here) or an object with `engine.request.Request`'s field names (see
+        storage.rows) that nobody changes afterwards: the writer thread converts it later, and only
+        the latest record of a request in a batch.
 
         Raises:
             RuntimeError: no run was started.
-            ValueError: a record lacks request_id, status or arrival_time.
+            ValueError: a record lacks request_id, status or arrival_time (nothing is queued).
         """
         run_id = self._require_run()
-        rows = tuple(request_row(run_id, request) for request in requests)
-        if rows:
-            self._enqueue(lambda seq: _Item(seq, requests=rows), len(rows))
+        records = tuple(dict(r) if isinstance(r, Mapping) else r for r in requests)
+        for record in records:
+            missing = missing_request_fields(record)
+            if missing:
+                raise ValueError(f"request record lacks {missing}")
+        if records:
+            self._enqueue(lambda seq: _Item(seq, run_id, requests=records), len(records))
 
     def stats(self) -> WriterStats:
         with self._lock:
@@ -211,6 +234,9 @@ class EventWriter:
         """
         with self._progress:
             target = self._last_seq
+            self._hurry_seq = max(self._hurry_seq, target)
+        self._enqueue(lambda seq: _Item(seq))  # wakes a batch that is waiting for more items
+        with self._progress:
             return self._progress.wait_for(lambda: self._done_seq >= target or not self._thread.is_alive(), timeout_s)
 
     def close(self, timeout_s: float | None = 30.0) -> bool:
@@ -291,20 +317,28 @@ class EventWriter:
                 return True
 
     def _next_batch(self) -> list[_Item]:
+        """Items for one transaction: what arrives within `batch_interval_s` of the first, up to
+        `batch_rows` rows; only what is queued already while a flush or close is waiting."""
         try:
             first = self._queue.get(timeout=self._options.poll_s)
         except queue.Empty:
             return []
         items = [first]
         num_rows = first.num_rows
+        deadline = time.monotonic() + self._options.batch_interval_s
         while num_rows < self._options.batch_rows:
+            wait_s = 0.0 if self._in_a_hurry() else deadline - time.monotonic()
             try:
-                item = self._queue.get_nowait()
+                item = self._queue.get(timeout=wait_s) if wait_s > 0 else self._queue.get_nowait()
             except queue.Empty:
                 break
             items.append(item)
             num_rows += item.num_rows
         return items
+
+    def _in_a_hurry(self) -> bool:
+        with self._lock:
+            return self._closing.is_set() or self._hurry_seq > self._done_seq
 
     def _write(self, items: list[_Item]) -> bool:
         """Write one batch with bounded retries. Returns False if it was given up."""
@@ -418,16 +452,18 @@ def _insert_runs(connection: Connection, runs: dict[str, dict[str, Any]]) -> Non
 
 
 def _insert_items(connection: Connection, items: list[_Item]) -> None:
-    events = [event for item in items for event in item.events]
-    if events:
-        _bulk_insert(connection, EVENTS, EVENT_COLUMNS, [event_values(run_id, event) for run_id, event in events])
-        evictions = [eviction_values(run_id, event) for run_id, event in events if event.kind is EventKind.EVICT]
+    event_rows = [event_values(item.run_id, event) for item in items for event in item.events]
+    if event_rows:
+        _bulk_insert(connection, EVENTS, EVENT_COLUMNS, event_rows)
+        evictions = [
+            eviction_values(item.run_id, event) for item in items for event in item.events if event.kind is EventKind.EVICT
+        ]
         if evictions:
             _bulk_insert(connection, EVICTIONS, EVICTION_COLUMNS, evictions)
             rollups.add_evictions(connection, rollups.eviction_deltas(map(_ROLLUP_FIELDS, evictions)))
-    latest = {(row["run_id"], row["request_id"]): row for item in items for row in item.requests}
+    latest = {(item.run_id, request_id_of(record)): (item.run_id, record) for item in items for record in item.requests}
     if latest:
-        _upsert_requests(connection, list(latest.values()))
+        _upsert_requests(connection, [request_row(run_id, record) for run_id, record in latest.values()])
 
 
 def _bulk_insert(connection: Connection, table: Table, columns: Sequence[str], rows: list[tuple[Any, ...]]) -> None:
@@ -474,15 +510,21 @@ def _upsert_requests(connection: Connection, rows: list[dict[str, Any]]) -> None
     """Insert or replace request rows by (run_id, request_id); rows have distinct keys."""
     dialect = connection.dialect.name
     if dialect in ("sqlite", "postgresql"):
-        insert_for = sqlite.insert if dialect == "sqlite" else postgresql.insert
-        statement = insert_for(REQUESTS)
-        updates = {name: statement.excluded[name] for name in rows[0] if name not in REQUEST_KEY}
-        connection.execute(statement.on_conflict_do_update(index_elements=REQUEST_KEY, set_=updates), rows)
+        connection.execute(_upsert_statement(dialect, tuple(rows[0])), rows)
         return
     keys = [tuple(row[name] for name in REQUEST_KEY) for row in rows]
     key_columns = tuple_(*(REQUESTS.c[name] for name in REQUEST_KEY))
     connection.execute(REQUESTS.delete().where(key_columns.in_(keys)))
     connection.execute(insert(REQUESTS), rows)
+
+
+@functools.cache
+def _upsert_statement(dialect: str, columns: tuple[str, ...]):
+    """INSERT ... ON CONFLICT (run_id, request_id) DO UPDATE for SQLite or PostgreSQL, built once
+    (building it costs more than a batch of request rows)."""
+    statement = (sqlite.insert if dialect == "sqlite" else postgresql.insert)(REQUESTS)
+    updates = {name: statement.excluded[name] for name in columns if name not in REQUEST_KEY}
+    return statement.on_conflict_do_update(index_elements=REQUEST_KEY, set_=updates)
 
 
 def _stop_runs(connection: Connection, stops: dict[str, float]) -> None:

@@ -22,7 +22,7 @@ def block(block_id: int, *, state: str = "free", ref: int = 0, key: str | None =
 
 def request(rid: str, table: tuple[int, ...], **fields) -> RequestView:
     """A view with defaults for every field; `table` is the full group's block table."""
-    defaults = {f.name: None for f in dataclasses.fields(RequestView)}
+    defaults = dict.fromkeys(RequestView._fields)
     base = dict(
         request_id=rid, parent_id=None, status="running", retain=False, salt=None, prompt_token_ids=(), output_token_ids=(),
         num_prompt_tokens=0, num_computed_tokens=0, cached_tokens=0, computed_tokens=0, hit_source="none", cow_copies=0,

@@ -120,6 +120,52 @@ def test_lru_eviction_order_and_event_detail():
     m.check_invariants()
 
 
+def test_lru_order_is_release_order_through_many_reuses_and_compactions():
+    """A hot block shared and released again and again moves to the LRU tail each time; the queue of
+    dead entries this leaves is compacted (bounded), and eviction still takes the coldest block first."""
+    m = make_manager(num_blocks=4)
+    prefill(m, "cold", [1, 2, 3, 4, 0])  # block 0: cold prefix
+    prefill(m, "hot", [9, 9, 9, 9, 0])  # block 2: hot prefix (1 and 3 are the partial tails)
+    m.free("cold")
+    m.free("hot")
+    assert m.pool.evictable_in_lru_order() == [0, 2]
+    for i in range(50):  # far more releases than 2 x the pool, so the queue compacts several times
+        hits = prefill(m, f"h{i}", [9, 9, 9, 9, i])
+        assert [b.block_id for b in hits] == [2]
+        m.free(f"h{i}")
+        assert m.pool.evictable_in_lru_order() == [0, 2]
+        assert len(m.pool._lru) <= 2 * m.pool.num_blocks + 1
+        m.check_invariants()
+    m._log.take()
+    prefill(m, "new", [5, 6, 7, 8, 5, 6, 7, 8, 5])  # 3 blocks: 2 free, then the coldest cached (0)
+    evicted = [e.block_id for e in m._log.take() if e.kind == EventKind.EVICT]
+    assert evicted == [0]
+    assert m.pool.evictable_in_lru_order() == [2]
+    m.check_invariants()
+
+
+def test_releasing_a_block_too_often_is_refused_and_changes_nothing():
+    m = make_manager()
+    prefill(m, "a", [1, 2, 3, 4, 5, 6, 7, 8, 9])
+    blocks = [m.pool.blocks[b] for b in m.block_ids("a")]
+    m.free("a")
+    before = ([b.ref_count for b in m.pool.blocks], m.pool.evictable_in_lru_order(), m.pool.num_free)
+    log_len = len(m._log)
+    with pytest.raises(RuntimeError, match="released more often"):
+        m.pool.free_blocks(blocks, "a")
+    assert ([b.ref_count for b in m.pool.blocks], m.pool.evictable_in_lru_order(), m.pool.num_free) == before
+    assert len(m._log) == log_len
+    m.check_invariants()
+
+    prefill(m, "b", [1, 2, 3, 4, 20])  # block 0 referenced again, block 1 still cached, 2 free
+    held = m.pool.blocks[m.block_ids("b")[0]]
+    before = ([b.ref_count for b in m.pool.blocks], m.pool.evictable_in_lru_order(), m.pool.num_free)
+    with pytest.raises(RuntimeError, match="released more often"):
+        m.pool.free_blocks([held, m.pool.blocks[1]], "b")  # the first would succeed, the second cannot
+    assert ([b.ref_count for b in m.pool.blocks], m.pool.evictable_in_lru_order(), m.pool.num_free) == before
+    m.check_invariants()
+
+
 def test_evicting_a_parent_drops_its_cached_descendants():
     m = make_manager(num_blocks=4)
     prefill(m, "a", [1, 2, 3, 4, 5, 6, 7, 8, 9])

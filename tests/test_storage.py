@@ -369,6 +369,35 @@ def test_request_records_come_from_views_objects_or_mappings(db_url: str, make_w
     assert queries.hit_rate_over_time(engine, 60)["hit_rate"].tolist() == [0.5]
 
 
+def test_a_batch_waits_for_more_rows_but_flush_cuts_the_wait_short(db_url: str, make_writer, engine_for) -> None:
+    writer = make_writer(db_url, batch_interval_s=30.0)
+    writer.start_run(RUN_INFO)
+    writer.submit([evict(i, BASE_TIME + i) for i in range(5)])
+    time.sleep(0.3)
+    assert count_rows(engine_for(db_url), EventRecord.__table__) == 0  # still gathering its batch
+    started = time.monotonic()
+    assert writer.flush(timeout_s=10)
+    assert time.monotonic() - started < 5
+    assert count_rows(engine_for(db_url), EventRecord.__table__) == 5
+
+
+def test_request_records_are_coalesced_per_batch_and_mappings_copied(db_url: str, make_writer, engine_for) -> None:
+    writer = make_writer(db_url, batch_interval_s=30.0)  # everything below lands in one batch
+    run_id = writer.start_run(RUN_INFO)
+    record = request_record("a", output_token_ids=[1])
+    writer.record_requests([record])
+    record["output_token_ids"] = [99]  # a mapping is copied when queued: this change is not recorded
+    for step in range(2, 6):  # the engine publishes a running request on every step
+        writer.record_requests([request_record("a", status="running", output_token_ids=list(range(1, step)))])
+    writer.record_requests([request_record("b")])
+    assert writer.flush(timeout_s=10)
+    rows = queries.recent_requests(engine_for(db_url), run_id).set_index("request_id")
+    assert rows.loc["a", "output_token_ids"] == [1, 2, 3, 4] and rows.loc["a", "status"] == "running"
+    assert sorted(rows.index) == ["a", "b"]
+    stats = writer.stats()
+    assert stats.written_requests == 6 and stats.written_batches == 1 and stats.dropped == 0
+
+
 def test_rows_before_a_run_are_a_programming_error(tmp_path: Path, make_writer) -> None:
     writer = make_writer(f"sqlite:///{tmp_path / 'h.sqlite'}")
     with pytest.raises(RuntimeError, match="start_run"):
