@@ -58,7 +58,7 @@ NOTES = {
     "lookup": "theirs trusts a 64-bit blake2b hit; ours hashes under a namespace root (xxh3-128) and "
     "confirms each hit's token ids and parent key",
     "allocate": "ours also keeps LRU metadata, checks the chain parent and emits one ALLOCATE and one CACHE "
-    "event per block",
+    "event per call, each listing its blocks",
     "fork": "contexts are whole blocks, so both sides share every block and copy nothing (with a partial "
     "tail theirs takes a fresh block for a copy at fork time; ours shares it until the first write); "
     "ours emits one FORK event",
