@@ -6,8 +6,8 @@
    naive writer that commits one row per transaction (run on fewer rows; its rate is extrapolated).
 2. The eviction-log queries on `--rows` eviction rows, against the indexed schema and against a copy
    whose evictions table has no secondary indexes. Each query's time is the median of repeated runs.
-3. Engine step time with persistence off and on. One engine per mode (no listener; a listener that
-   does nothing; `record_engine(engine, EventWriter(...))`), all on the same weights, run the same
+3. Engine step time with persistence off and on. One engine per mode (no listener, twice; a listener
+   that does nothing; `record_engine(engine, EventWriter(...))`), all on the same weights, run the same
    rounds in turns (order rotating): a round is requests on a fresh shared prefix, forks of some of
    them, and LRU evictions of earlier rounds' blocks. Every `engine.step()` is timed, `--step-reps`
    rounds per engine after untimed ones that fill the pool. The writer thread runs during the steps
@@ -379,10 +379,11 @@ def bench_queries(url: str, run_ids: list[str]) -> None:
 # ---- engine step overhead --------------------------------------------------------------------
 
 FORK_EVERY = 8  # every 8th request of a round is retained and forked twice, then released
-# Persistence modes, one long-lived engine each. "listener" (a listener that does nothing) is a diagnostic:
-# the engine builds request views only when it has a listener, so it splits the overhead of "on" into
-# the engine's publishing and storage's own (the listener and the writer thread).
-STEP_MODES = ("off", "listener", "on")
+# Persistence modes, one long-lived engine each. Two are diagnostics: "off-2" is a second engine without
+# persistence, so off-2 vs off is what two identical engines differ by (the noise floor of the comparison);
+# "listener" (a listener that does nothing) splits the overhead of "on" into the engine's publishing (it
+# builds request views only when it has a listener) and storage's own (the listener and the writer thread).
+STEP_MODES = ("off", "off-2", "listener", "on")
 
 
 @dataclass(frozen=True)
@@ -564,7 +565,8 @@ def bench_step_overhead(url_for: Callable[[str], str], smollm2: bool, repetition
                     engine.run_round()
             runs: list[dict[str, RoundRun]] = []
             for rep in range(case.repetitions):
-                order = STEP_MODES[rep % 3 :] + STEP_MODES[: rep % 3]  # each engine goes first, second and last
+                turn = rep % len(STEP_MODES)
+                order = STEP_MODES[turn:] + STEP_MODES[:turn]  # each engine takes every place in the order
                 rounds = {mode: engines[mode].run_round() for mode in order}
                 if len({len(run.step_s) for run in rounds.values()}) != 1:
                     raise RuntimeError(f"the engines diverged: {[len(run.step_s) for run in rounds.values()]} steps")
@@ -601,7 +603,8 @@ def report_step_overhead(
           f"({sum(run.step_evictions for run in on_runs):,} EVICT) and "
           f"{sum(run.step_requests for run in on_runs):,} request records; the history (warm-up included) got "
           f"{history[0]:,} rows ({history[1]:,} eviction rows), nothing dropped")
-    print("  off = no listener; listener = one that does nothing (the engine still builds request views);")
+    print("  off, off-2 = no listener (two engines: their difference is this measurement's noise floor);")
+    print("  listener = one that does nothing (the engine still builds request views);")
     print("  on = record_engine + EventWriter (SQLite in a temporary directory unless --url)")
     print(f"  {'mode':10} {'median ms':>10} {'mean ms':>10} {'vs off':>13} {'engine-thread CPU ms':>21}")
     for mode in STEP_MODES:
