@@ -4,8 +4,9 @@ Event and eviction rows are tuples of driver-ready values (JSON already encoded)
 insert; request rows are dicts for SQLAlchemy's upsert.
 
 The storage layer depends on the engine only through `engine.events` (the Event type and the detail
-field names per kind) and the field names of `engine.request.Request`. A request may be given as any
-object with those attributes (a `RequestView`, a `Request`) or as a mapping with those keys.
+field names per kind), the field names of `engine.request.Request` and `engine.snapshot.RequestView`
+(whose attributes `view_values` reads). A request may be given as any object with those attributes (a
+`RequestView`, a `Request`) or as a mapping with those keys.
 """
 
 from __future__ import annotations
@@ -46,6 +47,16 @@ WINDOW_FIELDS = ("h", "s", "e", "r", "replay_mode", "replayed_tokens")
 REQUIRED_REQUEST_FIELDS = ("request_id", "status", "arrival_time")
 _ROW_FIELDS = REQUEST_FIELDS + WINDOW_FIELDS
 _READ_ROW_FIELDS = operator.attrgetter(*_ROW_FIELDS)
+# The `requests` columns an engine RequestView fills as they are, in `view_values` order (the writer's
+# SQLite path takes them positionally; missing counts and hit sources get request_row's defaults there).
+VIEW_COLUMNS = (
+    "request_id", "parent_id", "status", "prompt_tokens", "output_token_ids", "cached_tokens",
+    "computed_tokens", "hit_source", "cow_copies", "preemptions", "finish_reason", "arrival_time",
+    "first_scheduled_time", "first_token_time", "finish_time", *WINDOW_FIELDS,
+)  # fmt: skip
+_VIEW_ATTRIBUTES = {"prompt_tokens": "num_prompt_tokens"}
+# RequestView -> its VIEW_COLUMNS values, in one C call (its strings are plain already, not enums).
+view_values = operator.attrgetter(*(_VIEW_ATTRIBUTES.get(column, column) for column in VIEW_COLUMNS))
 # Enum `.value` is a slow descriptor; event rows are the hot path of the writer.
 _KIND_VALUES = {kind: kind.value for kind in EventKind}
 
@@ -125,7 +136,7 @@ def missing_request_fields(request: Mapping[str, Any] | object) -> list[str]:
 
 
 def request_id_of(request: Mapping[str, Any] | object) -> Any:
-    return _reader(request)("request_id")
+    return request.get("request_id") if isinstance(request, Mapping) else getattr(request, "request_id", None)
 
 
 def _reader(request: Mapping[str, Any] | object):

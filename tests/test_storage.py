@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import csv
 import io
+import json
 import math
 import os
 import random
@@ -38,10 +39,12 @@ from sqlalchemy.exc import DBAPIError
 from sqlalchemy.schema import CreateSchema, DropSchema
 
 from engine.events import Event, EventKind, EvictReason
+from engine.snapshot import RequestView
 from engine.request import HitSource, Request, RequestStatus, SamplingParams
 from storage import migrate, queries
 from storage.db import DB_URL_ENV, db_engine, default_db_url, open_session
-from storage.models import AGE_EDGES_S, HIT_EDGES, Base, EventRecord, Eviction, EvictionRollup, Prune
+from storage.models import AGE_EDGES_S, HIT_EDGES, Base, EventRecord, Eviction, EvictionRollup, Prune, RequestRecord
+from storage.rows import EVENT_COLUMNS, event_values, request_row
 from storage.queries import Cursor, EvictionFilters
 from storage.retention import RetentionPolicy, prune
 from storage.writer import EventWriter, RunInfo, WriterOptions
@@ -396,6 +399,43 @@ def test_request_records_are_coalesced_per_batch_and_mappings_copied(db_url: str
     assert sorted(rows.index) == ["a", "b"]
     stats = writer.stats()
     assert stats.written_requests == 6 and stats.written_batches == 1 and stats.dropped == 0
+
+
+def test_sqlite_json_paths_store_exactly_what_the_row_functions_build(tmp_path: Path, make_writer, engine_for) -> None:
+    """On SQLite, events and engine views go in through one JSON statement per batch; every stored value
+    must equal what storage.rows builds for the generic path (PostgreSQL runs that path)."""
+    url = f"sqlite:///{tmp_path / 'h.sqlite'}"
+    writer = make_writer(url)
+    run_id = writer.start_run(RUN_INFO)
+    events = [
+        evict(1, BASE_TIME + 0.125, age_s=1e-05, key="ABCDEF0123456789"),
+        cache(2, BASE_TIME + 1),
+        Event(EventKind.RESET, 3, BASE_TIME + 2, None, None, 0, {"dropped_blocks": 4, "ok": False, "kept_blocks": 1}),
+        Event(EventKind.RELEASE, 4, BASE_TIME + 3, "req-9", 7, 24, {"block_ids": [7, 3], "freed": 2, "group": "full"}),
+        Event(EventKind.REPLAY, 5, BASE_TIME + 4, "req-9", None, 5, {"kl": 0.25, "top1": 1.0, "mode": "exact"}),
+    ]
+    view = RequestView(
+        request_id="req-9", parent_id="req-1", status="finished", retain=False, salt=None,
+        prompt_token_ids=(1, 2, 3), output_token_ids=(4, 5), num_prompt_tokens=3, num_computed_tokens=5,
+        cached_tokens=2, computed_tokens=1, hit_source="fork", cow_copies=1, preemptions=2,
+        finish_reason="length", arrival_time=BASE_TIME, first_scheduled_time=BASE_TIME + 0.5,
+        first_token_time=BASE_TIME + 0.75, finish_time=None, block_tables={"full": (7, 3)}, max_new_tokens=2,
+        window_start=1, window_end=3, replay_from=2, replay_mode="exact", replayed_tokens=1, replay_divergence=None,
+    )  # fmt: skip
+    writer.submit(events)
+    writer.record_requests([view._replace(status="running", output_token_ids=(4,)), view])
+    assert writer.flush(timeout_s=10)
+
+    engine = engine_for(url)
+    with engine.connect() as connection:
+        stored = connection.execute(
+            select(*(EventRecord.__table__.c[name] for name in EVENT_COLUMNS)).order_by(EventRecord.__table__.c.id)
+        ).all()
+        request = connection.execute(select(RequestRecord.__table__)).mappings().one()
+    expected = [event_values(run_id, event) for event in events]
+    assert [row[:-1] for row in stored] == [row[:-1] for row in expected]
+    assert [row[-1] for row in stored] == [json.loads(row[-1]) for row in expected]  # the JSON column, decoded
+    assert dict(request) == request_row(run_id, view)
 
 
 def test_rows_before_a_run_are_a_programming_error(tmp_path: Path, make_writer) -> None:
