@@ -6,12 +6,13 @@
    naive writer that commits one row per transaction (run on fewer rows; its rate is extrapolated).
 2. The eviction-log queries on `--rows` eviction rows, against the indexed schema and against a copy
    whose evictions table has no secondary indexes. Each query's time is the median of repeated runs.
-3. Engine step time with persistence off and on. One engine per mode (no listener, twice; a listener
-   that does nothing; `record_engine(engine, EventWriter(...))`), all on the same weights, run the same
-   rounds in turns (order rotating): a round is requests on a fresh shared prefix, forks of some of
-   them, and LRU evictions of earlier rounds' blocks. Every `engine.step()` is timed, `--step-reps`
-   rounds per engine after untimed ones that fill the pool. The writer thread runs during the steps
-   (that is the cost measured); between rounds it is drained untimed, and closed at the end. The
+3. Engine step time with persistence off and on. One engine runs rounds in four modes taking turns
+   (order rotating): no listener, twice; a listener that does nothing; the persistence listener
+   (`storage.recorder.persistence_listener`) feeding an EventWriter. A round is waves of requests on a
+   fresh shared prefix, forks of some of them, and LRU evictions of earlier rounds' blocks. Every
+   `engine.step()` is timed, `--step-reps` rounds per mode after untimed ones that fill the pool. The
+   writer thread runs during the steps (that is the cost measured); after a round it is drained
+   untimed, and it is closed at the end. The
    tiny random-weight model always runs (its steps are short, so it exaggerates the relative
    overhead; the absolute overhead per step and per row is printed too); `--smollm2` adds
    SmolLM2-135M on a smaller round. Section 3 alone: `--only-step-overhead` (about a minute; about
@@ -52,7 +53,7 @@ from engine.request import SamplingParams  # noqa: E402
 from storage import migrate, queries  # noqa: E402
 from storage.db import db_engine  # noqa: E402
 from storage.models import EventRecord, Eviction, Run  # noqa: E402
-from storage.recorder import record_engine  # noqa: E402
+from storage.recorder import persistence_listener, run_info  # noqa: E402
 from storage.retention import RetentionPolicy  # noqa: E402
 from storage.writer import EventWriter, RunInfo, WriterOptions  # noqa: E402
 
@@ -379,10 +380,10 @@ def bench_queries(url: str, run_ids: list[str]) -> None:
 # ---- engine step overhead --------------------------------------------------------------------
 
 FORK_EVERY = 8  # every 8th request of a round is retained and forked twice, then released
-# Persistence modes, one long-lived engine each. Two are diagnostics: "off-2" is a second engine without
-# persistence, so off-2 vs off is what two identical engines differ by (the noise floor of the comparison);
-# "listener" (a listener that does nothing) splits the overhead of "on" into the engine's publishing (it
-# builds request views only when it has a listener) and storage's own (the listener and the writer thread).
+# Persistence modes, switched per round on one engine. Two are diagnostics: "off-2" repeats "off", so
+# off-2 vs off is what identical rounds differ by (the noise floor of the comparison); "listener" (a
+# listener that does nothing) splits the overhead of "on" into the engine's publishing (it builds request
+# views only when it has a listener) and storage's own (the listener and the writer thread).
 STEP_MODES = ("off", "off-2", "listener", "on")
 
 
@@ -445,34 +446,47 @@ class ListenerProbe:
             self.requests += len(views)
 
 
-class StepEngine:
-    """A long-lived engine in one persistence mode. Every instance of a case draws the same tokens, so
-    instances running their rounds in lockstep do the same work, round by round."""
+class StepBench:
+    """One long-lived engine whose persistence is switched per round.
 
-    def __init__(self, case: StepCase, loaded: LoadedModel, mode: str, url: str | None = None) -> None:
+    One engine, not one per mode: two identical engines differed by about 5% in step time (where their
+    memory lies), more than the overhead to be measured. Each round draws fresh tokens, so rounds do
+    the same kind of work; the modes take turns, so drifts of the machine's load land on all of them.
+    """
+
+    def __init__(self, case: StepCase, loaded: LoadedModel, url: str) -> None:
         from engine.engine import Engine as PrefixEngine  # torch: only this section needs it
 
         self.case = case
         self.engine = PrefixEngine(case.config, loaded=loaded)
         self.rng = random.Random(2)
         self.probe = ListenerProbe()
-        self.writer: EventWriter | None = None
-        if mode == "listener":
-            self.engine.add_listener(lambda events, views: None)
-        elif mode == "on":
-            # Schema, run row and first statements are one-time start-up costs: done before any timing.
-            self.writer = EventWriter(url)
-            self.engine.add_listener(self.probe.enter)
-            record_engine(self.engine, self.writer)
-            self.engine.add_listener(self.probe.leave)
-            self.writer.flush()
+        # Schema, run row and first statements are one-time start-up costs: done before any timing.
+        self.writer = EventWriter(url)
+        self.writer.start_run(run_info(self.engine))
+        self.writer.flush()
+        self.listeners = {
+            "off": [],
+            "off-2": [],
+            "listener": [lambda events, views: None],
+            "on": [self.probe.enter, persistence_listener(self.writer), self.probe.leave],
+        }
 
-    def run_round(self) -> RoundRun:
-        """Submit a round's requests on a fresh prefix, fork some, release them; time every step.
+    def run_round(self, mode: str) -> RoundRun:
+        """In `mode`, run waves of requests on a fresh prefix, fork some, release them; time every step.
 
         The writer thread works during the steps; after the last one the round waits (untimed) until
-        it has drained, so its work never runs into another engine's round.
+        it has drained, so its work never runs into a round of another mode.
         """
+        for listener in self.listeners[mode]:
+            self.engine.add_listener(listener)
+        try:
+            return self._timed_round()
+        finally:
+            for listener in self.listeners[mode]:
+                self.engine.remove_listener(listener)
+
+    def _timed_round(self) -> RoundRun:
         gc.collect()
         probe = self.probe
         probe.seconds = 0.0
@@ -509,8 +523,7 @@ class StepEngine:
             for parent in parents:
                 engine.release(parent)
         flush_started = time.perf_counter()
-        if self.writer is not None:
-            self.writer.flush()
+        self.writer.flush()
         flush_s = time.perf_counter() - flush_started
         cpu_s = time.process_time() - cpu_started
         return RoundRun(
@@ -518,10 +531,8 @@ class StepEngine:
             self._written_rows() - written_before,
         )  # fmt: skip
 
-    def close(self, url: str | None) -> tuple[int, int]:
-        """Close the writer. Returns the rows and the eviction rows in the history (0, 0 when off)."""
-        if self.writer is None:
-            return 0, 0
+    def close(self, url: str) -> tuple[int, int]:
+        """Close the writer. Returns the rows and the eviction rows in the history."""
         closed = self.writer.close()
         stats = self.writer.stats()
         if not closed or stats.dropped or stats.failed_batches:
@@ -535,8 +546,6 @@ class StepEngine:
         return [self.rng.randrange(3, self.engine.vocab_size) for _ in range(count)]  # no special tokens
 
     def _written_rows(self) -> int:
-        if self.writer is None:
-            return 0
         stats = self.writer.stats()
         return stats.written_events + stats.written_requests
 
@@ -557,21 +566,17 @@ def bench_step_overhead(url_for: Callable[[str], str], smollm2: bool, repetition
     with tempfile.TemporaryDirectory() as data_dir:
         for index, (name, case) in enumerate(step_cases(Path(data_dir), smollm2, repetitions).items()):
             started = time.perf_counter()
-            loaded = PrefixEngine(case.config).loaded  # the weights, loaded once and shared by the engines
             url = url_for(f"steps{index}")
-            engines = {mode: StepEngine(case, loaded, mode, url) for mode in STEP_MODES}
+            bench = StepBench(case, PrefixEngine(case.config).loaded, url)
             for _ in range(case.warm_rounds):  # also the first forwards and the writer's first statements
-                for engine in engines.values():
-                    engine.run_round()
+                for mode in STEP_MODES:
+                    bench.run_round(mode)
             runs: list[dict[str, RoundRun]] = []
             for rep in range(case.repetitions):
                 turn = rep % len(STEP_MODES)
-                order = STEP_MODES[turn:] + STEP_MODES[:turn]  # each engine takes every place in the order
-                rounds = {mode: engines[mode].run_round() for mode in order}
-                if len({len(run.step_s) for run in rounds.values()}) != 1:
-                    raise RuntimeError(f"the engines diverged: {[len(run.step_s) for run in rounds.values()]} steps")
-                runs.append(rounds)
-            history = engines["on"].close(url)
+                order = STEP_MODES[turn:] + STEP_MODES[:turn]  # each mode takes every place in the order
+                runs.append({mode: bench.run_round(mode) for mode in order})
+            history = bench.close(url)
             report_step_overhead(name, case, runs, history, time.perf_counter() - started)
 
 
@@ -596,16 +601,16 @@ def report_step_overhead(
     print(f"\nengine step time, persistence off vs on: {name} ({config.device}, {config.dtype}, "
           f"{config.num_blocks} blocks of {config.block_size}), load average {_load()}")
     print(f"  one round: {case.describe()}")
-    print(f"  one engine per mode, each {case.warm_rounds} untimed rounds (the pool fills), then {case.repetitions} "
-          f"timed rounds, the engines taking turns")
+    print(f"  one engine, each mode {case.warm_rounds} untimed rounds (the pool fills), then {case.repetitions} "
+          f"timed rounds, the modes taking turns")
     print(f"  (order rotating); {total_steps} steps per mode, {seconds:.0f} s in all")
     print(f"  timed rounds published {sum(run.step_events for run in on_runs):,} events from steps "
           f"({sum(run.step_evictions for run in on_runs):,} EVICT) and "
           f"{sum(run.step_requests for run in on_runs):,} request records; the history (warm-up included) got "
           f"{history[0]:,} rows ({history[1]:,} eviction rows), nothing dropped")
-    print("  off, off-2 = no listener (two engines: their difference is this measurement's noise floor);")
+    print("  off, off-2 = no listener (the same rounds twice: their difference is this measurement's noise);")
     print("  listener = one that does nothing (the engine still builds request views);")
-    print("  on = record_engine + EventWriter (SQLite in a temporary directory unless --url)")
+    print("  on = persistence listener + EventWriter (SQLite in a temporary directory unless --url)")
     print(f"  {'mode':10} {'median ms':>10} {'mean ms':>10} {'vs off':>13} {'engine-thread CPU ms':>21}")
     for mode in STEP_MODES:
         ratios = f"{medians[mode] / medians['off']:.3f} {means[mode] / means['off']:.3f}"

@@ -139,6 +139,11 @@ class Engine:
         with self._lock:
             self._listeners.append(listener)
 
+    def remove_listener(self, listener: Listener) -> None:
+        """Stop calling `listener` (added earlier); from the next event on."""
+        with self._lock:
+            self._listeners.remove(listener)
+
     # ------------------------------------------------------------------ commands
     def submit(
         self,

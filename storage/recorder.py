@@ -7,6 +7,7 @@ Duck-typed on the engine (no torch import here): it needs `config`, `namespace`,
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
 from storage.writer import EventWriter, RunInfo
@@ -33,6 +34,12 @@ def record_engine(engine: Any, writer: EventWriter) -> str:
     depend on the database.
     """
     run_id = writer.start_run(run_info(engine))
+    engine.add_listener(persistence_listener(writer))
+    return run_id
+
+
+def persistence_listener(writer: EventWriter) -> Callable[[list, list], None]:
+    """An engine listener that queues every event and request view into the writer's current run."""
 
     def persist(events: list, views: list) -> None:
         if events:
@@ -40,5 +47,4 @@ def record_engine(engine: Any, writer: EventWriter) -> str:
         if views:
             writer.record_requests(views)
 
-    engine.add_listener(persist)
-    return run_id
+    return persist

@@ -218,6 +218,24 @@ def test_seeded_sampling_is_reproducible(tmp_path):
     assert engine.get(a).output_token_ids == engine.get(b).output_token_ids
 
 
+def test_listeners_see_each_step_until_removed(tmp_path):
+    engine, _ = make_engine(tmp_path)
+    seen: list[tuple[int, int]] = []
+
+    def listener(events, views):
+        seen.append((len(events), len(views)))
+
+    engine.add_listener(listener)
+    rid = engine.submit(tokens(12, 1), GREEDY)
+    engine.step()
+    assert seen and seen[-1][1] == 1  # the step's events and the view of the request it ran
+    calls = len(seen)
+    engine.remove_listener(listener)
+    engine.run_until_idle()
+    assert len(seen) == calls
+    assert engine.get(rid).status == "finished"
+
+
 def test_background_thread_serves_submissions(tmp_path):
     engine, _ = make_engine(tmp_path)
     engine.start()
