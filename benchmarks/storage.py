@@ -16,7 +16,7 @@
    tiny random-weight model always runs (its steps are short, so it exaggerates the relative
    overhead; the absolute overhead per step and per row is printed too); `--smollm2` adds
    SmolLM2-135M on a smaller round. Section 3 alone: `--only-step-overhead` (about a minute; about
-   two more with --smollm2).
+   three more with --smollm2).
 
 Goals: >= 50,000 events/s; every log query < 50 ms on 1M rows; engine step time with persistence on
 within 5% of persistence off (median and mean). Without --url everything runs on SQLite files in a
@@ -77,7 +77,7 @@ def main() -> None:
     parser.add_argument("--url", help="database URL (default: SQLite files in a temporary directory)")
     parser.add_argument("--only-step-overhead", action="store_true", help="run only section 3 (engine step time)")
     parser.add_argument("--smollm2", action="store_true", help="section 3 also on SmolLM2-135M (about 2 minutes)")
-    parser.add_argument("--step-reps", type=int, help="section 3 timed rounds per engine (default: 8 tiny, 4 SmolLM2)")
+    parser.add_argument("--step-reps", type=int, help="section 3 timed rounds per mode (default: 8 tiny, 16 SmolLM2)")
     args = parser.parse_args()
     backend = make_url(args.url).get_backend_name() if args.url else "sqlite (temporary files)"
     print(f"backend: {backend}; load average {_load()} ({os.cpu_count()} CPUs)\n")
@@ -556,7 +556,7 @@ def step_cases(data_dir: Path, smollm2: bool, repetitions: int | None) -> dict[s
     cases = {"tiny-llama": StepCase(tiny, 64, 256, 32, 8, waves=6, warm_rounds=1, repetitions=repetitions or 8)}
     if smollm2:
         config = EngineConfig(model="smollm2", device="cpu", block_size=16, num_blocks=24, data_dir=SMOLLM2_DATA_DIR)
-        cases["smollm2"] = StepCase(config, 8, 32, 8, 4, waves=1, warm_rounds=2, repetitions=repetitions or 4)
+        cases["smollm2"] = StepCase(config, 8, 32, 8, 4, waves=1, warm_rounds=2, repetitions=repetitions or 16)
     return cases
 
 
