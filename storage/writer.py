@@ -21,10 +21,10 @@ Contract with the engine thread:
 
 Only the writer thread touches the database; it also applies the retention policy every
 `prune_interval_s` seconds. The engine thread needs the GIL for its own Python work, so the writer
-keeps its GIL-held work per row small: on SQLite, a batch's events and engine views go in as one JSON
-array each, unpacked by SQLite inside one statement (the sqlite3 module releases the GIL while a
-statement runs; see `_insert_events_as_json`); other rows go through the driver's executemany, or COPY
-on psycopg, with SQL compiled by SQLAlchemy (see `_bulk_insert`). Engines sharing one PostgreSQL
+keeps its GIL-held work per row small: on SQLite, every table's rows of a batch go in as one JSON array,
+unpacked by SQLite inside one statement (the sqlite3 module releases the GIL while a statement runs; see
+`_insert_events_as_json`); on other databases rows go through COPY (psycopg) or executemany, with SQL
+compiled by SQLAlchemy (see `_bulk_insert`). Engines sharing one PostgreSQL
 database each run their own writer: every writer only adds rows of its own runs.
 """
 
@@ -511,6 +511,14 @@ def _insert_events_as_json(connection: Connection, run_id: str, events: list[Eve
     connection.exec_driver_sql(statement, (run_id, array))
 
 
+def _insert_rows_as_json(connection: Connection, table: Table, columns: Sequence[str], rows: list[tuple]) -> None:
+    """SQLite: driver-ready row tuples in one statement over a JSON array (see `_insert_events_as_json`)."""
+    quote = connection.dialect.identifier_preparer.quote
+    fields = ", ".join(f"json_extract(value, '$[{index}]')" for index in range(len(columns)))
+    statement = f"INSERT INTO {quote(table.name)} ({', '.join(map(quote, columns))}) SELECT {fields} FROM json_each(?)"
+    connection.exec_driver_sql(statement, (encode_json(rows),))
+
+
 def _upsert_views_as_json(connection: Connection, run_id: str, views: list[RequestView]) -> None:
     """SQLite: upsert the `requests` rows of one run's engine views in one statement over a JSON array
     (built in C from `view_values`), for the same reason as `_insert_events_as_json`."""
@@ -530,14 +538,17 @@ def _upsert_views_as_json(connection: Connection, run_id: str, views: list[Reque
 
 
 def _bulk_insert(connection: Connection, table: Table, columns: Sequence[str], rows: list[tuple[Any, ...]]) -> None:
-    """INSERT `rows` (values in `columns` order) through the driver's executemany.
+    """INSERT `rows` (driver-ready values in `columns` order, see storage.rows).
 
-    The statement is compiled by SQLAlchemy from `insert(table)`; only SQLAlchemy's per-row parameter
-    processing is skipped, because it cost more than SQLite's own insert and held the writer under
-    50,000 events/s. Values must be driver-ready (see storage.rows). psycopg connections COPY instead.
+    SQLite: one statement over a JSON array (`_insert_rows_as_json`); psycopg: COPY; any other driver:
+    executemany of the statement SQLAlchemy compiles from `insert(table)`. SQLAlchemy's per-row parameter
+    processing is skipped everywhere, because it cost more than SQLite's own insert.
     """
     if connection.dialect.driver == "psycopg":
         _copy_rows(connection, table, columns, rows)
+        return
+    if connection.dialect.name == "sqlite":
+        _insert_rows_as_json(connection, table, columns, rows)
         return
     compiled = insert(table).inline().compile(dialect=connection.dialect, column_keys=list(columns))
     if not compiled.positional:
