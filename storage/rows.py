@@ -47,13 +47,18 @@ WINDOW_FIELDS = ("h", "s", "e", "r", "replay_mode", "replayed_tokens")
 REQUIRED_REQUEST_FIELDS = ("request_id", "status", "arrival_time")
 _ROW_FIELDS = REQUEST_FIELDS + WINDOW_FIELDS
 _READ_ROW_FIELDS = operator.attrgetter(*_ROW_FIELDS)
-# The `requests` columns an engine RequestView fills as they are, in `view_values` order (the writer's
-# SQLite path takes them positionally; missing counts and hit sources get request_row's defaults there).
-VIEW_COLUMNS = (
-    "request_id", "parent_id", "status", "prompt_tokens", "output_token_ids", "cached_tokens",
-    "computed_tokens", "hit_source", "cow_copies", "preemptions", "finish_reason", "arrival_time",
-    "first_scheduled_time", "first_token_time", "finish_time", *WINDOW_FIELDS,
-)  # fmt: skip
+# What a request row holds where its record has no value (None or empty), here and in the writer's SQLite path.
+REQUEST_DEFAULTS = {
+    "output_token_ids": [],
+    "cached_tokens": 0,
+    "computed_tokens": 0,
+    "cow_copies": 0,
+    "preemptions": 0,
+    "hit_source": "none",
+}
+# The `requests` columns an engine RequestView fills, in `view_values` order (the writer's SQLite path
+# takes them positionally).
+VIEW_COLUMNS = (*REQUEST_FIELDS, "prompt_tokens", *WINDOW_FIELDS)
 _VIEW_ATTRIBUTES = {"prompt_tokens": "num_prompt_tokens"}
 # RequestView -> its VIEW_COLUMNS values, in one C call (its strings are plain already, not enums).
 view_values = operator.attrgetter(*(_VIEW_ATTRIBUTES.get(column, column) for column in VIEW_COLUMNS))
@@ -122,10 +127,9 @@ def request_row(run_id: str, request: Mapping[str, Any] | object) -> dict[str, A
         raise ValueError(f"request record lacks {missing}")
     row["run_id"] = run_id
     row["prompt_tokens"] = _prompt_tokens(read)
-    row["output_token_ids"] = list(row["output_token_ids"] or ())
-    for count in ("cached_tokens", "computed_tokens", "cow_copies", "preemptions"):
-        row[count] = row[count] or 0
-    row["hit_source"] = row["hit_source"] or "none"
+    for name, default in REQUEST_DEFAULTS.items():
+        row[name] = row[name] or default
+    row["output_token_ids"] = list(row["output_token_ids"])  # a copy: never the shared default
     return row
 
 

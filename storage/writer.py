@@ -37,7 +37,7 @@ import secrets
 import threading
 import time
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
@@ -54,6 +54,7 @@ from storage.retention import RetentionPolicy, prune
 from storage.rows import (
     EVENT_COLUMNS,
     EVICTION_COLUMNS,
+    REQUEST_DEFAULTS,
     VIEW_COLUMNS,
     event_values,
     eviction_values,
@@ -68,15 +69,6 @@ EVICTIONS = Eviction.__table__
 REQUESTS = RequestRecord.__table__
 RUNS = Run.__table__
 REQUEST_KEY = ("run_id", "request_id")
-# SQL defaults of the JSON upsert, as storage.rows.request_row fills them for missing values.
-_VIEW_DEFAULTS = {
-    "output_token_ids": "'[]'",
-    "cached_tokens": "0",
-    "computed_tokens": "0",
-    "cow_copies": "0",
-    "preemptions": "0",
-    "hit_source": "'none'",
-}
 # (run_id, time, reason, age_s, hit_count) of an eviction row, as rollups.eviction_deltas takes them.
 _ROLLUP_FIELDS = operator.itemgetter(
     *(EVICTION_COLUMNS.index(name) for name in ("run_id", "time", "reason", "age_s", "hit_count"))
@@ -196,7 +188,7 @@ class EventWriter:
     def start_run(self, info: RunInfo) -> str:
         """Record a new engine start (stopping the previous run of this writer) and return its id."""
         run_id = new_run_id(info.started_at)
-        row = {"id": run_id, "stopped_at": None, **_run_fields(info)}
+        row = {"id": run_id, "stopped_at": None, **asdict(info)}
         with self._lock:
             if self._current_run is not None:
                 self._pending_stops[self._current_run] = info.started_at
@@ -436,19 +428,6 @@ class EventWriter:
                 self._counters.retries += 1
 
 
-def _run_fields(info: RunInfo) -> dict[str, Any]:
-    return {
-        "model": info.model,
-        "weights_revision": info.weights_revision,
-        "namespace": info.namespace,
-        "num_blocks": info.num_blocks,
-        "block_size": info.block_size,
-        "dtype": info.dtype,
-        "device": info.device,
-        "started_at": info.started_at,
-    }
-
-
 def _is_transient(error: Exception) -> bool:
     """Locked, busy, read-only, unreachable: worth another try. Bad data is not."""
     if isinstance(error, OperationalError):
@@ -503,19 +482,15 @@ def _insert_events_as_json(connection: Connection, run_id: str, events: list[Eve
     engine thread, whose Python work needs the GIL too, took about three times as long for the steps
     that overlapped a batch.
     """
-    columns = ", ".join(connection.dialect.identifier_preparer.quote(name) for name in EVENT_COLUMNS)
     # Every column after run_id is the Event field of the same name.
-    fields = ", ".join(f"json_extract(value, '$[{Event._fields.index(name)}]')" for name in EVENT_COLUMNS[1:])
-    statement = f"INSERT INTO {EVENTS.name} ({columns}) SELECT ?, {fields} FROM json_each(?)"
-    array = encode_json(list(map(tuple, events)))
-    connection.exec_driver_sql(statement, (run_id, array))
+    elements = [_json_element(Event._fields.index(name)) for name in EVENT_COLUMNS[1:]]
+    statement = _insert_from_json(connection, EVENTS, EVENT_COLUMNS, ["?", *elements])
+    connection.exec_driver_sql(statement, (run_id, encode_json(list(map(tuple, events)))))
 
 
 def _insert_rows_as_json(connection: Connection, table: Table, columns: Sequence[str], rows: list[tuple]) -> None:
     """SQLite: driver-ready row tuples in one statement over a JSON array (see `_insert_events_as_json`)."""
-    quote = connection.dialect.identifier_preparer.quote
-    fields = ", ".join(f"json_extract(value, '$[{index}]')" for index in range(len(columns)))
-    statement = f"INSERT INTO {quote(table.name)} ({', '.join(map(quote, columns))}) SELECT {fields} FROM json_each(?)"
+    statement = _insert_from_json(connection, table, columns, [_json_element(i) for i in range(len(columns))])
     connection.exec_driver_sql(statement, (encode_json(rows),))
 
 
@@ -523,18 +498,33 @@ def _upsert_views_as_json(connection: Connection, run_id: str, views: list[Reque
     """SQLite: upsert the `requests` rows of one run's engine views in one statement over a JSON array
     (built in C from `view_values`), for the same reason as `_insert_events_as_json`."""
     quote = connection.dialect.identifier_preparer.quote
-    values = []
+    elements = []
     for index, column in enumerate(VIEW_COLUMNS):
-        value = f"json_extract(value, '$[{index}]')"
-        default = _VIEW_DEFAULTS.get(column)
-        values.append(value if default is None else f"coalesce({value}, {default})")
+        if column in REQUEST_DEFAULTS:  # request_row's default, as a JSON literal
+            default = encode_json(REQUEST_DEFAULTS[column])
+            elements.append(f"coalesce({_json_element(index)}, json_extract('{default}', '$'))")
+        else:
+            elements.append(_json_element(index))
     updates = ", ".join(f"{quote(c)} = excluded.{quote(c)}" for c in VIEW_COLUMNS if c not in REQUEST_KEY)
     statement = (
-        f"INSERT INTO {REQUESTS.name} ({', '.join(map(quote, ('run_id', *VIEW_COLUMNS)))}) "
-        f"SELECT ?, {', '.join(values)} FROM json_each(?) WHERE true "
-        f"ON CONFLICT (run_id, request_id) DO UPDATE SET {updates}"
+        _insert_from_json(connection, REQUESTS, ("run_id", *VIEW_COLUMNS), ["?", *elements])
+        + f" WHERE true ON CONFLICT (run_id, request_id) DO UPDATE SET {updates}"
     )
     connection.exec_driver_sql(statement, (run_id, encode_json(list(map(view_values, views)))))
+
+
+def _insert_from_json(connection: Connection, table: Table, columns: Sequence[str], values: Sequence[str]) -> str:
+    """INSERT INTO table (columns) SELECT values FROM json_each(?): one row per element of the JSON array
+    bound last; `values` are SQL expressions over that element (`value`), or `?` for a bound value."""
+    quote = connection.dialect.identifier_preparer.quote
+    return (
+        f"INSERT INTO {quote(table.name)} ({', '.join(map(quote, columns))}) "
+        f"SELECT {', '.join(values)} FROM json_each(?)"
+    )
+
+
+def _json_element(index: int) -> str:
+    return f"json_extract(value, '$[{index}]')"
 
 
 def _bulk_insert(connection: Connection, table: Table, columns: Sequence[str], rows: list[tuple[Any, ...]]) -> None:
