@@ -17,6 +17,15 @@ from tests.test_app_support import (  # noqa: F401  (console_env is a fixture)
 PROMPT = "The quick brown fox jumps over the lazy dog. " * 4
 
 
+def page_with_retained_request():
+    """The Submit page once PROMPT, submitted with retain, has finished as req-0 (and the page re-ran)."""
+    at = submit(open_page("submit"), PROMPT, retain=True)
+    engine = host().console.engine
+    wait_for(lambda: engine.get("req-0").status == "retained", "req-0 to be retained")
+    at.run()
+    return at, engine
+
+
 def submit(at, text: str, *, retain: bool = False, max_new: int = 4):
     at.text_area(key="submit_text").input(text)
     at.number_input(key="submit_max_new").set_value(max_new)
@@ -75,11 +84,7 @@ def test_compare_shows_where_two_prompts_diverge(console_env):
 
 
 def test_fork_makes_one_child_per_suffix_line_in_one_action(console_env):
-    at = open_page("submit")
-    at = submit(at, PROMPT, retain=True)
-    engine = host().console.engine
-    wait_for(lambda: engine.get("req-0").status == "retained", "req-0 to be retained")
-    at.run()
+    at, engine = page_with_retained_request()
     assert at.selectbox(key="submit_fork_parent").value == "req-0"
     at.text_area(key="submit_fork_suffixes").input(" in French.\n in German.\n\n in Dutch.")
     at.button(key="submit_fork_go").click().run()
@@ -117,11 +122,7 @@ def test_bad_inputs_show_an_error_and_change_nothing(console_env):
 
 
 def test_forking_a_released_request_shows_an_error(console_env):
-    at = open_page("submit")
-    at = submit(at, PROMPT, retain=True)
-    engine = host().console.engine
-    wait_for(lambda: engine.get("req-0").status == "retained", "req-0 to be retained")
-    at.run()
+    at, engine = page_with_retained_request()
     at.button(key="submit_release_go").click().run()
     assert "Released req-0" in texts(at)
     assert engine.get("req-0").status == "released"
