@@ -5,7 +5,7 @@
     host.restart(new_config)     # Settings: a new engine (and a new run) replaces the old one
 
 The engine steps on its own background thread. A listener, called on that thread after every step,
-feeds the storage writer (events and request records of the current run), a bounded ring of
+feeds the storage writer process (events and request records of the current run), a bounded ring of
 `PoolStats` samples for the Overview charts and a bounded ring of recent block events for the
 Blocks inspector. Nothing here calls `st.*` except the cached constructor at the bottom, so the engine
 thread never touches Streamlit.
@@ -37,7 +37,8 @@ from engine.snapshot import PoolStats, RequestView
 from storage import migrate
 from storage.db import db_engine, default_db_url
 from storage.recorder import run_info
-from storage.writer import EventWriter, WriterStats
+from storage.writer import WriterStats
+from storage.writer_process import WriterProcess
 
 logger = logging.getLogger(__name__)
 
@@ -165,7 +166,7 @@ class ConsoleHost:
             migrate.upgrade(self.db)  # so pages can read before the writer's first batch lands
         except Exception as exc:  # reported on the pages; the writer keeps retrying on its own
             self.schema_error = f"{type(exc).__name__}: {exc}"
-        self.writer = EventWriter(self.db_url)
+        self.writer = WriterProcess(self.db_url)  # the database work runs in its own process
         self._lock = threading.RLock()
         self._closed = False
         try:

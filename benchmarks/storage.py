@@ -6,12 +6,14 @@
    naive writer that commits one row per transaction (run on fewer rows; its rate is extrapolated).
 2. The eviction-log queries on `--rows` eviction rows, against the indexed schema and against a copy
    whose evictions table has no secondary indexes. Each query's time is the median of repeated runs.
-3. Engine step time with persistence off and on. One engine runs rounds in four modes taking turns
+3. Engine step time with persistence off and on. One engine runs rounds in five modes taking turns
    (order rotating): no listener, twice; a listener that does nothing; the persistence listener
-   (`storage.recorder.persistence_listener`) feeding an EventWriter. A round is waves of requests on a
+   (`storage.recorder.persistence_listener`) feeding a WriterProcess (what the console runs: the
+   database work in a child process); the same feeding an EventWriter thread in the engine's process
+   (for comparison). A round is waves of requests on a
    fresh shared prefix, forks of some of them, and LRU evictions of earlier rounds' blocks. Every
    `engine.step()` is timed, `--step-reps` rounds per mode after untimed ones that fill the pool. The
-   writer thread runs during the steps (that is the cost measured); after a round it is drained
+   writer runs during the steps (that is the cost measured); after a round it is drained
    untimed, and it is closed at the end. The
    tiny random-weight model always runs (its steps are short, so it exaggerates the relative
    overhead; the absolute overhead per step and per row is printed too); `--smollm2` adds
@@ -56,6 +58,7 @@ from storage.models import EventRecord, Eviction, Run  # noqa: E402
 from storage.recorder import persistence_listener, run_info  # noqa: E402
 from storage.retention import RetentionPolicy  # noqa: E402
 from storage.writer import EventWriter, RunInfo, WriterOptions  # noqa: E402
+from storage.writer_process import WriterProcess  # noqa: E402
 
 if TYPE_CHECKING:
     from engine.models import LoadedModel
@@ -383,8 +386,10 @@ FORK_EVERY = 8  # every 8th request of a round is retained and forked twice, the
 # Persistence modes, switched per round on one engine. Two are diagnostics: "off-2" repeats "off", so
 # off-2 vs off is what identical rounds differ by (the noise floor of the comparison); "listener" (a
 # listener that does nothing) splits the overhead of "on" into the engine's publishing (it builds request
-# views only when it has a listener) and storage's own (the listener and the writer thread).
-STEP_MODES = ("off", "off-2", "listener", "on")
+# views only when it has a listener) and storage's own. "on" is what the console and the CLI run: a
+# WriterProcess (the database work in a child process); "on-thread" is the EventWriter thread in the
+# engine's process, for comparison.
+STEP_MODES = ("off", "off-2", "listener", "on", "on-thread")
 
 
 @dataclass(frozen=True)
@@ -454,22 +459,29 @@ class StepBench:
     the same kind of work; the modes take turns, so drifts of the machine's load land on all of them.
     """
 
-    def __init__(self, case: StepCase, loaded: LoadedModel, url: str) -> None:
+    def __init__(self, case: StepCase, loaded: LoadedModel, urls: dict[str, str]) -> None:
+        """`urls`: a database for each persisting mode ("on", "on-thread")."""
         from engine.engine import Engine as PrefixEngine  # torch: only this section needs it
 
         self.case = case
         self.engine = PrefixEngine(case.config, loaded=loaded)
         self.rng = random.Random(2)
         self.probe = ListenerProbe()
+        self.urls = urls
+        self.writers: dict[str, WriterProcess | EventWriter] = {
+            "on": WriterProcess(urls["on"]),
+            "on-thread": EventWriter(urls["on-thread"]),
+        }
         # Schema, run row and first statements are one-time start-up costs: done before any timing.
-        self.writer = EventWriter(url)
-        self.writer.start_run(run_info(self.engine))
-        self.writer.flush()
+        for writer in self.writers.values():
+            writer.start_run(run_info(self.engine))
+            writer.flush()
         self.listeners = {
             "off": [],
             "off-2": [],
             "listener": [lambda events, views: None],
-            "on": [self.probe.enter, persistence_listener(self.writer), self.probe.leave],
+            "on": [self.probe.enter, persistence_listener(self.writers["on"]), self.probe.leave],
+            "on-thread": [persistence_listener(self.writers["on-thread"])],
         }
 
     def run_round(self, mode: str) -> RoundRun:
@@ -481,17 +493,17 @@ class StepBench:
         for listener in self.listeners[mode]:
             self.engine.add_listener(listener)
         try:
-            return self._timed_round()
+            return self._timed_round(self.writers.get(mode))
         finally:
             for listener in self.listeners[mode]:
                 self.engine.remove_listener(listener)
 
-    def _timed_round(self) -> RoundRun:
+    def _timed_round(self, writer: WriterProcess | EventWriter | None) -> RoundRun:
         gc.collect()
         probe = self.probe
         probe.seconds = 0.0
         probe.events = probe.evictions = probe.requests = 0
-        written_before = self._written_rows()
+        written_before = _written_rows(writer)
         step_s: list[float] = []
         step_cpu_s = 0.0
         sampling = SamplingParams(max_new_tokens=self.case.new_tokens, ignore_eos=True)
@@ -507,7 +519,7 @@ class StepBench:
                 step_cpu_s += time.thread_time() - cpu_started
             probe.stepping = False
 
-        cpu_started = time.process_time()
+        cpu_started = self._cpu_s()
         for _ in range(self.case.waves):
             prefix = self._tokens(self.case.prefix_len)
             ids = [
@@ -523,31 +535,42 @@ class StepBench:
             for parent in parents:
                 engine.release(parent)
         flush_started = time.perf_counter()
-        self.writer.flush()
+        if writer is not None:
+            writer.flush()
         flush_s = time.perf_counter() - flush_started
-        cpu_s = time.process_time() - cpu_started
+        cpu_s = self._cpu_s() - cpu_started
         return RoundRun(
             step_s, step_cpu_s, cpu_s, flush_s, probe.seconds, probe.events, probe.evictions, probe.requests,
-            self._written_rows() - written_before,
+            _written_rows(writer) - written_before,
         )  # fmt: skip
 
-    def close(self, url: str) -> tuple[int, int]:
-        """Close the writer. Returns the rows and the eviction rows in the history."""
-        closed = self.writer.close()
-        stats = self.writer.stats()
-        if not closed or stats.dropped or stats.failed_batches:
-            raise RuntimeError(f"the writer lost rows: {stats}")
-        history = db_engine(url)
+    def close(self) -> tuple[int, int]:
+        """Close the writers. Returns the rows and the eviction rows in the history of "on"."""
+        for mode, writer in self.writers.items():
+            closed = writer.close()
+            stats = writer.stats()
+            if not closed or stats.dropped or stats.failed_batches:
+                raise RuntimeError(f"the {mode} writer lost rows: {stats}")
+        history = db_engine(self.urls["on"])
         eviction_rows = queries.eviction_count(history, use_rollups=False)
         history.dispose()
-        return stats.written_events + stats.written_requests, eviction_rows
+        return _written_rows(self.writers["on"]), eviction_rows
 
     def _tokens(self, count: int) -> list[int]:
         return [self.rng.randrange(3, self.engine.vocab_size) for _ in range(count)]  # no special tokens
 
-    def _written_rows(self) -> int:
-        stats = self.writer.stats()
-        return stats.written_events + stats.written_requests
+    def _cpu_s(self) -> float:
+        """CPU seconds of this process and of the writer process (Linux: its /proc stat)."""
+        pid = self.writers["on"]._process.pid
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return time.process_time() + (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _written_rows(writer: WriterProcess | EventWriter | None) -> int:
+    if writer is None:
+        return 0
+    stats = writer.stats()
+    return stats.written_events + stats.written_requests
 
 
 def step_cases(data_dir: Path, smollm2: bool, repetitions: int | None) -> dict[str, StepCase]:
@@ -566,8 +589,8 @@ def bench_step_overhead(url_for: Callable[[str], str], smollm2: bool, repetition
     with tempfile.TemporaryDirectory() as data_dir:
         for index, (name, case) in enumerate(step_cases(Path(data_dir), smollm2, repetitions).items()):
             started = time.perf_counter()
-            url = url_for(f"steps{index}")
-            bench = StepBench(case, PrefixEngine(case.config).loaded, url)
+            urls = {"on": url_for(f"steps{index}"), "on-thread": url_for(f"steps{index}-thread")}
+            bench = StepBench(case, PrefixEngine(case.config).loaded, urls)
             for _ in range(case.warm_rounds):  # also the first forwards and the writer's first statements
                 for mode in STEP_MODES:
                     bench.run_round(mode)
@@ -576,7 +599,7 @@ def bench_step_overhead(url_for: Callable[[str], str], smollm2: bool, repetition
                 turn = rep % len(STEP_MODES)
                 order = STEP_MODES[turn:] + STEP_MODES[:turn]  # each mode takes every place in the order
                 runs.append({mode: bench.run_round(mode) for mode in order})
-            history = bench.close(url)
+            history = bench.close()
             report_step_overhead(name, case, runs, history, time.perf_counter() - started)
 
 
@@ -610,7 +633,9 @@ def report_step_overhead(
           f"{history[0]:,} rows ({history[1]:,} eviction rows), nothing dropped")
     print("  off, off-2 = no listener (the same rounds twice: their difference is this measurement's noise);")
     print("  listener = one that does nothing (the engine still builds request views);")
-    print("  on = persistence listener + EventWriter (SQLite in a temporary directory unless --url)")
+    print("  on = persistence listener + WriterProcess, the writer the console and the CLI use (its database")
+    print("       work in a child process; SQLite in a temporary directory unless --url);")
+    print("  on-thread = persistence listener + EventWriter, a writer thread in the engine's process")
     print(f"  {'mode':10} {'median ms':>10} {'mean ms':>10} {'vs off':>13} {'engine-thread CPU ms':>21}")
     for mode in STEP_MODES:
         ratios = f"{medians[mode] / medians['off']:.3f} {means[mode] / means['off']:.3f}"
@@ -624,7 +649,7 @@ def report_step_overhead(
           f"listener (queueing {step_rows / total_steps:.0f} rows a step)")
     print(f"  per row (event or request record): {extra_s / step_rows * 1e6:+.1f} us of step time, "
           f"{extra_cpu_s / sum(run.written_rows for run in on_runs) * 1e6:+.1f} us of process CPU "
-          f"(writer thread included)")
+          f"(the writer process's included)")
     # The writer's last batch of a round is written after its last step (untimed, so that it cannot
     # slow another engine's round). Counting that tail as step time bounds the overhead from above.
     tail_s = sum(run.flush_s for run in on_runs)

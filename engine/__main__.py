@@ -48,9 +48,9 @@ def main(argv: list[str] | None = None) -> int:
     writer = None
     if args.db is not None:
         from storage.recorder import record_engine  # the history is optional: import it only when asked
-        from storage.writer import EventWriter
+        from storage.writer_process import WriterProcess
 
-        writer = EventWriter(args.db)
+        writer = WriterProcess(args.db)
         record_engine(engine, writer)
 
     def emit(record: dict) -> None:

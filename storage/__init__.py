@@ -6,7 +6,9 @@ Imports no Streamlit and no torch. Modules, one job each:
     models      the schema at head (runs, requests, events, evictions, prunes, eviction_rollups).
     migrate     `upgrade(url_or_engine, revision="head")`, `current_revision(...)` (Alembic, in code).
     rows        engine values -> table rows (the only code that knows engine field names).
-    writer      `EventWriter`: the single writer thread; the engine never waits on the database.
+    writer      `EventWriter`: the single writer (a thread that batches, retries and prunes).
+    writer_process  `WriterProcess`: the same interface, with the EventWriter in a child process (what
+                the console and the CLI use: the database work never shares the engine's interpreter).
     rollups     per-minute eviction aggregates kept equal to the log.
     retention   `prune(engine, RetentionPolicy, now)`: age and row-count bounds, logged in `prunes`.
     buckets     `bucket_index`: floor(time / seconds) on every backend.
@@ -14,7 +16,8 @@ Imports no Streamlit and no torch. Modules, one job each:
 
 Engine side (never blocks on the database; nothing is lost without being counted):
 
-    writer = EventWriter(url)                       # url=None: $PREFIX_CONSOLE_DB_URL or <data>/history.sqlite
+    writer = WriterProcess(url)                     # or EventWriter(url), in-process;
+                                                    # url=None: $PREFIX_CONSOLE_DB_URL or <data>/history.sqlite
     run_id = writer.start_run(RunInfo(model=..., num_blocks=..., block_size=..., dtype=..., device=...,
                                       weights_revision=..., namespace=..., started_at=...))
     writer.submit(events)                           # list[engine.events.Event]; one call <= 512 events is atomic
@@ -24,7 +27,7 @@ Engine side (never blocks on the database; nothing is lost without being counted
                                                     #   retries, retrying, last_error, schema_ready, pruned_rows
     writer.flush(timeout_s=None) -> bool            # wait until everything queued so far is written or dropped
                                                     #   (a batch otherwise gathers rows for up to 0.5 s)
-    writer.close(timeout_s=30.0) -> bool            # stop the run, drain, stop the thread
+    writer.close(timeout_s=30.0) -> bool            # stop the run, drain, stop the thread (and process)
 
 Console side (`db` is an Engine, Connection or Session; times are epoch seconds):
 

@@ -185,9 +185,10 @@ class EventWriter:
 
     # ---- engine side: never blocks on the database -------------------------------------------
 
-    def start_run(self, info: RunInfo) -> str:
-        """Record a new engine start (stopping the previous run of this writer) and return its id."""
-        run_id = new_run_id(info.started_at)
+    def start_run(self, info: RunInfo, run_id: str | None = None) -> str:
+        """Record a new engine start (stopping the previous run of this writer) and return its id
+        (`run_id`, else a new one from `new_run_id`)."""
+        run_id = run_id or new_run_id(info.started_at)
         row = {"id": run_id, "stopped_at": None, **asdict(info)}
         with self._lock:
             if self._current_run is not None:

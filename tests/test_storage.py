@@ -43,11 +43,12 @@ from engine.snapshot import RequestView
 from engine.request import HitSource, Request, RequestStatus, SamplingParams
 from storage import migrate, queries
 from storage.db import DB_URL_ENV, db_engine, default_db_url, open_session
-from storage.models import AGE_EDGES_S, HIT_EDGES, Base, EventRecord, Eviction, EvictionRollup, Prune, RequestRecord
+from storage.models import AGE_EDGES_S, HIT_EDGES, Base, EventRecord, Eviction, EvictionRollup, Prune, RequestRecord, Run
 from storage.rows import EVENT_COLUMNS, event_values, request_row
 from storage.queries import Cursor, EvictionFilters
 from storage.retention import RetentionPolicy, prune
 from storage.writer import EventWriter, RunInfo, WriterOptions
+from storage.writer_process import WriterProcess
 
 REPO = Path(__file__).resolve().parents[1]
 PG_URL_ENV = "PREFIX_CONSOLE_TEST_PG_URL"
@@ -132,13 +133,15 @@ def db_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
     return url
 
 
-@pytest.fixture
-def make_writer() -> Iterator[Callable[..., EventWriter]]:
-    """EventWriter factory with fast retries and no retention; every writer is closed afterwards."""
+@pytest.fixture(params=["thread", "process"])
+def make_writer(request: pytest.FixtureRequest) -> Iterator[Callable[..., EventWriter]]:
+    """Writer factory with fast retries and no retention, once per kind: the `EventWriter` thread and
+    the `WriterProcess` that runs one in a child process. Every writer is closed afterwards."""
+    kind = EventWriter if request.param == "thread" else WriterProcess
     writers: list[EventWriter] = []
 
     def make(url: str, **options) -> EventWriter:
-        writer = EventWriter(url, WriterOptions(**{**FAST, **options}))
+        writer = kind(url, WriterOptions(**{**FAST, **options}))
         writers.append(writer)
         return writer
 
@@ -376,6 +379,7 @@ def test_a_batch_waits_for_more_rows_but_flush_cuts_the_wait_short(db_url: str, 
     writer = make_writer(db_url, batch_interval_s=30.0)
     writer.start_run(RUN_INFO)
     writer.submit([evict(i, BASE_TIME + i) for i in range(5)])
+    assert wait_for(lambda: writer.stats().schema_ready)
     time.sleep(0.3)
     assert count_rows(engine_for(db_url), EventRecord.__table__) == 0  # still gathering its batch
     started = time.monotonic()
@@ -485,17 +489,21 @@ def test_readers_see_monotonic_counts_while_the_writer_inserts(db_url: str, make
     assert writer.stats().written_events == 2 * total
 
 
-# A child that writes groups of events (one submit each, so one transaction each) until killed,
-# printing the number of every group it knows to be committed.
+# An engine process that writes groups of events (one submit each, so one transaction each) until
+# killed, printing the number of every group it knows to be committed. With a WriterProcess it first
+# prints the writer process's pid.
 KILLED_CHILD = """
 import sys, time
 from engine.events import Event, EventKind
 from storage.writer import EventWriter, RunInfo, WriterOptions
+from storage.writer_process import WriterProcess
 from storage.retention import RetentionPolicy
 
-url, size = sys.argv[1], int(sys.argv[2])
+url, size, kind = sys.argv[1], int(sys.argv[2]), sys.argv[3]
 options = WriterOptions(item_rows=size, batch_rows=size * 3, retention=RetentionPolicy(None, None, None))
-writer = EventWriter(url, options)
+writer = EventWriter(url, options) if kind == "thread" else WriterProcess(url, options)
+if kind == "process":
+    print(writer._process.pid, flush=True)
 writer.start_run(RunInfo(model="m", num_blocks=8, block_size=16, dtype="float32", device="cpu"))
 group = 0
 while True:
@@ -512,15 +520,27 @@ while True:
 """
 
 
-def test_a_killed_writer_loses_only_unflushed_whole_batches(db_url: str, engine_for) -> None:
+def process_exited(pid: int) -> bool:
+    """True once `pid` is gone or a zombie (an orphan's reaper may be slow)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+@pytest.mark.parametrize("kind", ["thread", "process"])
+def test_a_killed_writer_loses_only_unflushed_whole_batches(db_url: str, kind: str, engine_for) -> None:
+    """Killing the engine's process (SIGKILL) mid-stream. A writer thread dies with it; a writer process
+    sees its pipe close and writes everything it had received, then stops the run and exits."""
     size = 60
     child = subprocess.Popen(
-        [sys.executable, "-c", KILLED_CHILD, db_url, str(size)],
+        [sys.executable, "-c", KILLED_CHILD, db_url, str(size), kind],
         cwd=REPO,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
     )
+    writer_pid = int(child.stdout.readline()) if kind == "process" else None
     flushed = -1
     try:
         deadline = time.monotonic() + 60
@@ -535,6 +555,8 @@ def test_a_killed_writer_loses_only_unflushed_whole_batches(db_url: str, engine_
         child.stdout.close()
         child.stderr.close()
     assert flushed >= 40
+    if writer_pid is not None:
+        assert wait_for(lambda: process_exited(writer_pid), timeout_s=60)
 
     engine = engine_for(db_url)
     if make_url(db_url).get_backend_name() == "sqlite":
@@ -553,6 +575,38 @@ def test_a_killed_writer_loses_only_unflushed_whole_batches(db_url: str, engine_
     assert all(count == size for count in events.values())  # every group whole ...
     assert all(evictions[name] == size // 3 for name in events)  # ... with its eviction rows
     assert queries.eviction_count(engine) == sum(evictions.values())  # and rollups
+    if writer_pid is not None:
+        with engine.connect() as connection:
+            assert connection.scalar(select(Run.stopped_at)) is not None  # it closed the run on its way out
+
+
+def test_a_dead_writer_process_is_reported_and_its_rows_counted(tmp_path: Path, engine_for) -> None:
+    url = f"sqlite:///{tmp_path / 'history.sqlite'}"
+    writer = WriterProcess(url, WriterOptions(**FAST))
+    writer.start_run(RUN_INFO)
+    writer.submit([cache(i, BASE_TIME) for i in range(10)])
+    assert writer.flush(timeout_s=20)
+    os.kill(writer._process.pid, signal.SIGKILL)
+    assert wait_for(lambda: writer.stats().last_error is not None)
+    writer.submit([cache(i, BASE_TIME) for i in range(10, 15)])  # the engine keeps serving
+    writer.record_requests([request_record("a")])
+    stats = writer.stats()
+    assert "writer process exited" in stats.last_error and not stats.retrying
+    assert stats.written_events == 10 and stats.dropped == 6 and stats.queued == 0
+    assert writer.flush(timeout_s=5) and writer.close(timeout_s=5)
+    assert count_rows(engine_for(url), EventRecord.__table__) == 10
+
+
+def test_a_writer_process_sends_pending_request_records_once_the_engine_is_quiet(tmp_path: Path) -> None:
+    """Request records wait to be coalesced; with no flush and nothing else coming they still go out."""
+    writer = WriterProcess(f"sqlite:///{tmp_path / 'history.sqlite'}", WriterOptions(**FAST, batch_interval_s=0.2))
+    writer.start_run(RUN_INFO)
+    writer.record_requests([request_record("a", status="running")])  # the first goes out at once
+    writer.record_requests([request_record("a", status="running", output_token_ids=[4])])
+    writer.record_requests([request_record("a", output_token_ids=[4, 5])])  # supersedes the one before
+    assert wait_for(lambda: writer.stats().written_requests == 3, timeout_s=20)  # the superseded one counts
+    assert writer.stats().queued == 0
+    writer.close(timeout_s=20)
 
 
 @contextmanager
@@ -933,7 +987,7 @@ def test_the_rollup_table_never_keeps_empty_minutes(history) -> None:
 
 
 def test_the_storage_package_imports_no_streamlit_and_no_torch() -> None:
-    code = "import sys, storage.writer, storage.queries; print(sorted({'streamlit', 'torch'} & set(sys.modules)))"
+    code = "import sys, storage.writer_process, storage.queries; print(sorted({'streamlit', 'torch'} & set(sys.modules)))"
     result = subprocess.run(
         [sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120, env=os.environ
     )

@@ -1,0 +1,351 @@
+"""The history writer in a process of its own: the engine's process only pickles and hands over bytes.
+
+`WriterProcess` has `EventWriter`'s interface and contract (see storage.writer) and runs an
+`EventWriter` in a child process (`python -m storage.writer_process`), so the database work (SQLite's
+inserts, the writer's Python, its GIL) never shares an interpreter with the engine. Measured on the
+2-core machine this was built on: a writer thread made the tiny model's ~20 ms steps about 10% slower
+whenever a batch overlapped them, while the same writer in another process, fed at the same rate,
+left them unchanged; the engine side pays only the pickling below.
+
+Data flow, one way:
+    engine thread --pickle--> bounded frame queue --sender thread--> pipe --> child: EventWriter
+    child: stats, flush and close replies --> pipe --> receiver thread --> `stats()`, `flush()`, `close()`
+
+    * `submit` pickles on the calling thread (events as plain tuples: ~1 us an event) and queues the
+      frame; it never waits. At most `queue_items` data frames wait to be sent (then the pipe's buffer
+      and the child writer's own queue hold more); a frame that finds the queue full is dropped and
+      its rows counted in `stats().dropped`.
+    * `record_requests` keeps only the latest record of each request and sends them together at most
+      every `batch_interval_s` (the engine republishes every running request every step, and a view
+      carries its whole prompt). Records still pending go out before a new run starts, on `flush` and
+      `close`, and from the sender thread when the engine goes quiet; superseded records are not
+      rows (`written_requests` counts the records sent).
+    * Control frames (`start_run`, `flush`, `close`) are never dropped; frames reach the child in order,
+      so a run's rows always follow its run.
+    * `stats()` is the child writer's latest report (it reports whenever its counters change, at most
+      every `poll_s`, and with every flush reply), merged with what this side counts: rows not yet
+      confirmed by the child are `queued`, rows dropped here are in `dropped`.
+    * If the child dies, that is reported (`last_error`), every row it had not confirmed is counted as
+      dropped, and the engine keeps serving. If this process dies, the child sees the pipe close,
+      writes everything it received and exits; a killed child loses at most what it had not committed.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import pickle
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import replace
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+from engine.events import Event
+from engine.snapshot import RequestView
+from storage.db import db_engine, default_db_url
+from storage.rows import missing_request_fields, request_id_of
+from storage.writer import EventWriter, RunInfo, WriterOptions, WriterStats, new_run_id
+
+ROOT = Path(__file__).resolve().parents[1]
+PICKLE_PROTOCOL = pickle.HIGHEST_PROTOCOL
+# The child yields its core to the engine's threads whenever they are runnable (measured: without it the
+# tiny model's steps were a few percent slower while batches were written). Under sustained full load
+# it still gets a small share; if that is too little, its bounded queues drop rows and count them.
+CHILD_NICENESS = 19
+NO_STATS = WriterStats(
+    queued=0, written_events=0, written_requests=0, written_batches=0, dropped=0, failed_batches=0, retries=0,
+    retrying=False, last_error=None, schema_ready=False, pruned_rows=0,
+)  # fmt: skip
+_STOP_SENDING = None  # the frame queue's last item: the sender thread exits
+
+
+class WriterProcess:
+    """`EventWriter`'s interface, with the writer in a child process. See the module docstring."""
+
+    def __init__(self, url: str | None = None, options: WriterOptions | None = None) -> None:
+        """Start the child for `url` (default: `storage.db.default_db_url()`).
+
+        Raises:
+            sqlalchemy.exc.ArgumentError (or the driver's ImportError): `url` cannot name a database,
+                as `EventWriter` raises it. An unreachable database is reported in `stats()` instead.
+        """
+        self._options = options or WriterOptions()
+        url = url or default_db_url()
+        db_engine(url).dispose()  # a malformed URL or a missing driver fails here, not in the child
+        to_child_read, to_child_write = os.pipe()
+        from_child_read, from_child_write = os.pipe()
+        try:
+            self._process = subprocess.Popen(
+                [sys.executable, "-m", "storage.writer_process", str(to_child_read), str(from_child_write)],
+                pass_fds=(to_child_read, from_child_write),
+                stdin=subprocess.DEVNULL,
+                env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))},
+            )
+        finally:
+            os.close(to_child_read)
+            os.close(from_child_write)
+        self._to_child = Connection(to_child_write, readable=False)
+        self._from_child = Connection(from_child_read, writable=False)
+        self._lock = threading.Lock()
+        self._changed = threading.Condition(self._lock)
+        self._frames: queue.SimpleQueue[tuple[bytes, int] | None] = queue.SimpleQueue()
+        self._waiting_data_frames = 0  # data frames in `_frames`, bounded by queue_items
+        self._accepted_rows = 0  # every event and request record handed in (pending, sent, refused)
+        self._superseded = 0  # request records replaced by a later one of the same request before sending
+        self._dropped_here = 0  # rows refused on this side: queue full, closed, child gone
+        self._child_stats = NO_STATS
+        self._child_gone = False  # its pipe closed: it exited (after close, or not)
+        self._child_error: str | None = None  # why it exited before close, if it did
+        self._flushed: dict[int, bool] = {}  # flush token -> the child's answer
+        self._closed_by_child = False  # it answered close (and exits)
+        self._tokens = itertools.count(1)
+        self._pending_requests: dict[Any, Mapping[str, Any] | object] = {}  # request id -> latest record
+        self._requests_due = 0.0  # monotonic time after which record_requests sends what is pending
+        self._current_run: str | None = None
+        self._close_called = False
+        self._closed = False
+        self._send_control(("open", url, self._options))
+        self._sender = threading.Thread(target=self._send_frames, name="writer-process-sender", daemon=True)
+        self._receiver = threading.Thread(target=self._receive, name="writer-process-receiver", daemon=True)
+        self._sender.start()
+        self._receiver.start()
+
+    # ---- engine side: never waits on the database --------------------------------------------
+
+    def start_run(self, info: RunInfo) -> str:
+        """Record a new engine start (stopping the previous run) and return its id."""
+        run_id = new_run_id(info.started_at)
+        self._send_pending_requests()  # they belong to the run before
+        self._current_run = run_id
+        self._send_control(("run", run_id, info))
+        return run_id
+
+    def submit(self, events: Sequence[Event]) -> None:
+        """Queue events of the current run (see `EventWriter.submit`).
+
+        Raises:
+            RuntimeError: no run was started.
+        """
+        self._require_run()
+        if events:
+            with self._lock:
+                self._accepted_rows += len(events)
+            self._send_data(("events", list(map(tuple, events))), len(events))
+
+    def record_requests(self, requests: Iterable[Mapping[str, Any] | object]) -> None:
+        """Queue request records of the current run (see `EventWriter.record_requests`).
+
+        Raises:
+            RuntimeError: no run was started.
+            ValueError: a record lacks request_id, status or arrival_time (nothing is queued).
+        """
+        self._require_run()
+        records = list(requests)
+        latest = {}
+        for record in records:
+            if type(record) is RequestView:  # the engine's: immutable, and has every required field
+                latest[record.request_id] = record
+                continue
+            if isinstance(record, Mapping):
+                record = dict(record)
+            missing = missing_request_fields(record)
+            if missing:
+                raise ValueError(f"request record lacks {missing}")
+            latest[request_id_of(record)] = record
+        with self._lock:
+            pending = self._pending_requests
+            self._accepted_rows += len(records)
+            self._superseded += len(records) - len(latest) + sum(1 for request_id in latest if request_id in pending)
+            pending.update(latest)
+            due = time.monotonic() >= self._requests_due
+        if due:
+            self._send_pending_requests()
+
+    def stats(self) -> WriterStats:
+        with self._lock:
+            child = self._child_stats
+            written_requests = child.written_requests + self._superseded  # as EventWriter counts them
+            written = child.written_events + written_requests
+            if self._child_gone:  # what it never confirmed as written is lost
+                queued, dropped = 0, self._accepted_rows - written
+            else:
+                dropped = child.dropped + self._dropped_here
+                queued = self._accepted_rows - written - dropped
+            return replace(
+                child,
+                written_requests=written_requests,
+                queued=queued,
+                dropped=dropped,
+                retrying=child.retrying and not self._child_gone,
+                last_error=self._child_error or child.last_error,
+            )
+
+    def flush(self, timeout_s: float | None = None) -> bool:
+        """Wait until everything queued before this call was written or dropped by the child.
+
+        Returns:
+            False if `timeout_s` passed first. Check `stats()` for what was dropped.
+        """
+        token = next(self._tokens)
+        self._send_pending_requests()
+        self._send_control(("flush", token, timeout_s))
+        with self._changed:
+            self._changed.wait_for(lambda: token in self._flushed or self._child_gone, timeout_s)
+            return self._flushed.pop(token, self._child_gone)  # a child that is gone holds nothing more
+
+    def close(self, timeout_s: float | None = 30.0) -> bool:
+        """Stop the current run, let the child write what it got, and wait for it to exit.
+
+        Rows handed over after close are dropped and counted.
+
+        Returns:
+            False if the child was still working after `timeout_s` (it finishes on its own).
+        """
+        with self._lock:
+            first_call, self._close_called = not self._close_called, True
+        if first_call:
+            self._send_pending_requests()
+            with self._lock:
+                self._closed = True  # rows from now on are dropped
+            self._send_control(("close",))
+            self._frames.put(_STOP_SENDING)
+        with self._changed:
+            return self._changed.wait_for(lambda: self._child_gone, timeout_s)
+
+    def _require_run(self) -> None:
+        if self._current_run is None:
+            raise RuntimeError("start_run() before submitting rows")
+
+    def _send_data(self, message: tuple, num_rows: int) -> None:
+        """Queue a frame of `num_rows` rows, already counted in `_accepted_rows`, or refuse them."""
+        with self._lock:
+            if self._closed or self._child_gone or self._waiting_data_frames >= self._options.queue_items:
+                self._dropped_here += num_rows
+                return
+            self._waiting_data_frames += 1
+        self._frames.put((pickle.dumps(message, PICKLE_PROTOCOL), num_rows))
+
+    def _send_pending_requests(self) -> None:
+        with self._lock:
+            records, self._pending_requests = list(self._pending_requests.values()), {}
+            self._requests_due = time.monotonic() + self._options.batch_interval_s
+        if records:
+            self._send_data(("requests", records), len(records))
+
+    def _send_control(self, message: tuple) -> None:
+        self._frames.put((pickle.dumps(message, PICKLE_PROTOCOL), 0))
+
+    # ---- sender and receiver threads -------------------------------------------------------------
+
+    def _send_frames(self) -> None:
+        """Write queued frames into the pipe in order (blocking while the child's side is full)."""
+        broken = False
+        while True:
+            try:
+                frame = self._frames.get(timeout=self._options.batch_interval_s)
+            except queue.Empty:  # the engine is quiet: send the request records it left pending
+                self._send_pending_requests()
+                continue
+            if frame is _STOP_SENDING:
+                break
+            data, num_rows = frame
+            if not broken:
+                try:
+                    self._to_child.send_bytes(data)
+                except OSError:  # the child is gone: the receiver reports it, stats count the rows
+                    broken = True
+            if num_rows:
+                with self._lock:
+                    self._waiting_data_frames -= 1
+        self._to_child.close()
+
+    def _receive(self) -> None:
+        """Keep the child's latest stats and answers until its pipe closes."""
+        while True:
+            try:
+                message = pickle.loads(self._from_child.recv_bytes())
+            except (EOFError, OSError):
+                break
+            kind, stats = message[0], message[-1]
+            with self._changed:
+                self._child_stats = stats
+                if kind == "flushed":
+                    self._flushed[message[1]] = message[2]
+                elif kind == "closed":
+                    self._closed_by_child = True
+                self._changed.notify_all()
+        self._from_child.close()
+        returncode = self._process.wait()
+        with self._changed:
+            self._child_gone = True
+            if not self._closed_by_child:
+                self._child_error = f"the writer process exited (code {returncode}) before close"
+            self._changed.notify_all()
+
+
+# ---- the child -----------------------------------------------------------------------------------
+
+
+def serve(read_fd: int, write_fd: int) -> None:
+    """The child's main loop: run an EventWriter on what arrives, report its stats, answer flush/close."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C in a terminal reaches the parent; it closes us
+    os.nice(CHILD_NICENESS)
+    inbox, outbox = Connection(read_fd, writable=False), Connection(write_fd, readable=False)
+    send_lock = threading.Lock()
+
+    def send(message: tuple) -> None:
+        with send_lock:
+            try:
+                outbox.send_bytes(pickle.dumps(message, PICKLE_PROTOCOL))
+            except OSError:  # the parent is gone; the writer still finishes what it has
+                pass
+
+    _, url, options = pickle.loads(inbox.recv_bytes())  # the first frame: ("open", url, options)
+    writer = EventWriter(url, options)
+    closing = threading.Event()
+
+    def report() -> None:
+        last = None
+        while not closing.wait(options.poll_s):
+            stats = writer.stats()
+            if stats != last:
+                send(("stats", stats))
+                last = stats
+
+    def answer_flush(token: int, timeout_s: float | None) -> None:
+        flushed = writer.flush(timeout_s)
+        send(("flushed", token, flushed, writer.stats()))
+
+    threading.Thread(target=report, name="writer-stats", daemon=True).start()
+    while True:
+        try:
+            message = pickle.loads(inbox.recv_bytes())
+        except (EOFError, OSError):  # the parent died without closing: write what we have
+            message = ("close",)
+        kind = message[0]
+        if kind == "events":
+            writer.submit(list(map(Event._make, message[1])))
+        elif kind == "requests":
+            writer.record_requests(message[1])
+        elif kind == "run":
+            writer.start_run(message[2], run_id=message[1])
+        elif kind == "flush":  # answered by a thread, so frames behind it keep flowing in
+            threading.Thread(target=answer_flush, args=message[1:], daemon=True).start()
+        elif kind == "close":  # no timeout here: the parent's close waits as long as it wants to
+            writer.close(None)
+            closing.set()
+            send(("closed", writer.stats()))
+            return
+        else:
+            raise ValueError(f"unknown message {kind!r}")
+
+
+if __name__ == "__main__":
+    serve(int(sys.argv[1]), int(sys.argv[2]))
