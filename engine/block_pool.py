@@ -134,13 +134,17 @@ class BlockPool:
         """Hand out one block with a single reference (see `allocate_blocks`)."""
         return self.allocate_blocks(1, request_id, start_pos)[0]
 
-    def allocate_blocks(self, num: int, request_id: str, start_pos: int) -> list[Block]:
-        """Hand out `num` empty blocks with one reference each, free blocks first, then evicting LRU.
+    def allocate_blocks(
+        self, num: int, request_id: str, start_pos: int, token_ids: list[int] | None = None
+    ) -> list[Block]:
+        """Hand out `num` blocks with one reference each, free blocks first, then evicting LRU.
 
         Args:
             num: how many blocks.
             request_id: the request they are for (events).
             start_pos: context position of the first block's slot 0; the others follow contiguously.
+            token_ids: what the blocks will hold, `block_size` per block in order (the caller writes the
+                KV); None hands them out empty.
 
         Raises:
             NoFreeBlocksError: fewer than `num` blocks are free or evictable; nothing changes.
@@ -150,6 +154,7 @@ class BlockPool:
         free_queue, bs = self._free, self.block_size
         now = self._clock()
         blocks = []
+        ids = []
         for i in range(num):
             if free_queue:
                 block = free_queue.popleft()
@@ -157,18 +162,19 @@ class BlockPool:
                 block = self._pop_lru()
                 self._uncache(block, EvictReason.LRU, request_id)
             block.ref_count = 1
-            block.token_ids = []
+            block.token_ids = [] if token_ids is None else token_ids[i * bs : (i + 1) * bs]
             block.start_pos = start_pos + i * bs
             block.created_at = now
             block.last_used = now
             block.hit_count = 0
             blocks.append(block)
+            ids.append(block.block_id)
         if blocks:
             self._log.emit(
                 EventKind.ALLOCATE,
                 request_id=request_id,
-                block_id=blocks[0].block_id,
-                detail={"block_ids": [b.block_id for b in blocks], "group": self.group},
+                block_id=ids[0],
+                detail={"block_ids": ids, "group": self.group},
             )
         return blocks
 
@@ -188,13 +194,14 @@ class BlockPool:
             block.hit_count += 1
             block.last_used = now
 
-    def free_blocks(self, blocks: list[Block], request_id: str) -> None:
+    def free_blocks(self, blocks: list[Block], request_id: str, block_ids: list[int] | None = None) -> None:
         """Drop one reference on each block, in order; one RELEASE event for the call.
 
         At zero a keyed block joins the LRU tail (evictable); an unkeyed one goes back to the free deque.
         `blocks` are distinct, consecutive entries of one block table, in either order, so only an end
         can be partially filled. Callers pass a table's blocks last-first, so a chain's tail is evicted
-        before its head.
+        before its head. `block_ids`, if given, are the blocks' ids in the same order; the event keeps
+        that list, so the caller must not change it afterwards.
 
         Raises:
             RuntimeError: a block has no reference left to drop; nothing changes.
@@ -203,17 +210,16 @@ class BlockPool:
         lru_append, free_append = lru.append, free_queue.append
         lru_before, free_before = len(lru), len(free_queue)
         for block in blocks:
-            ref_count = block.ref_count - 1
-            if ref_count < 0:
-                self._undo_release(blocks[: blocks.index(block)], lru_before, free_before)
-                raise RuntimeError(f"block {block.block_id} released more often than referenced; nothing released")
-            block.ref_count = ref_count
+            ref_count = block.ref_count = block.ref_count - 1
             block.last_used = now
             if not ref_count:
                 if block.key is None:
                     free_append(block)
                 else:
                     lru_append(block)
+            elif ref_count < 0:
+                self._undo_release(blocks[: blocks.index(block) + 1], lru_before, free_before)
+                raise RuntimeError(f"block {block.block_id} released more often than referenced; nothing released")
         cached = len(lru) - lru_before
         freed = cached + len(free_queue) - free_before
         self._num_evictable += cached
@@ -225,7 +231,7 @@ class BlockPool:
             tokens = len(first.token_ids)
             if last is not first:
                 tokens += (len(blocks) - 2) * bs + len(last.token_ids)
-            released = [block.block_id for block in blocks]
+            released = [block.block_id for block in blocks] if block_ids is None else block_ids
             self._log.emit(
                 EventKind.RELEASE,
                 request_id=request_id,

@@ -14,17 +14,23 @@ before it lay wholly outside the window of the request's newest token and were r
     table entries (over running and retained requests) that point at it;
   * a block shared by several tables holds the same tokens for all of them, so a write into a shared
     partial block always copies it first (copy-on-write); the holder left alone writes in place;
-  * `table.keys[i]` is the chained key of `table.blocks[i]`'s tokens under the table's namespace root.
+  * `table.keys[i]` is the chained key of `table.blocks[i]`'s tokens under the table's namespace root;
+  * `table.block_ids[i]` is `table.blocks[i].block_id` (kept beside the blocks so that releases, events
+    and snapshots read the ids without a pass over the blocks).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from operator import attrgetter
 from typing import NamedTuple, Sequence
 
 from engine.block_pool import Block, BlockPool, chain_key
 from engine.events import EventKind, EventLog, EvictReason
 from engine.namespace import CacheNamespace
+
+
+_block_id = attrgetter("block_id")
 
 
 class TableStart(NamedTuple):
@@ -53,6 +59,7 @@ class BlockTable:
     # Retention bookkeeping: logical blocks [0, retired) are not this table's to drop from the cache, either
     # because it already did (they left the retained tail) or because it shared them from another chain.
     retired: int = 0
+    block_ids: list[int] = field(default_factory=list)  # blocks[i].block_id, changed with `blocks`
 
     def num_tokens(self, block_size: int) -> int:
         if not self.blocks:
@@ -106,7 +113,7 @@ class KVCacheManager:
     def block_ids(self, request_id: str) -> list[int]:
         """The physical blocks the request holds, in logical order (from its offset)."""
         table = self._tables.get(request_id)
-        return [] if table is None else [b.block_id for b in table.blocks]
+        return [] if table is None else list(table.block_ids)
 
     def offset(self, request_id: str) -> int:
         """Logical index of the request's first held block (0 unless a window released earlier ones)."""
@@ -123,7 +130,7 @@ class KVCacheManager:
 
     def tables(self) -> dict[str, list[int]]:
         """Every live table as block ids, by request id."""
-        return {rid: [b.block_id for b in t.blocks] for rid, t in self._tables.items()}
+        return {rid: list(t.block_ids) for rid, t in self._tables.items()}
 
     def num_logical_blocks(self) -> int:
         return sum(len(t.blocks) for t in self._tables.values())
@@ -214,6 +221,7 @@ class KVCacheManager:
         if hits:
             self.pool.touch_blocks(hits)
             table.blocks.extend(hits)
+            table.block_ids.extend(map(_block_id, hits))
             if start is None:
                 table.keys.extend(block.key for block in hits)  # type: ignore[misc]
             self._log.emit(
@@ -238,16 +246,18 @@ class KVCacheManager:
             filled = min(bs - len(tail.token_ids), len(token_ids))
             tail.token_ids.extend(token_ids[:filled])
         num_new = -(-(len(token_ids) - filled) // bs)
-        new_blocks = self.pool.allocate_blocks(num_new, request_id, start + filled) if num_new > 0 else []
-        for block, i in zip(new_blocks, range(filled, len(token_ids), bs)):
-            block.token_ids = token_ids[i : i + bs]
-        table.blocks.extend(new_blocks)
+        if num_new > 0:
+            rest = token_ids[filled:] if filled else token_ids
+            new_blocks = self.pool.allocate_blocks(num_new, request_id, start + filled, rest)
+            table.blocks.extend(new_blocks)
+            table.block_ids.extend(map(_block_id, new_blocks))
 
     def _copy_on_write(self, table: BlockTable, request_id: str) -> Block:
         old = table.blocks[-1]
         new = self.pool.allocate(request_id, start_pos=old.start_pos)
         new.token_ids = list(old.token_ids)
         table.blocks[-1] = new
+        table.block_ids[-1] = new.block_id
         self.pool.free_blocks([old], request_id)
         self._copies.append(BlockCopy(old.block_id, new.block_id, len(new.token_ids)))
         self.num_cow_copies += 1
@@ -326,17 +336,18 @@ class KVCacheManager:
         if parent is None:
             raise KeyError(f"request {parent_id!r} holds no blocks to fork from")
         # Inherited blocks stay under the parent's retention: the child's are retired up to its tail.
-        blocks, offset = list(parent.blocks), parent.offset
-        child = BlockTable(parent.root_key, blocks, list(parent.keys), offset, offset + len(blocks))
-        self.pool.touch_blocks(child.blocks)
+        blocks, offset = parent.blocks[:], parent.offset
+        ids = parent.block_ids[:]
+        child = BlockTable(parent.root_key, blocks, parent.keys[:], offset, offset + len(blocks), ids)
+        self.pool.touch_blocks(blocks)
         self._tables[child_id] = child
         shared = child.num_tokens(self.block_size)
         self._log.emit(
             EventKind.FORK,
             request_id=child_id,
-            block_id=child.blocks[-1].block_id if child.blocks else None,
+            block_id=ids[-1] if ids else None,
             tokens=shared,
-            detail={"parent_id": parent_id, "shared_blocks": len(child.blocks), "group": self.pool.group},
+            detail={"parent_id": parent_id, "shared_blocks": len(ids), "group": self.pool.group},
         )
         return shared
 
@@ -348,9 +359,13 @@ class KVCacheManager:
         table = self._tables.pop(request_id, None)
         if table is None:
             return
-        self.pool.free_blocks(table.blocks[::-1], request_id)
+        end_pos = 0 if self.window is None else table.num_tokens(self.block_size)
+        # The table is gone: its lists are reversed in place and handed over (the ids become the event's).
+        table.blocks.reverse()
+        table.block_ids.reverse()
+        self.pool.free_blocks(table.blocks, request_id, table.block_ids)
         if self.window is not None:
-            self._retire(table, table.num_tokens(self.block_size), request_id, held=False)
+            self._retire(table, end_pos, request_id, held=False)
 
     def release_outside_window(self, request_id: str) -> int:
         """Release the sliding-group blocks that lie wholly outside the window of the next token.
@@ -369,15 +384,16 @@ class KVCacheManager:
         if num_drop <= 0:
             return 0
         dropped, table.blocks = table.blocks[:num_drop], table.blocks[num_drop:]
+        dropped_ids, table.block_ids = table.block_ids[:num_drop], table.block_ids[num_drop:]
         table.offset += num_drop
         self.num_window_released += num_drop
-        self.pool.free_blocks(dropped, request_id)
+        self.pool.free_blocks(dropped, request_id, dropped_ids)
         self._log.emit(
             EventKind.WINDOW_RELEASE,
             request_id=request_id,
-            block_id=dropped[0].block_id,
+            block_id=dropped_ids[0],
             tokens=num_drop * bs,
-            detail={"num_blocks": num_drop, "block_ids": [b.block_id for b in dropped], "group": self.pool.group},
+            detail={"num_blocks": num_drop, "block_ids": list(dropped_ids), "group": self.pool.group},
         )
         self._retire(table, next_pos, request_id, held=True)
         return num_drop
@@ -430,6 +446,7 @@ class KVCacheManager:
                 assert block.start_pos == (table.offset + i) * bs, f"{rid}: block {block.block_id} misplaced"
                 if i < len(table.blocks) - 1:
                     assert len(block.token_ids) == bs, f"{rid}: a non-tail block is partial"
+            assert table.block_ids == [b.block_id for b in table.blocks], f"{rid}: block ids out of step"
             assert table.offset <= len(table.keys) <= table.offset + len(table.blocks)
             for i in range(table.offset, len(table.keys)):
                 parent = table.keys[i - 1] if i else table.root_key
