@@ -2,10 +2,10 @@
 
 `WriterProcess` has `EventWriter`'s interface and contract (see storage.writer) and runs an
 `EventWriter` in a child process (`python -m storage.writer_process`), so the database work (SQLite's
-inserts, the writer's Python, its GIL) never shares an interpreter with the engine. Measured on the
-2-core machine this was built on: a writer thread made the tiny model's ~20 ms steps about 10% slower
-whenever a batch overlapped them, while the same writer in another process, fed at the same rate,
-left them unchanged; the engine side pays only the pickling below.
+inserts, the writer's Python and its hold on the GIL) never runs in the engine's interpreter: a writer
+thread's batches lengthened the engine steps they overlapped while the GIL went back and forth. The
+engine side pays the pickling below; the child still needs CPU time, so on a machine with fewer free
+cores than the engine can use, steps still feel it (see benchmarks/storage.py for the numbers).
 
 Data flow, one way:
     engine thread --pickle--> bounded frame queue --sender thread--> pipe --> child: EventWriter
@@ -18,8 +18,8 @@ Data flow, one way:
     * `record_requests` keeps only the latest record of each request and sends them together at most
       every `batch_interval_s` (the engine republishes every running request every step, and a view
       carries its whole prompt). Records still pending go out before a new run starts, on `flush` and
-      `close`, and from the sender thread when the engine goes quiet; superseded records are not
-      rows (`written_requests` counts the records sent).
+      `close`, and from the sender thread when the engine goes quiet. A superseded record counts as
+      written (as `EventWriter` counts the records it coalesces), its successor carrying it.
     * Control frames (`start_run`, `flush`, `close`) are never dropped; frames reach the child in order,
       so a run's rows always follow its run.
     * `stats()` is the child writer's latest report (it reports whenever its counters change, at most
