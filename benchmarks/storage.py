@@ -16,9 +16,11 @@
    writer runs during the steps (that is the cost measured); after a round it is drained
    untimed, and it is closed at the end. The
    tiny random-weight model always runs (its steps are short, so it exaggerates the relative
-   overhead; the absolute overhead per step and per row is printed too); `--smollm2` adds
-   SmolLM2-135M on a smaller round. Section 3 alone: `--only-step-overhead` (about a minute; about
-   three more with --smollm2).
+   overhead; the absolute overhead per step and per row is printed too), twice: with torch on every
+   core, where the writer's CPU time competes with the engine's second thread, and with torch on one
+   thread (its steps are no faster on two), where the writer process has a core of its own.
+   `--smollm2` adds SmolLM2-135M on a smaller round. Section 3 alone: `--only-step-overhead` (about
+   five minutes at the default 8 rounds; about four more with --smollm2).
 
 Goals: >= 50,000 events/s; every log query < 50 ms on 1M rows; engine step time with persistence on
 within 5% of persistence off (median and mean). Without --url everything runs on SQLite files in a
@@ -37,7 +39,7 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -416,6 +418,7 @@ class StepCase:
     waves: int  # times a round repeats that on a fresh prefix, so it spans several writer batches
     warm_rounds: int  # untimed rounds first: the pool fills up, so every timed round evicts
     repetitions: int  # timed rounds per engine, the engines' order rotating
+    torch_threads: int | None = None  # the engine's torch threads (None: torch's default, one per core)
 
     def describe(self) -> str:
         return (
@@ -589,9 +592,11 @@ def _written_rows(writer: WriterProcess | EventWriter | None) -> int:
 
 
 def step_cases(data_dir: Path, smollm2: bool, repetitions: int | None) -> dict[str, StepCase]:
-    """The tiny model on 64 requests a round; SmolLM2 (CPU, ~0.5 s a decode step) on a smaller round."""
+    """The tiny model on 64 requests a round, on every core and on one torch thread (its steps are no
+    faster on two: the other core is then the writer's); SmolLM2 (CPU, ~0.25 s a step) on a smaller round."""
     tiny = EngineConfig(model="tiny-llama", device="cpu", block_size=16, num_blocks=512, data_dir=data_dir)
-    cases = {"tiny-llama": StepCase(tiny, 64, 256, 32, 8, waves=6, warm_rounds=1, repetitions=repetitions or 8)}
+    tiny_case = StepCase(tiny, 64, 256, 32, 8, waves=6, warm_rounds=1, repetitions=repetitions or 8)
+    cases = {"tiny-llama": tiny_case, "tiny-llama, 1 torch thread": replace(tiny_case, torch_threads=1)}
     if smollm2:
         config = EngineConfig(model="smollm2", device="cpu", block_size=16, num_blocks=24, data_dir=SMOLLM2_DATA_DIR)
         cases["smollm2"] = StepCase(config, 8, 32, 8, 4, waves=1, warm_rounds=2, repetitions=repetitions or 16)
@@ -599,10 +604,14 @@ def step_cases(data_dir: Path, smollm2: bool, repetitions: int | None) -> dict[s
 
 
 def bench_step_overhead(url_for: Callable[[str], str], smollm2: bool, repetitions: int | None) -> None:
-    from engine.engine import Engine as PrefixEngine  # torch: only this section needs it
+    import torch  # only this section needs it
 
+    from engine.engine import Engine as PrefixEngine
+
+    default_threads = torch.get_num_threads()
     with tempfile.TemporaryDirectory() as data_dir:
         for index, (name, case) in enumerate(step_cases(Path(data_dir), smollm2, repetitions).items()):
+            torch.set_num_threads(case.torch_threads or default_threads)
             started = time.perf_counter()
             urls = {"on": url_for(f"steps{index}"), "on-thread": url_for(f"steps{index}-thread")}
             bench = StepBench(case, PrefixEngine(case.config).loaded, urls)
@@ -615,11 +624,12 @@ def bench_step_overhead(url_for: Callable[[str], str], smollm2: bool, repetition
                 order = STEP_MODES[turn:] + STEP_MODES[:turn]  # each mode takes every place in the order
                 runs.append({mode: bench.run_round(mode) for mode in order})
             history = bench.close()
-            report_step_overhead(name, case, runs, history, time.perf_counter() - started)
+            seconds = time.perf_counter() - started
+            report_step_overhead(name, case, runs, history, seconds, torch.get_num_threads())
 
 
 def report_step_overhead(
-    name: str, case: StepCase, runs: list[dict[str, RoundRun]], history: tuple[int, int], seconds: float
+    name: str, case: StepCase, runs: list[dict[str, RoundRun]], history: tuple[int, int], seconds: float, threads: int
 ) -> None:
     steps = {mode: [s for rounds in runs for s in rounds[mode].step_s] for mode in STEP_MODES}
     medians = {mode: statistics.median(values) for mode, values in steps.items()}
@@ -637,7 +647,8 @@ def report_step_overhead(
     config = case.config
 
     print(f"\nengine step time, persistence off vs on: {name} ({config.device}, {config.dtype}, "
-          f"{config.num_blocks} blocks of {config.block_size}), load average {_load()}")
+          f"{config.num_blocks} blocks of {config.block_size}, {threads} torch threads), "
+          f"load average {_load()}")
     print(f"  one round: {case.describe()}")
     print(f"  one engine, each mode {case.warm_rounds} untimed rounds (the pool fills), then {case.repetitions} "
           f"timed rounds, the modes taking turns")

@@ -107,6 +107,7 @@ class WriterProcess:
         self._closed_by_child = False  # it answered close (and exits)
         self._tokens = itertools.count(1)
         self._pending_requests: dict[Any, Mapping[str, Any] | object] = {}  # request id -> latest record
+        self._requests_sending = threading.Lock()
         self._requests_due = 0.0  # monotonic time after which record_requests sends what is pending
         self._current_run: str | None = None
         self._close_called = False
@@ -233,11 +234,14 @@ class WriterProcess:
         self._frames.put((pickle.dumps(message, PICKLE_PROTOCOL), num_rows))
 
     def _send_pending_requests(self) -> None:
-        with self._lock:
-            records, self._pending_requests = list(self._pending_requests.values()), {}
-            self._requests_due = time.monotonic() + self._options.batch_interval_s
-        if records:
-            self._send_data(("requests", records), len(records))
+        # One sender at a time (the engine thread, or the sender thread when the engine is quiet), so that
+        # an older set of records can never be queued behind a newer one.
+        with self._requests_sending:
+            with self._lock:
+                records, self._pending_requests = list(self._pending_requests.values()), {}
+                self._requests_due = time.monotonic() + self._options.batch_interval_s
+            if records:
+                self._send_data(("requests", records), len(records))
 
     def _send_control(self, message: tuple) -> None:
         self._frames.put((pickle.dumps(message, PICKLE_PROTOCOL), 0))
