@@ -81,12 +81,13 @@ class WriterProcess:
         db_engine(url).dispose()  # a malformed URL or a missing driver fails here, not in the child
         to_child_read, to_child_write = os.pipe()
         from_child_read, from_child_write = os.pipe()
+        python_path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
         try:
             self._process = subprocess.Popen(
                 [sys.executable, "-m", "storage.writer_process", str(to_child_read), str(from_child_write)],
                 pass_fds=(to_child_read, from_child_write),
                 stdin=subprocess.DEVNULL,
-                env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))},
+                env={**os.environ, "PYTHONPATH": python_path},
             )
         finally:
             os.close(to_child_read)
