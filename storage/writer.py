@@ -39,8 +39,9 @@ import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, NamedTuple
 
+import orjson
 from sqlalchemy import Connection, Table, insert, select, tuple_, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.exc import DBAPIError, OperationalError
@@ -123,18 +124,39 @@ class WriterStats:
     pruned_rows: int  # rows deleted by retention
 
 
+class EncodedEvents(NamedTuple):
+    """Events already in the form the writer stores them (`encode_events`), for `submit_encoded`."""
+
+    json: str  # a JSON array with one array per event, the Event fields in order (kind as its value)
+    count: int  # events in it
+    evictions: tuple[Event, ...]  # its EVICT events, for the eviction log and its rollups
+
+
+def encode_events(events: Sequence[Event]) -> EncodedEvents:
+    """Encode events as the writer stores them (one orjson call, in C); only EVICT events stay objects.
+
+    A WriterProcess sends events this way: its child neither rebuilds nor re-encodes the others.
+    """
+    evictions = tuple(event for event in events if event.kind is EventKind.EVICT)
+    return EncodedEvents(encode_json(list(map(tuple, events))), len(events), evictions)
+
+
 @dataclass(frozen=True)
 class _Item:
     """One unit of the queue, written whole or not at all. An empty item only wakes the thread."""
 
     seq: int  # order of submission; `flush` waits on it
     run_id: str | None = None  # the run its rows belong to
-    events: tuple[Event, ...] = ()
+    events: tuple[Event, ...] | EncodedEvents = ()
     requests: tuple[Mapping[str, Any] | object, ...] = ()  # request records, converted by the writer thread
 
     @property
+    def num_events(self) -> int:
+        return self.events.count if isinstance(self.events, EncodedEvents) else len(self.events)
+
+    @property
     def num_rows(self) -> int:
-        return len(self.events) + len(self.requests)
+        return self.num_events + len(self.requests)
 
 
 @dataclass
@@ -209,6 +231,16 @@ class EventWriter:
         for start in range(0, len(events), size):
             chunk = tuple(events[start : start + size])
             self._enqueue(lambda seq, chunk=chunk: _Item(seq, run_id, events=chunk), len(chunk))
+
+    def submit_encoded(self, events: EncodedEvents) -> None:
+        """Queue events of the current run that `encode_events` encoded, as one atomic item.
+
+        Raises:
+            RuntimeError: no run was started.
+        """
+        run_id = self._require_run()
+        if events.count:
+            self._enqueue(lambda seq: _Item(seq, run_id, events=events), events.count)
 
     def record_requests(self, requests: Iterable[Mapping[str, Any] | object]) -> None:
         """Queue request records of the current run (upserted by (run_id, request_id), last wins).
@@ -374,7 +406,7 @@ class EventWriter:
         raise AssertionError("unreachable: the last attempt returns")
 
     def _finish(self, items: list[_Item], runs: dict, stops: dict, written: bool) -> None:
-        num_events = sum(len(item.events) for item in items)
+        num_events = sum(item.num_events for item in items)
         num_requests = sum(len(item.requests) for item in items)
         with self._progress:
             counters = self._counters
@@ -447,16 +479,17 @@ def _insert_runs(connection: Connection, runs: dict[str, dict[str, Any]]) -> Non
 
 
 def _insert_items(connection: Connection, items: list[_Item]) -> None:
-    events_by_run: dict[str, list[Event]] = {}
+    parts_by_run: dict[str, list[tuple[Event, ...] | EncodedEvents]] = {}  # each run's events, in item order
     for item in items:
-        if item.events:
-            events_by_run.setdefault(item.run_id, []).extend(item.events)  # type: ignore[arg-type]
-    for run_id, events in events_by_run.items():
+        if item.num_events:
+            parts_by_run.setdefault(item.run_id, []).append(item.events)  # type: ignore[arg-type]
+    for run_id, parts in parts_by_run.items():
         if connection.dialect.name == "sqlite":
-            _insert_events_as_json(connection, run_id, events)
+            _insert_events_as_json(connection, run_id, [_events_json(part) for part in parts])
         else:
-            _bulk_insert(connection, EVENTS, EVENT_COLUMNS, [event_values(run_id, event) for event in events])
-        evictions = [eviction_values(run_id, event) for event in events if event.kind is EventKind.EVICT]
+            rows = [event_values(run_id, event) for part in parts for event in _events_of(part)]
+            _bulk_insert(connection, EVENTS, EVENT_COLUMNS, rows)
+        evictions = [eviction_values(run_id, event) for part in parts for event in _evictions_of(part)]
         if evictions:
             _bulk_insert(connection, EVICTIONS, EVICTION_COLUMNS, evictions)
             rollups.add_evictions(connection, rollups.eviction_deltas(map(_ROLLUP_FIELDS, evictions)))
@@ -474,19 +507,35 @@ def _insert_items(connection: Connection, items: list[_Item]) -> None:
         _upsert_requests(connection, others)
 
 
-def _insert_events_as_json(connection: Connection, run_id: str, events: list[Event]) -> None:
+def _events_json(part: tuple[Event, ...] | EncodedEvents) -> str:
+    return part.json if isinstance(part, EncodedEvents) else encode_events(part).json
+
+
+def _events_of(part: tuple[Event, ...] | EncodedEvents) -> Sequence[Event]:
+    """The events of a part (decoded ones carry their kind as its value, which `event_values` takes)."""
+    return [Event._make(fields) for fields in orjson.loads(part.json)] if isinstance(part, EncodedEvents) else part
+
+
+def _evictions_of(part: tuple[Event, ...] | EncodedEvents) -> Iterable[Event]:
+    if isinstance(part, EncodedEvents):
+        return part.evictions
+    return (event for event in part if event.kind is EventKind.EVICT)
+
+
+def _insert_events_as_json(connection: Connection, run_id: str, arrays: list[str]) -> None:
     """SQLite: the `events` rows of one run in one statement that reads them from one JSON array.
 
-    The array is built in C (orjson over plain tuples, as `event_values` would encode each value), and
-    SQLite unpacks it inside a single statement step, during which the sqlite3 module releases the GIL.
-    Row by row (executemany) the writer held the GIL for every row's conversion and binding, and the
-    engine thread, whose Python work needs the GIL too, took about three times as long for the steps
-    that overlapped a batch.
+    The arrays (one per item, see `encode_events`) are built in C by orjson, as `event_values` would
+    encode each value, and joined here; SQLite unpacks them inside a single statement step, during
+    which the sqlite3 module releases the GIL. Row by row (executemany) the writer held the GIL for
+    every row's conversion and binding, and the engine thread, whose Python work needs the GIL too,
+    took about three times as long for the steps that overlapped a batch.
     """
     # Every column after run_id is the Event field of the same name.
     elements = [_json_element(Event._fields.index(name)) for name in EVENT_COLUMNS[1:]]
     statement = _insert_from_json(connection, EVENTS, EVENT_COLUMNS, ["?", *elements])
-    connection.exec_driver_sql(statement, (run_id, encode_json(list(map(tuple, events)))))
+    joined = arrays[0] if len(arrays) == 1 else "[" + ",".join(array[1:-1] for array in arrays) + "]"  # none is empty
+    connection.exec_driver_sql(statement, (run_id, joined))
 
 
 def _insert_rows_as_json(connection: Connection, table: Table, columns: Sequence[str], rows: list[tuple]) -> None:
