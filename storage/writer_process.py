@@ -13,9 +13,10 @@ Data flow, one way:
 
     * `submit` encodes events on the calling thread as the writer stores them (`encode_events`: one
       orjson call, ~0.3 us an event; EVICT events also travel as tuples, for the eviction log) and
-      queues the frame; it never waits. The child neither rebuilds nor re-encodes them. At most `queue_items` data frames wait to be sent (then the pipe's buffer
-      and the child writer's own queue hold more); a frame that finds the queue full is dropped and
-      its rows counted in `stats().dropped`.
+      queues the frame; it never waits. The child neither rebuilds nor re-encodes them. At most
+      `queue_items` data frames wait to be sent (then the pipe's buffer and the child writer's own
+      queue hold more); a frame that finds the queue full is dropped and its rows counted in
+      `stats().dropped`.
     * `record_requests` keeps only the latest record of each request and sends them together at most
       every `batch_interval_s` (the engine republishes every running request every step, and a view
       carries its whole prompt). Records still pending go out before a new run starts, on `flush` and
