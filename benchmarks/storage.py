@@ -502,7 +502,7 @@ class StepBench:
     def run_round(self, mode: str) -> RoundRun:
         """In `mode`, run waves of requests on a fresh prefix, fork some, release them; time every step.
 
-        The writer thread works during the steps; after the last one the round waits (untimed) until
+        The writer works during the steps; after the last one the round waits (untimed) until
         it has drained, so its work never runs into a round of another mode.
         """
         for listener in self.listeners[mode]:
@@ -580,7 +580,7 @@ def cpu_seconds(writer: WriterProcess | EventWriter) -> float:
     """CPU seconds of this process, plus those of a WriterProcess's child (Linux: from its /proc stat)."""
     if not isinstance(writer, WriterProcess):
         return time.process_time()
-    fields = Path(f"/proc/{writer._process.pid}/stat").read_text().rsplit(")", 1)[1].split()
+    fields = Path(f"/proc/{writer.pid}/stat").read_text().rsplit(")", 1)[1].split()
     return time.process_time() + (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 

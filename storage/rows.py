@@ -5,18 +5,20 @@ insert; request rows are dicts for SQLAlchemy's upsert.
 
 The storage layer depends on the engine only through `engine.events` (the Event type and the detail
 field names per kind), the field names of `engine.request.Request` and `engine.snapshot.RequestView`
-(whose attributes `view_values` reads). A request may be given as any object with those attributes (a
-`RequestView`, a `Request`) or as a mapping with those keys.
+(whose attributes `view_values` reads, and whose records `checked_request_records` trusts). A request
+may be given as any object with those attributes (a `RequestView`, a `Request`) or as a mapping with
+those keys.
 """
 
 from __future__ import annotations
 
 import enum
 import operator
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from engine.events import Event, EventKind
+from engine.snapshot import RequestView
 from storage.db import encode_json
 
 # Column order of `event_values` and `eviction_values`.
@@ -133,10 +135,24 @@ def request_row(run_id: str, request: Mapping[str, Any] | object) -> dict[str, A
     return row
 
 
-def missing_request_fields(request: Mapping[str, Any] | object) -> list[str]:
-    """The required fields (request_id, status, arrival_time) a request record lacks."""
-    read = _reader(request)
-    return [name for name in REQUIRED_REQUEST_FIELDS if read(name) is None]
+def checked_request_records(requests: Iterable[Mapping[str, Any] | object]) -> list[Mapping[str, Any] | object]:
+    """Request records as a writer queues them: mappings copied, objects as given (nobody may change them
+    afterwards). Engine RequestViews pass unchecked: they are immutable and always carry the fields.
+
+    Raises:
+        ValueError: a record lacks request_id, status or arrival_time.
+    """
+    records = []
+    for record in requests:
+        if type(record) is not RequestView:
+            if isinstance(record, Mapping):
+                record = dict(record)
+            read = _reader(record)
+            missing = [name for name in REQUIRED_REQUEST_FIELDS if read(name) is None]
+            if missing:
+                raise ValueError(f"request record lacks {missing}")
+        records.append(record)
+    return records
 
 
 def request_id_of(request: Mapping[str, Any] | object) -> Any:

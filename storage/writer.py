@@ -57,9 +57,9 @@ from storage.rows import (
     EVICTION_COLUMNS,
     REQUEST_DEFAULTS,
     VIEW_COLUMNS,
+    checked_request_records,
     event_values,
     eviction_values,
-    missing_request_fields,
     request_id_of,
     request_row,
     view_values,
@@ -254,11 +254,7 @@ class EventWriter:
             ValueError: a record lacks request_id, status or arrival_time (nothing is queued).
         """
         run_id = self._require_run()
-        records = tuple(dict(r) if isinstance(r, Mapping) else r for r in requests)
-        for record in records:
-            missing = missing_request_fields(record)
-            if missing:
-                raise ValueError(f"request record lacks {missing}")
+        records = tuple(checked_request_records(requests))
         if records:
             self._enqueue(lambda seq: _Item(seq, run_id, requests=records), len(records))
 

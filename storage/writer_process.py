@@ -50,9 +50,8 @@ from pathlib import Path
 from typing import Any
 
 from engine.events import Event
-from engine.snapshot import RequestView
 from storage.db import db_engine, default_db_url
-from storage.rows import missing_request_fields, request_id_of
+from storage.rows import checked_request_records, request_id_of
 from storage.writer import (
     EncodedEvents,
     EventWriter,
@@ -129,6 +128,11 @@ class WriterProcess:
         self._sender.start()
         self._receiver.start()
 
+    @property
+    def pid(self) -> int:
+        """The writer process's id."""
+        return self._process.pid
+
     # ---- engine side: never waits on the database --------------------------------------------
 
     def start_run(self, info: RunInfo) -> str:
@@ -161,18 +165,8 @@ class WriterProcess:
             ValueError: a record lacks request_id, status or arrival_time (nothing is queued).
         """
         self._require_run()
-        records = list(requests)
-        latest = {}
-        for record in records:
-            if type(record) is RequestView:  # the engine's: immutable, and has every required field
-                latest[record.request_id] = record
-                continue
-            if isinstance(record, Mapping):
-                record = dict(record)
-            missing = missing_request_fields(record)
-            if missing:
-                raise ValueError(f"request record lacks {missing}")
-            latest[request_id_of(record)] = record
+        records = checked_request_records(requests)
+        latest = {request_id_of(record): record for record in records}
         with self._lock:
             pending = self._pending_requests
             self._accepted_rows += len(records)

@@ -503,7 +503,7 @@ url, size, kind = sys.argv[1], int(sys.argv[2]), sys.argv[3]
 options = WriterOptions(item_rows=size, batch_rows=size * 3, retention=RetentionPolicy(None, None, None))
 writer = EventWriter(url, options) if kind == "thread" else WriterProcess(url, options)
 if kind == "process":
-    print(writer._process.pid, flush=True)
+    print(writer.pid, flush=True)
 writer.start_run(RunInfo(model="m", num_blocks=8, block_size=16, dtype="float32", device="cpu"))
 group = 0
 while True:
@@ -586,7 +586,7 @@ def test_a_dead_writer_process_is_reported_and_its_rows_counted(tmp_path: Path, 
     writer.start_run(RUN_INFO)
     writer.submit([cache(i, BASE_TIME) for i in range(10)])
     assert writer.flush(timeout_s=20)
-    os.kill(writer._process.pid, signal.SIGKILL)
+    os.kill(writer.pid, signal.SIGKILL)
     assert wait_for(lambda: writer.stats().last_error is not None)
     writer.submit([cache(i, BASE_TIME) for i in range(10, 15)])  # the engine keeps serving
     writer.record_requests([request_record("a")])
