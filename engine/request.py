@@ -51,7 +51,7 @@ class Request:
     """The engine's record of one request. Mutated only by the engine thread."""
 
     request_id: str
-    prompt_token_ids: list[int]  # context before generation (a fork's inherited tokens included)
+    prompt_token_ids: tuple[int, ...]  # context before generation (a fork's inherited tokens included); fixed
     sampling: SamplingParams
     parent_id: str | None = None  # set for forks
     retain: bool = False  # keep blocks after finishing, as a fork base
@@ -82,9 +82,12 @@ class Request:
     first_token_time: float | None = None
     finish_time: float | None = None
 
+    def __post_init__(self) -> None:
+        self.prompt_token_ids = tuple(self.prompt_token_ids)  # views share it instead of copying it
+
     @property
     def all_token_ids(self) -> list[int]:
-        return self.prompt_token_ids + self.output_token_ids
+        return [*self.prompt_token_ids, *self.output_token_ids]
 
     @property
     def num_tokens(self) -> int:

@@ -9,6 +9,7 @@ Imports no Streamlit and no torch. Modules, one job each:
     writer      `EventWriter`: the single writer (a thread that batches, retries and prunes).
     writer_process  `WriterProcess`: the same interface, with the EventWriter in a child process (what
                 the console and the CLI use: the database work never shares the engine's interpreter).
+    frame_pipe  `FramePipe`: length-prefixed frames into a pipe without ever blocking the writer.
     rollups     per-minute eviction aggregates kept equal to the log.
     retention   `prune(engine, RetentionPolicy, now)`: age and row-count bounds, logged in `prunes`.
     buckets     `bucket_index`: floor(time / seconds) on every backend.
@@ -26,7 +27,8 @@ Engine side (never blocks on the database; nothing is lost without being counted
     writer.stats()                                  # WriterStats: queued, written_*, dropped, failed_batches,
                                                     #   retries, retrying, last_error, schema_ready, pruned_rows
     writer.flush(timeout_s=None) -> bool            # wait until everything queued so far is written or dropped
-                                                    #   (a batch otherwise gathers rows for up to 0.5 s)
+                                                    #   (a batch otherwise gathers rows for up to 0.5 s, and a
+                                                    #   WriterProcess holds them up to 0.5 s before sending)
     writer.close(timeout_s=30.0) -> bool            # stop the run, drain, stop the thread (and process)
 
 Console side (`db` is an Engine, Connection or Session; times are epoch seconds):

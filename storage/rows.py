@@ -64,6 +64,7 @@ VIEW_COLUMNS = (*REQUEST_FIELDS, "prompt_tokens", *WINDOW_FIELDS)
 _VIEW_ATTRIBUTES = {"prompt_tokens": "num_prompt_tokens"}
 # RequestView -> its VIEW_COLUMNS values, in one C call (its strings are plain already, not enums).
 view_values = operator.attrgetter(*(_VIEW_ATTRIBUTES.get(column, column) for column in VIEW_COLUMNS))
+_PROMPT_FIELD = RequestView._fields.index("prompt_token_ids")
 # Enum `.value` is a slow descriptor; event rows are the hot path of the writer.
 _KIND_VALUES = {kind: kind.value for kind in EventKind}
 
@@ -155,7 +156,15 @@ def checked_request_records(requests: Iterable[Mapping[str, Any] | object]) -> l
     return records
 
 
+def view_without_prompt(view: RequestView) -> tuple[Any, ...]:
+    """A view's fields as a plain tuple (pickled in C, unlike a NamedTuple), its prompt tokens left out:
+    the history stores only their count (`num_prompt_tokens`). `RequestView._make` rebuilds the view."""
+    return (*view[:_PROMPT_FIELD], (), *view[_PROMPT_FIELD + 1 :])
+
+
 def request_id_of(request: Mapping[str, Any] | object) -> Any:
+    if type(request) is RequestView:  # the engine's records: the common case, and the Mapping check is slow
+        return request.request_id
     return request.get("request_id") if isinstance(request, Mapping) else getattr(request, "request_id", None)
 
 

@@ -141,6 +141,19 @@ def encode_events(events: Sequence[Event]) -> EncodedEvents:
     return EncodedEvents(encode_json(list(map(tuple, events))), len(events), evictions)
 
 
+def join_encoded(parts: Sequence[EncodedEvents]) -> EncodedEvents:
+    """Several `encode_events` results as one, in order (one JSON array, no re-encoding)."""
+    if len(parts) == 1:
+        return parts[0]
+    evictions = tuple(event for part in parts for event in part.evictions)
+    return EncodedEvents(_join_arrays([part.json for part in parts]), sum(part.count for part in parts), evictions)
+
+
+def _join_arrays(arrays: Sequence[str]) -> str:
+    """Non-empty JSON arrays as one array of all their elements."""
+    return arrays[0] if len(arrays) == 1 else "[" + ",".join(array[1:-1] for array in arrays) + "]"
+
+
 @dataclass(frozen=True)
 class _Item:
     """One unit of the queue, written whole or not at all. An empty item only wakes the thread."""
@@ -530,8 +543,7 @@ def _insert_events_as_json(connection: Connection, run_id: str, arrays: list[str
     # Every column after run_id is the Event field of the same name.
     elements = [_json_element(Event._fields.index(name)) for name in EVENT_COLUMNS[1:]]
     statement = _insert_from_json(connection, EVENTS, EVENT_COLUMNS, ["?", *elements])
-    joined = arrays[0] if len(arrays) == 1 else "[" + ",".join(array[1:-1] for array in arrays) + "]"  # none is empty
-    connection.exec_driver_sql(statement, (run_id, joined))
+    connection.exec_driver_sql(statement, (run_id, _join_arrays(arrays)))
 
 
 def _insert_rows_as_json(connection: Connection, table: Table, columns: Sequence[str], rows: list[tuple]) -> None:

@@ -1,35 +1,39 @@
-"""The history writer in a process of its own: the engine's process only pickles and hands over bytes.
+"""The history writer in a process of its own: the engine's process only encodes rows and writes bytes.
 
 `WriterProcess` has `EventWriter`'s interface and contract (see storage.writer) and runs an
 `EventWriter` in a child process (`python -m storage.writer_process`), so the database work (SQLite's
 inserts, the writer's Python and its hold on the GIL) never runs in the engine's interpreter: a writer
 thread's batches lengthened the engine steps they overlapped while the GIL went back and forth. The
-engine side pays the pickling below; the child still needs CPU time, so on a machine with fewer free
-cores than the engine can use, steps still feel it (see benchmarks/storage.py for the numbers).
+child still needs CPU time, so on a machine with fewer free cores than the engine can use, steps still
+feel it (see benchmarks/storage.py for the numbers).
 
 Data flow, one way:
-    engine thread --pickle--> bounded frame queue --sender thread--> pipe --> child: EventWriter
+    engine thread: encode, hold --(every batch_interval_s: one frame)--> pipe --> child: EventWriter
     child: stats, flush and close replies --> pipe --> receiver thread --> `stats()`, `flush()`, `close()`
 
     * `submit` encodes events on the calling thread as the writer stores them (`encode_events`: one
-      orjson call, ~0.3 us an event; EVICT events also travel as tuples, for the eviction log) and
-      queues the frame; it never waits. The child neither rebuilds nor re-encodes them. At most
-      `queue_items` data frames wait to be sent (then the pipe's buffer and the child writer's own
-      queue hold more); a frame that finds the queue full is dropped and its rows counted in
-      `stats().dropped`.
-    * `record_requests` keeps only the latest record of each request and sends them together at most
-      every `batch_interval_s` (the engine republishes every running request every step, and a view
-      carries its whole prompt). Records still pending go out before a new run starts, on `flush` and
-      `close`, and from the sender thread when the engine goes quiet. A superseded record counts as
-      written (as `EventWriter` counts the records it coalesces), its successor carrying it.
+      orjson call, ~0.3 us an event; EVICT events also travel as tuples, for the eviction log) and holds
+      the encoded bytes (not the events: held rows are no work for the garbage collector).
+      `record_requests` holds only the latest record of each request (the engine republishes every
+      running request every step, and a view carries its whole prompt).
+    * What is held goes out as one frame at most every `batch_interval_s`, when the held events would
+      pass `item_rows`, before a new run starts, on `flush` and `close`, and from the pipe's thread when
+      the engine has gone quiet. The frame is written straight into the pipe (storage.frame_pipe: one
+      non-blocking write on the calling thread, no hand-off); only when the child lags does it wait in
+      the pipe's backlog, of at most `queue_items` frames. A frame refused there is dropped and its rows
+      counted in `stats().dropped`. A frame holds whole `submit` chunks, at most `item_rows` events, and
+      the child writes its events as one atomic item; the child neither rebuilds nor re-encodes them.
+      A superseded request record counts as written (as `EventWriter` counts the records it coalesces),
+      its successor carrying it.
     * Control frames (`start_run`, `flush`, `close`) are never dropped; frames reach the child in order,
       so a run's rows always follow its run.
     * `stats()` is the child writer's latest report (it reports whenever its counters change, at most
-      every `poll_s`, and with every flush reply), merged with what this side counts: rows not yet
-      confirmed by the child are `queued`, rows dropped here are in `dropped`.
+      every `poll_s`, and with every flush reply), merged with what this side counts: rows held or not
+      yet confirmed by the child are `queued`, rows dropped here are in `dropped`.
     * If the child dies, that is reported (`last_error`), every row it had not confirmed is counted as
       dropped, and the engine keeps serving. If this process dies, the child sees the pipe close,
-      writes everything it received and exits; a killed child loses at most what it had not committed.
+      writes everything it received and exits: a killed engine loses what it held (at most
+      `batch_interval_s` of rows), a killed child at most what it had not committed.
 """
 
 from __future__ import annotations
@@ -37,21 +41,21 @@ from __future__ import annotations
 import itertools
 import os
 import pickle
-import queue
 import signal
 import subprocess
 import sys
 import threading
 import time
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import replace
-from multiprocessing.connection import Connection
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from engine.events import Event
+from engine.snapshot import RequestView
 from storage.db import db_engine, default_db_url
-from storage.rows import checked_request_records, request_id_of
+from storage.frame_pipe import FramePipe, read_frames, write_frame
+from storage.rows import checked_request_records, request_id_of, view_without_prompt
 from storage.writer import (
     EncodedEvents,
     EventWriter,
@@ -59,6 +63,7 @@ from storage.writer import (
     WriterOptions,
     WriterStats,
     encode_events,
+    join_encoded,
     new_run_id,
 )
 
@@ -68,11 +73,25 @@ PICKLE_PROTOCOL = pickle.HIGHEST_PROTOCOL
 # tiny model's steps were a few percent slower while batches were written). Under sustained full load
 # it still gets a small share; if that is too little, its bounded queues drop rows and count them.
 CHILD_NICENESS = 19
+EMPTY_EVENTS = EncodedEvents("[]", 0, ())
+CLOSE_FRAME = pickle.dumps(("close",), PICKLE_PROTOCOL)
 NO_STATS = WriterStats(
     queued=0, written_events=0, written_requests=0, written_batches=0, dropped=0, failed_batches=0, retries=0,
     retrying=False, last_error=None, schema_ready=False, pruned_rows=0,
 )  # fmt: skip
-_STOP_SENDING = None  # the frame queue's last item: the sender thread exits
+
+
+@dataclass
+class _Held:
+    """Rows accepted on the engine side and not sent yet."""
+
+    events: list[EncodedEvents] = field(default_factory=list)  # one per submit chunk, in order
+    num_events: int = 0
+    requests: dict[Any, Mapping[str, Any] | object] = field(default_factory=dict)  # request id -> latest record
+
+    @property
+    def num_rows(self) -> int:
+        return self.num_events + len(self.requests)
 
 
 class WriterProcess:
@@ -101,31 +120,29 @@ class WriterProcess:
         finally:
             os.close(to_child_read)
             os.close(from_child_write)
-        self._to_child = Connection(to_child_write, readable=False)
-        self._from_child = Connection(from_child_read, writable=False)
+        self._from_child = os.fdopen(from_child_read, "rb")
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)
-        self._frames: queue.SimpleQueue[tuple[bytes, int] | None] = queue.SimpleQueue()
-        self._waiting_data_frames = 0  # data frames in `_frames`, bounded by queue_items
-        self._accepted_rows = 0  # every event and request record handed in (pending, sent, refused)
+        self._accepted_rows = 0  # every event and request record handed in (held, sent, refused)
         self._superseded = 0  # request records replaced by a later one of the same request before sending
-        self._dropped_here = 0  # rows refused on this side: queue full, closed, child gone
+        self._dropped_here = 0  # rows refused on this side: backlog full, closed, child gone
         self._child_stats = NO_STATS
         self._child_gone = False  # its pipe closed: it exited (after close, or not)
         self._child_error: str | None = None  # why it exited before close, if it did
         self._flushed: dict[int, bool] = {}  # flush token -> the child's answer
         self._closed_by_child = False  # it answered close (and exits)
         self._tokens = itertools.count(1)
-        self._pending_requests: dict[Any, Mapping[str, Any] | object] = {}  # request id -> latest record
-        self._requests_sending = threading.Lock()
-        self._requests_due = 0.0  # monotonic time after which record_requests sends what is pending
+        self._held = _Held()
+        self._sending = threading.Lock()  # one sender of held rows at a time (see `_send_held`)
+        self._send_due = 0.0  # monotonic time after which held rows go out with the next call
         self._current_run: str | None = None
         self._close_called = False
         self._closed = False
+        self._to_child = FramePipe(
+            to_child_write, self._options.queue_items, self._send_held_if_due, self._options.batch_interval_s
+        )
         self._send_control(("open", url, self._options))
-        self._sender = threading.Thread(target=self._send_frames, name="writer-process-sender", daemon=True)
         self._receiver = threading.Thread(target=self._receive, name="writer-process-receiver", daemon=True)
-        self._sender.start()
         self._receiver.start()
 
     @property
@@ -138,7 +155,7 @@ class WriterProcess:
     def start_run(self, info: RunInfo) -> str:
         """Record a new engine start (stopping the previous run) and return its id."""
         run_id = new_run_id(info.started_at)
-        self._send_pending_requests()  # they belong to the run before
+        self._send_held()  # they belong to the run before
         self._current_run = run_id
         self._send_control(("run", run_id, info))
         return run_id
@@ -150,12 +167,21 @@ class WriterProcess:
             RuntimeError: no run was started.
         """
         self._require_run()
-        with self._lock:
-            self._accepted_rows += len(events)
         size = self._options.item_rows
         for start in range(0, len(events), size):  # each chunk one atomic item, as EventWriter.submit does
             chunk = encode_events(events[start : start + size])
-            self._send_data(("events", chunk.json, chunk.count, list(map(tuple, chunk.evictions))), chunk.count)
+            with self._lock:
+                self._accepted_rows += chunk.count
+                if self._refusing_rows():
+                    self._dropped_here += chunk.count
+                    continue
+                frame_full = self._held.num_events + chunk.count > size
+            if frame_full:
+                self._send_held()
+            with self._lock:
+                self._held.events.append(chunk)
+                self._held.num_events += chunk.count
+        self._send_held_if_due()
 
     def record_requests(self, requests: Iterable[Mapping[str, Any] | object]) -> None:
         """Queue request records of the current run (see `EventWriter.record_requests`).
@@ -166,15 +192,17 @@ class WriterProcess:
         """
         self._require_run()
         records = checked_request_records(requests)
-        latest = {request_id_of(record): record for record in records}
         with self._lock:
-            pending = self._pending_requests
             self._accepted_rows += len(records)
-            self._superseded += len(records) - len(latest) + sum(1 for request_id in latest if request_id in pending)
-            pending.update(latest)
-            due = time.monotonic() >= self._requests_due
-        if due:
-            self._send_pending_requests()
+            if self._refusing_rows():
+                self._dropped_here += len(records)
+                return
+            held = self._held.requests
+            num_before = len(held)
+            for record in records:
+                held[request_id_of(record)] = record
+            self._superseded += len(records) - (len(held) - num_before)
+        self._send_held_if_due()
 
     def stats(self) -> WriterStats:
         with self._lock:
@@ -202,7 +230,7 @@ class WriterProcess:
             False if `timeout_s` passed first. Check `stats()` for what was dropped.
         """
         token = next(self._tokens)
-        self._send_pending_requests()
+        self._send_held()
         self._send_control(("flush", token, timeout_s))
         with self._changed:
             self._changed.wait_for(lambda: token in self._flushed or self._child_gone, timeout_s)
@@ -219,11 +247,11 @@ class WriterProcess:
         with self._lock:
             first_call, self._close_called = not self._close_called, True
         if first_call:
-            self._send_pending_requests()
+            self._send_held()
             with self._lock:
                 self._closed = True  # rows from now on are dropped
             self._send_control(("close",))
-            self._frames.put(_STOP_SENDING)
+            self._to_child.close()
         with self._changed:
             return self._changed.wait_for(lambda: self._child_gone, timeout_s)
 
@@ -231,59 +259,47 @@ class WriterProcess:
         if self._current_run is None:
             raise RuntimeError("start_run() before submitting rows")
 
-    def _send_data(self, message: tuple, num_rows: int) -> None:
-        """Queue a frame of `num_rows` rows, already counted in `_accepted_rows`, or refuse them."""
-        with self._lock:
-            if self._closed or self._child_gone or self._waiting_data_frames >= self._options.queue_items:
-                self._dropped_here += num_rows
-                return
-            self._waiting_data_frames += 1
-        self._frames.put((pickle.dumps(message, PICKLE_PROTOCOL), num_rows))
+    def _refusing_rows(self) -> bool:
+        """Closed, or the child is gone (the lock held)."""
+        return self._closed or self._child_gone
 
-    def _send_pending_requests(self) -> None:
-        # One sender at a time (the engine thread, or the sender thread when the engine is quiet), so that
-        # an older set of records can never be queued behind a newer one.
-        with self._requests_sending:
+    def _send_held_if_due(self) -> None:
+        if time.monotonic() >= self._send_due:
+            self._send_held()
+
+    def _send_held(self) -> None:
+        """Send every held row as one frame. One sender at a time (the engine thread, a flush, or the
+        pipe's thread when the engine is quiet), so an older frame can never follow a newer one."""
+        with self._sending:
             with self._lock:
-                records, self._pending_requests = list(self._pending_requests.values()), {}
-                self._requests_due = time.monotonic() + self._options.batch_interval_s
-            if records:
-                self._send_data(("requests", records), len(records))
+                held, self._held = self._held, _Held()
+                self._send_due = time.monotonic() + self._options.batch_interval_s
+                if not held.num_rows:
+                    return
+                if self._refusing_rows():
+                    self._dropped_here += held.num_rows
+                    return
+            # Plain tuples: the pickle module handles them in C, NamedTuples and enums in Python.
+            events = join_encoded(held.events) if held.events else EMPTY_EVENTS
+            evictions = list(map(tuple, events.evictions))
+            requests = [
+                view_without_prompt(record) if type(record) is RequestView else record
+                for record in held.requests.values()
+            ]
+            message = ("rows", events.json, events.count, evictions, requests)
+            if not self._to_child.send(pickle.dumps(message, PICKLE_PROTOCOL)):
+                with self._lock:
+                    self._dropped_here += held.num_rows
 
     def _send_control(self, message: tuple) -> None:
-        self._frames.put((pickle.dumps(message, PICKLE_PROTOCOL), 0))
+        self._to_child.send(pickle.dumps(message, PICKLE_PROTOCOL), droppable=False)
 
-    # ---- sender and receiver threads -------------------------------------------------------------
-
-    def _send_frames(self) -> None:
-        """Write queued frames into the pipe in order (blocking while the child's side is full)."""
-        broken = False
-        while True:
-            try:
-                frame = self._frames.get(timeout=self._options.batch_interval_s)
-            except queue.Empty:  # the engine is quiet: send the request records it left pending
-                self._send_pending_requests()
-                continue
-            if frame is _STOP_SENDING:
-                break
-            data, num_rows = frame
-            if not broken:
-                try:
-                    self._to_child.send_bytes(data)
-                except OSError:  # the child is gone: the receiver reports it, stats count the rows
-                    broken = True
-            if num_rows:
-                with self._lock:
-                    self._waiting_data_frames -= 1
-        self._to_child.close()
+    # ---- receiver thread -----------------------------------------------------------------------
 
     def _receive(self) -> None:
         """Keep the child's latest stats and answers until its pipe closes."""
-        while True:
-            try:
-                message = pickle.loads(self._from_child.recv_bytes())
-            except (EOFError, OSError):
-                break
+        for payload in read_frames(self._from_child):
+            message = pickle.loads(payload)
             kind, stats = message[0], message[-1]
             with self._changed:
                 self._child_stats = stats
@@ -308,17 +324,18 @@ def serve(read_fd: int, write_fd: int) -> None:
     """The child's main loop: run an EventWriter on what arrives, report its stats, answer flush/close."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C in a terminal reaches the parent; it closes us
     os.nice(CHILD_NICENESS)
-    inbox, outbox = Connection(read_fd, writable=False), Connection(write_fd, readable=False)
+    outbox = os.fdopen(write_fd, "wb")
     send_lock = threading.Lock()
 
     def send(message: tuple) -> None:
         with send_lock:
             try:
-                outbox.send_bytes(pickle.dumps(message, PICKLE_PROTOCOL))
+                write_frame(outbox, pickle.dumps(message, PICKLE_PROTOCOL))
             except OSError:  # the parent is gone; the writer still finishes what it has
                 pass
 
-    _, url, options = pickle.loads(inbox.recv_bytes())  # the first frame: ("open", url, options)
+    frames = read_frames(os.fdopen(read_fd, "rb"))
+    _, url, options = pickle.loads(next(frames))  # the first frame: ("open", url, options)
     writer = EventWriter(url, options)
     closing = threading.Event()
 
@@ -336,16 +353,15 @@ def serve(read_fd: int, write_fd: int) -> None:
 
     threading.Thread(target=report, name="writer-stats", daemon=True).start()
     while True:
-        try:
-            message = pickle.loads(inbox.recv_bytes())
-        except (EOFError, OSError):  # the parent died without closing: write what we have
-            message = ("close",)
+        # The parent died without closing when its pipe ends first: write what we have.
+        message = pickle.loads(next(frames, CLOSE_FRAME))
         kind = message[0]
-        if kind == "events":
-            _, json, count, evictions = message
-            writer.submit_encoded(EncodedEvents(json, count, tuple(map(Event._make, evictions))))
-        elif kind == "requests":
-            writer.record_requests(message[1])
+        if kind == "rows":
+            _, json, count, evictions, requests = message
+            if count:
+                writer.submit_encoded(EncodedEvents(json, count, tuple(map(Event._make, evictions))))
+            if requests:
+                writer.record_requests([RequestView._make(r) if type(r) is tuple else r for r in requests])
         elif kind == "run":
             writer.start_run(message[2], run_id=message[1])
         elif kind == "flush":  # answered by a thread, so frames behind it keep flowing in

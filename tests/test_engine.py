@@ -15,6 +15,7 @@ from engine.config import EngineConfig
 from engine.engine import Engine, RequestRejected
 from engine.models import load_model
 from engine.request import SamplingParams
+from engine.snapshot import RequestView
 from tests.engine_reference import LogitSpy, assert_matches_reference
 
 GREEDY = SamplingParams(max_new_tokens=6, ignore_eos=True)
@@ -234,6 +235,43 @@ def test_listeners_see_each_step_until_removed(tmp_path):
     engine.run_until_idle()
     assert len(seen) == calls
     assert engine.get(rid).status == "finished"
+
+
+def test_a_request_view_carries_every_field_of_its_request_by_name(tmp_path):
+    """RequestView.of builds its tuple positionally (it is on the hot path): each field must still hold
+    the request's value of the same name."""
+    engine, _ = make_engine(tmp_path)
+    parent = engine.submit(tokens(9, 3), GREEDY, retain=True, salt="tenant")
+    engine.run_until_idle()
+    child = engine.fork(parent, tokens(3, 4), SamplingParams(max_new_tokens=5, ignore_eos=True))
+    engine.step()
+    request = engine._requests[child]
+    request.replay_divergence = {"max_abs": 0.5}
+    request.finish_reason = "stop"
+    # Distinct values, so that two fields of one type swapped would show.
+    for value, name in enumerate(
+        ("num_computed_tokens", "cached_tokens", "computed_tokens", "cow_copies", "preemptions", "window_start",
+         "window_end", "replay_from", "replayed_tokens"), start=101,
+    ):  # fmt: skip
+        setattr(request, name, value)
+    request.first_token_time, request.finish_time = 7.0, 8.0
+    tables = {"full": [3, 1, 2]}
+    view = RequestView.of(request, tables)
+    derived = {
+        "status": request.status.value,
+        "hit_source": request.hit_source.value,
+        "num_prompt_tokens": request.num_prompt_tokens,
+        "max_new_tokens": 5,
+        "block_tables": {"full": (3, 1, 2)},
+        "output_token_ids": tuple(request.output_token_ids),
+    }
+    assert set(derived) < set(RequestView._fields)
+    for name in RequestView._fields:
+        expected = derived[name] if name in derived else getattr(request, name)
+        assert getattr(view, name) == expected, name
+    assert (view.parent_id, view.salt, view.hit_source, view.retain) == (parent, "tenant", "fork", False)
+    assert view.prompt_token_ids == tuple(tokens(9, 3)) + engine.get(parent).output_token_ids + tuple(tokens(3, 4))
+    assert view.arrival_time > 0 and view.first_scheduled_time is not None
 
 
 def test_background_thread_serves_submissions(tmp_path):
