@@ -30,11 +30,11 @@ Invariants (checked by `check_invariants`):
 
 from __future__ import annotations
 
+import struct
 import time
-from array import array
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Sequence
 
 import xxhash
 
@@ -45,9 +45,17 @@ class NoFreeBlocksError(RuntimeError):
     """Raised by `allocate` when every block is referenced. Callers check `num_allocatable` first."""
 
 
-def chain_key(parent_key: bytes, token_ids: Iterable[int]) -> bytes:
-    """The cache key of a full block: a 128-bit hash over its parent's key and its token ids."""
-    return xxhash.xxh3_128_digest(parent_key + array("I", token_ids).tobytes())
+# Token ids -> bytes, by block length: a compiled struct packs a block in a third less time than an array.
+_TOKEN_PACKERS: dict[int, Callable[..., bytes]] = {}
+
+
+def chain_key(parent_key: bytes, token_ids: Sequence[int]) -> bytes:
+    """The cache key of a full block: a 128-bit hash over its parent's key and its token ids (each as
+    4 little-endian bytes, so keys are the same on every platform)."""
+    pack = _TOKEN_PACKERS.get(len(token_ids))
+    if pack is None:
+        pack = _TOKEN_PACKERS[len(token_ids)] = struct.Struct(f"<{len(token_ids)}I").pack
+    return xxhash.xxh3_128_digest(parent_key + pack(*token_ids))
 
 
 @dataclass(slots=True, eq=False)
@@ -190,6 +198,15 @@ class BlockPool:
                     raise RuntimeError(f"block {block.block_id} is free; only cached or held blocks can be shared")
                 self._num_evictable -= 1
                 block.lru_dead += 1  # its LRU entry stays behind, dead
+            block.ref_count += 1
+            block.hit_count += 1
+            block.last_used = now
+
+    def share_held_blocks(self, blocks: Iterable[Block]) -> None:
+        """Take one more reference on blocks that are referenced already (a fork shares its parent's table,
+        which holds every one of them), so none leaves the evictable LRU. The caller emits the FORK event."""
+        now = self._clock()
+        for block in blocks:
             block.ref_count += 1
             block.hit_count += 1
             block.last_used = now

@@ -339,7 +339,7 @@ class KVCacheManager:
         blocks, offset = parent.blocks[:], parent.offset
         ids = parent.block_ids[:]
         child = BlockTable(parent.root_key, blocks, parent.keys[:], offset, offset + len(blocks), ids)
-        self.pool.touch_blocks(blocks)
+        self.pool.share_held_blocks(blocks)
         self._tables[child_id] = child
         shared = child.num_tokens(self.block_size)
         self._log.emit(

@@ -335,7 +335,10 @@ def serve(read_fd: int, write_fd: int) -> None:
                 pass
 
     frames = read_frames(os.fdopen(read_fd, "rb"))
-    _, url, options = pickle.loads(next(frames))  # the first frame: ("open", url, options)
+    opening = next(frames, None)  # the first frame: ("open", url, options)
+    if opening is None:  # the parent died before it asked for anything
+        return
+    _, url, options = pickle.loads(opening)
     writer = EventWriter(url, options)
     closing = threading.Event()
 
