@@ -10,7 +10,8 @@ Invariants:
   * frames reach the reader whole and in the order `send` accepted them: while the backlog holds
     anything, every new frame joins it behind the others;
   * at most `max_backlog` droppable frames wait in the backlog; `send` refuses more (and says so).
-    Frames that may not be dropped (control messages) always join;
+    Frames that may not be dropped (control messages) always join, until `close`: after it, `send`
+    refuses everything (the descriptor is closed once the backlog is out, and its number may be reused);
   * `send` never waits for the reader: its only system call is one non-blocking write.
 
 Frame: a 4-byte little-endian payload length, then the payload.
@@ -75,7 +76,8 @@ class FramePipe:
         """Write one frame now if the pipe has room, else queue it behind the others.
 
         Returns:
-            False if a droppable frame was refused because `max_backlog` of them are waiting.
+            False if the frame was refused: the pipe was closed, or it is droppable and `max_backlog`
+            droppable frames are waiting.
 
         Raises:
             ValueError: the payload is longer than a frame can say.
@@ -84,6 +86,8 @@ class FramePipe:
             raise ValueError(f"a frame holds at most {MAX_PAYLOAD} bytes")
         frame = HEADER.pack(len(payload)) + payload
         with self._lock:
+            if self._closing:
+                return False
             if self._broken:
                 return True  # the reader is gone; its owner learns that from the reader's side
             if self._backlog:
@@ -127,7 +131,8 @@ class FramePipe:
                     self._waiting.wait(self._tick_s)
                 if not self._backlog:
                     if self._closing:
-                        break
+                        os.close(self._fd)  # under the lock: no write can follow on a reused number
+                        return
                     tick = True
                 else:
                     tick = False
@@ -144,7 +149,6 @@ class FramePipe:
                 self._on_tick()
             elif full:
                 select.select([], [self._fd], [], _WAIT_WRITABLE_S)
-        os.close(self._fd)
 
 
 def write_frame(stream: BinaryIO, payload: bytes) -> None:

@@ -23,8 +23,8 @@ Data flow, one way:
       the pipe's backlog, of at most `queue_items` frames. A frame refused there is dropped and its rows
       counted in `stats().dropped`. A frame holds whole `submit` chunks, at most `item_rows` events, and
       the child writes its events as one atomic item; the child neither rebuilds nor re-encodes them.
-      A superseded request record counts as written (as `EventWriter` counts the records it coalesces),
-      its successor carrying it.
+      A superseded request record counts as written (as `EventWriter` counts the records it coalesces)
+      once its successor is sent, and as dropped if its successor is.
     * Control frames (`start_run`, `flush`, `close`) are never dropped; frames reach the child in order,
       so a run's rows always follow its run.
     * `stats()` is the child writer's latest report (it reports whenever its counters change, at most
@@ -88,6 +88,7 @@ class _Held:
     events: list[EncodedEvents] = field(default_factory=list)  # one per submit chunk, in order
     num_events: int = 0
     requests: dict[Any, Mapping[str, Any] | object] = field(default_factory=dict)  # request id -> latest record
+    superseded: int = 0  # request records replaced in `requests` by a later one of the same request
 
     @property
     def num_rows(self) -> int:
@@ -124,7 +125,7 @@ class WriterProcess:
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)
         self._accepted_rows = 0  # every event and request record handed in (held, sent, refused)
-        self._superseded = 0  # request records replaced by a later one of the same request before sending
+        self._superseded = 0  # request records replaced by a later one of the same request, then sent
         self._dropped_here = 0  # rows refused on this side: backlog full, closed, child gone
         self._child_stats = NO_STATS
         self._child_gone = False  # its pipe closed: it exited (after close, or not)
@@ -201,7 +202,7 @@ class WriterProcess:
             num_before = len(held)
             for record in records:
                 held[request_id_of(record)] = record
-            self._superseded += len(records) - (len(held) - num_before)
+            self._held.superseded += len(records) - (len(held) - num_before)
         self._send_held_if_due()
 
     def stats(self) -> WriterStats:
@@ -277,7 +278,7 @@ class WriterProcess:
                 if not held.num_rows:
                     return
                 if self._refusing_rows():
-                    self._dropped_here += held.num_rows
+                    self._dropped_here += held.num_rows + held.superseded
                     return
             # Plain tuples: the pickle module handles them in C, NamedTuples and enums in Python.
             events = join_encoded(held.events) if held.events else EMPTY_EVENTS
@@ -287,9 +288,12 @@ class WriterProcess:
                 for record in held.requests.values()
             ]
             message = ("rows", events.json, events.count, evictions, requests)
-            if not self._to_child.send(pickle.dumps(message, PICKLE_PROTOCOL)):
-                with self._lock:
-                    self._dropped_here += held.num_rows
+            sent = self._to_child.send(pickle.dumps(message, PICKLE_PROTOCOL))
+            with self._lock:
+                if sent:  # superseded records count as written once their successors are on the way
+                    self._superseded += held.superseded
+                else:
+                    self._dropped_here += held.num_rows + held.superseded
 
     def _send_control(self, message: tuple) -> None:
         self._to_child.send(pickle.dumps(message, PICKLE_PROTOCOL), droppable=False)

@@ -89,3 +89,12 @@ def test_payload_sizes_round_trip(size: int) -> None:
     pipe.close()
     with os.fdopen(read_fd, "rb") as reader:
         assert list(read_frames(reader)) == [data]
+
+
+def test_nothing_is_accepted_after_close_and_what_came_before_still_arrives() -> None:
+    pipe, read_fd = make_pipe(max_backlog=4)
+    assert pipe.send(b"before")
+    pipe.close()
+    assert not pipe.send(b"after") and not pipe.send(b"control after", droppable=False)
+    with os.fdopen(read_fd, "rb") as reader:
+        assert list(read_frames(reader)) == [b"before"]
