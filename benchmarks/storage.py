@@ -7,7 +7,7 @@
 2. The eviction-log queries on `--rows` eviction rows, against the indexed schema and against a copy
    whose evictions table has no secondary indexes. Each query's time is the median of repeated runs.
 3. Engine step time with persistence off and on. One engine runs rounds in five modes taking turns
-   (order rotating): no listener, twice; a listener that does nothing; the persistence listener
+   (a new random order each repetition): no listener, twice; a listener that does nothing; the persistence listener
    (`storage.recorder.persistence_listener`) feeding a WriterProcess (what the console runs: the
    database work in a child process); the same feeding an EventWriter thread in the engine's process
    (for comparison). A round is waves of requests on a
@@ -417,7 +417,7 @@ class StepCase:
     new_tokens: int  # per request and fork, EOS ignored
     waves: int  # times a round repeats that on a fresh prefix, so it spans several writer batches
     warm_rounds: int  # untimed rounds first: the pool fills up, so every timed round evicts
-    repetitions: int  # timed rounds per engine, the engines' order rotating
+    repetitions: int  # timed rounds per mode, the modes in a new random order each repetition
     torch_threads: int | None = None  # the engine's torch threads (None: torch's default, one per core)
 
     def describe(self) -> str:
@@ -619,9 +619,11 @@ def bench_step_overhead(url_for: Callable[[str], str], smollm2: bool, repetition
                 for mode in STEP_MODES:
                     bench.run_round(mode)
             runs: list[dict[str, RoundRun]] = []
-            for rep in range(case.repetitions):
-                turn = rep % len(STEP_MODES)
-                order = STEP_MODES[turn:] + STEP_MODES[:turn]  # each mode takes every place in the order
+            order_rng = random.Random(index)  # seeded: a rerun takes the same orders
+            for _ in range(case.repetitions):
+                # A new order each time: in a fixed cycle the same modes were always neighbours, so a
+                # slow spell of the machine (it lasts a few rounds) landed on them together.
+                order = order_rng.sample(STEP_MODES, len(STEP_MODES))
                 runs.append({mode: bench.run_round(mode) for mode in order})
             history = bench.close()
             seconds = time.perf_counter() - started
@@ -652,7 +654,7 @@ def report_step_overhead(
     print(f"  one round: {case.describe()}")
     print(f"  one engine, each mode {case.warm_rounds} untimed rounds (the pool fills), then {case.repetitions} "
           f"timed rounds, the modes taking turns")
-    print(f"  (order rotating); {total_steps} steps per mode, {seconds:.0f} s in all")
+    print(f"  (a new random order each repetition); {total_steps} steps per mode, {seconds:.0f} s in all")
     print(f"  timed rounds published {sum(run.step_events for run in on_runs):,} events from steps "
           f"({sum(run.step_evictions for run in on_runs):,} EVICT) and "
           f"{sum(run.step_requests for run in on_runs):,} request records; the history (warm-up included) got "

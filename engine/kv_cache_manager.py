@@ -9,7 +9,9 @@ before it lay wholly outside the window of the request's newest token and were r
 
     logical block:   0    1    2    3    4    5
     full group:     [a]  [b]  [c]  [d]  [e]  [f]        offset 0
-    sliding group:            [p]  [q]  [r]  [s]        offset 2: blocks 0-1 released Invariants (checked by `check_invariants`, on top of the pool's):
+    sliding group:            [p]  [q]  [r]  [s]        offset 2: blocks 0-1 released
+
+Invariants (checked by `check_invariants`, on top of the pool's):
   * every reference on a block is held by exactly one table entry: `ref_count` equals the number of
     table entries (over running and retained requests) that point at it;
   * a block shared by several tables holds the same tokens for all of them, so a write into a shared

@@ -46,7 +46,8 @@ class FramePipe:
         Args:
             max_backlog: droppable frames that may wait for the reader.
             on_tick: called on the backlog thread every `tick_s` seconds while the backlog is empty (its
-                owner sends what it held back for too long when its own sender has gone quiet).
+                owner sends what it held back for too long when its own sender has gone quiet); it must
+                not raise.
         """
         os.set_blocking(fd, False)
         try:

@@ -130,6 +130,7 @@ class WriterProcess:
         self._child_stats = NO_STATS
         self._child_gone = False  # its pipe closed: it exited (after close, or not)
         self._child_error: str | None = None  # why it exited before close, if it did
+        self._send_error: str | None = None  # why the latest rows that could not be sent were not
         self._flushed: dict[int, bool] = {}  # flush token -> the child's answer
         self._closed_by_child = False  # it answered close (and exits)
         self._tokens = itertools.count(1)
@@ -221,7 +222,7 @@ class WriterProcess:
                 queued=queued,
                 dropped=dropped,
                 retrying=child.retrying and not self._child_gone,
-                last_error=self._child_error or child.last_error,
+                last_error=self._child_error or self._send_error or child.last_error,
             )
 
     def flush(self, timeout_s: float | None = None) -> bool:
@@ -288,7 +289,15 @@ class WriterProcess:
                 for record in held.requests.values()
             ]
             message = ("rows", events.json, events.count, evictions, requests)
-            sent = self._to_child.send(pickle.dumps(message, PICKLE_PROTOCOL))
+            try:
+                payload = pickle.dumps(message, PICKLE_PROTOCOL)
+            except Exception as error:  # a record holding what cannot cross (a lock, a lambda): counted, shown
+                with self._lock:
+                    self._dropped_here += held.num_rows + held.superseded
+                    reason = f"{type(error).__name__}: {error}"
+                    self._send_error = f"rows could not be sent to the writer process: {reason}"
+                return
+            sent = self._to_child.send(payload)
             with self._lock:
                 if sent:  # superseded records count as written once their successors are on the way
                     self._superseded += held.superseded

@@ -42,9 +42,8 @@ def test_frames_arrive_whole_and_in_order_after_the_reader_was_stalled() -> None
 def test_a_full_backlog_refuses_droppable_frames_but_never_control_frames() -> None:
     pipe, read_fd = make_pipe(max_backlog=2)
     big = payload(0, 2_000_000)  # fills the pipe, and its rest starts the backlog
-    results = send_all(
-        pipe, [(big, True), (payload(1, 64), True), (payload(2, 64), True), (payload(3, 64), False), (payload(4, 64), True)]
-    )
+    small = [(payload(i, 64), i != 3) for i in range(1, 5)]  # frame 3 is a control frame
+    results = send_all(pipe, [(big, True), *small])
     assert results == [True, True, False, True, False]
     pipe.close()
     with os.fdopen(read_fd, "rb") as reader:

@@ -626,6 +626,22 @@ def test_a_stalled_writer_process_never_blocks_the_engine(tmp_path: Path, engine
     assert writer.close(timeout_s=20)
 
 
+def test_a_record_that_cannot_reach_the_writer_process_is_counted_and_the_rest_flows(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path / 'history.sqlite'}"
+    writer = WriterProcess(url, WriterOptions(**FAST, batch_interval_s=30.0))
+    writer.start_run(RUN_INFO)
+    writer.record_requests([request_record("a", replay_divergence=threading.Lock())])  # cannot be pickled
+    assert writer.flush(timeout_s=20)
+    stats = writer.stats()
+    assert stats.dropped == 1 and "could not be sent" in stats.last_error and "lock" in stats.last_error
+    writer.submit([cache(i, BASE_TIME) for i in range(5)])
+    writer.record_requests([request_record("b")])
+    assert writer.flush(timeout_s=20)
+    stats = writer.stats()
+    assert (stats.written_events, stats.written_requests, stats.dropped, stats.queued) == (5, 1, 1, 0)
+    assert writer.close(timeout_s=20)
+
+
 def test_a_writer_process_sends_pending_request_records_once_the_engine_is_quiet(tmp_path: Path) -> None:
     """Request records wait to be coalesced; with no flush and nothing else coming they still go out."""
     writer = WriterProcess(f"sqlite:///{tmp_path / 'history.sqlite'}", WriterOptions(**FAST, batch_interval_s=0.2))
