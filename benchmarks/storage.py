@@ -7,11 +7,11 @@
 2. The eviction-log queries on `--rows` eviction rows, against the indexed schema and against a copy
    whose evictions table has no secondary indexes. Each query's time is the median of repeated runs.
 3. Engine step time with persistence off and on. One engine runs rounds in five modes taking turns
-   (a new random order each repetition): no listener, twice; a listener that does nothing; the persistence listener
-   (`storage.recorder.persistence_listener`) feeding a WriterProcess (what the console runs: the
-   database work in a child process); the same feeding an EventWriter thread in the engine's process
-   (for comparison). A round is waves of requests on a
-   fresh shared prefix, forks of some of them, and LRU evictions of earlier rounds' blocks. Every
+   (a new random order each repetition): no listener, twice; a listener that does nothing; the
+   persistence listener (`storage.recorder.persistence_listener`) feeding a WriterProcess (what the
+   console runs: the database work in a child process); the same feeding an EventWriter thread in the
+   engine's process (for comparison). A round is waves of requests on a fresh shared prefix, forks of
+   some of them, and LRU evictions of earlier rounds' blocks. Every
    `engine.step()` is timed, `--step-reps` rounds per mode after untimed ones that fill the pool. The
    writer runs during the steps (that is the cost measured); after a round it is drained
    untimed, and it is closed at the end. The

@@ -186,25 +186,23 @@ class BlockPool:
             )
         return blocks
 
-    def touch_blocks(self, blocks: Iterable[Block]) -> None:
-        """Take one more reference on each block, cached or already referenced (a hit or a fork).
+    def touch_blocks(self, blocks: Sequence[Block]) -> None:
+        """Take one more reference on each block, cached or already referenced (a prefix hit).
 
-        The caller emits the HIT or FORK event that explains the new references.
+        Cached unreferenced blocks leave the evictable LRU first. The caller emits the HIT event.
         """
-        now = self._clock()
         for block in blocks:
             if block.ref_count == 0:
                 if block.key is None:
                     raise RuntimeError(f"block {block.block_id} is free; only cached or held blocks can be shared")
                 self._num_evictable -= 1
                 block.lru_dead += 1  # its LRU entry stays behind, dead
-            block.ref_count += 1
-            block.hit_count += 1
-            block.last_used = now
+        self.share_held_blocks(blocks)
 
     def share_held_blocks(self, blocks: Iterable[Block]) -> None:
-        """Take one more reference on blocks that are referenced already (a fork shares its parent's table,
-        which holds every one of them), so none leaves the evictable LRU. The caller emits the FORK event."""
+        """Take one more reference on blocks outside the evictable LRU: referenced ones (a fork shares its
+        parent's table, which holds every one of them), or ones `touch_blocks` took out. The caller emits
+        the FORK or HIT event."""
         now = self._clock()
         for block in blocks:
             block.ref_count += 1

@@ -138,7 +138,12 @@ def encode_events(events: Sequence[Event]) -> EncodedEvents:
     A WriterProcess sends events this way: its child neither rebuilds nor re-encodes the others.
     """
     evictions = tuple(event for event in events if event.kind is EventKind.EVICT)
-    return EncodedEvents(encode_json(list(map(tuple, events))), len(events), evictions)
+    return EncodedEvents(_event_array(events), len(events), evictions)
+
+
+def _event_array(events: Sequence[Event]) -> str:
+    """One JSON array of the events' fields, in order (the kind as its value)."""
+    return encode_json(list(map(tuple, events)))
 
 
 def join_encoded(parts: Sequence[EncodedEvents]) -> EncodedEvents:
@@ -517,7 +522,7 @@ def _insert_items(connection: Connection, items: list[_Item]) -> None:
 
 
 def _events_json(part: tuple[Event, ...] | EncodedEvents) -> str:
-    return part.json if isinstance(part, EncodedEvents) else encode_events(part).json
+    return part.json if isinstance(part, EncodedEvents) else _event_array(part)
 
 
 def _events_of(part: tuple[Event, ...] | EncodedEvents) -> Sequence[Event]:
