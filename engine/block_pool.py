@@ -190,11 +190,15 @@ class BlockPool:
         """Take one more reference on each block, cached or already referenced (a prefix hit).
 
         Cached unreferenced blocks leave the evictable LRU first. The caller emits the HIT event.
+
+        Raises:
+            RuntimeError: a block is free (unreferenced and uncached); nothing changes.
         """
         for block in blocks:
+            if block.ref_count == 0 and block.key is None:
+                raise RuntimeError(f"block {block.block_id} is free; only cached or held blocks can be shared")
+        for block in blocks:
             if block.ref_count == 0:
-                if block.key is None:
-                    raise RuntimeError(f"block {block.block_id} is free; only cached or held blocks can be shared")
                 self._num_evictable -= 1
                 block.lru_dead += 1  # its LRU entry stays behind, dead
         self.share_held_blocks(blocks)

@@ -144,6 +144,18 @@ def test_lru_order_is_release_order_through_many_reuses_and_compactions():
     m.check_invariants()
 
 
+def test_sharing_a_free_block_is_refused_and_changes_nothing():
+    m = make_manager()
+    prefill(m, "a", [1, 2, 3, 4, 5, 6, 7, 8, 9])
+    m.free("a")  # blocks 0 and 1 cached and evictable, block 2 (partial) free
+    blocks = [m.pool.blocks[0], m.pool.blocks[1], m.pool.blocks[2]]
+    before = ([b.ref_count for b in m.pool.blocks], m.pool.evictable_in_lru_order(), m.pool.num_evictable)
+    with pytest.raises(RuntimeError, match="block 2 is free"):
+        m.pool.touch_blocks(blocks)
+    assert ([b.ref_count for b in m.pool.blocks], m.pool.evictable_in_lru_order(), m.pool.num_evictable) == before
+    m.check_invariants()
+
+
 def test_releasing_a_block_too_often_is_refused_and_changes_nothing():
     m = make_manager()
     prefill(m, "a", [1, 2, 3, 4, 5, 6, 7, 8, 9])
