@@ -14,9 +14,12 @@ Four operations per context length, on the same pool size, block size and token 
 
 Each timed run repeats one operation over a batch of contexts (or children, or lookups) on freshly built
 state; building that state is not timed (our side drains its event log after building it, as the engine
-does every step; the events of the timed operations stay in the log). The figure is the median run. tokens/s counts context tokens
-covered (every operation covers the whole context), ops/s counts operations; both sides cover the same
-tokens per operation, so one ratio (ours / theirs, > 1 means ours is faster) serves both.
+does every step; the events of the timed operations stay in the log). A round times one run of each side,
+back to back. tokens/s counts context tokens covered (every operation covers the whole context), ops/s
+counts operations, each the median run of its side; both sides cover the same tokens per operation, so
+one ratio (ours / theirs, > 1 means ours is faster) serves both. The ratio is the median over rounds of
+each round's ratio: this machine's speed drifts by tens of percent within seconds, and a drift between
+rounds cancels out of a round's ratio but not out of a ratio of two medians.
 
 Run: `.venv/bin/python benchmarks/block_manager.py` (about a minute on 2 cores) or `--quick` for a smoke run.
 """
@@ -62,9 +65,9 @@ NOTES = {
     "fork": "contexts are whole blocks, so both sides share every block and copy nothing (with a partial "
     "tail theirs takes a fresh block for a copy at fork time; ours shares it until the first write); "
     "ours emits one FORK event",
-    "release": "theirs keeps unreferenced hashed blocks in a dict that is evicted all at once; ours appends them, "
-    "tail first, to an LRU queue with lazy deletion (a later hit leaves a dead entry, compacted in "
-    "bulk), stamps each block's last use and emits one RELEASE event listing the blocks",
+    "release": "theirs keeps unreferenced hashed blocks in a dict that is evicted all at once; ours queues the "
+    "released blocks, tail first, in an LRU with lazy deletion (dead entries are compacted in bulk), stamps "
+    "each block's last use and emits one RELEASE event listing the blocks",
 }
 
 Thunk = Callable[[], None]
@@ -73,7 +76,7 @@ Thunk = Callable[[], None]
 @dataclass(frozen=True)
 class Settings:
     contexts: tuple[int, ...]  # context lengths in tokens, each a multiple of BLOCK_SIZE
-    runs: int  # timed runs per measurement (the median is reported), after one warm-up run
+    runs: int  # timed rounds per measurement (each side runs once a round), after one warm-up round
     target_tokens: int  # tokens one timed run should cover; batches are sized to reach it
     num_blocks: int  # pool size, the same for both sides
 
@@ -84,7 +87,7 @@ class Settings:
         num_blocks = 2 * max(contexts) // BLOCK_SIZE
         if quick:
             return Settings(contexts, runs=3, target_tokens=8192, num_blocks=num_blocks)
-        return Settings(contexts, runs=11, target_tokens=262144, num_blocks=num_blocks)
+        return Settings(contexts, runs=21, target_tokens=262144, num_blocks=num_blocks)
 
 
 # ---------------------------------------------------------------------------------------------- the two sides
@@ -299,11 +302,19 @@ def check_same_outcome(work: Workload, settings: Settings) -> None:
         assert s.num_hit_blocks(work.parent + [0]) == n_blocks, f"{side.name}: released blocks must stay cached"
 
 
-def measure(op: str, work: Workload, settings: Settings) -> tuple[float, float]:
-    """Median seconds per operation for ours and theirs over `settings.runs` runs, after a warm-up.
+@dataclass
+class Row:
+    num_tokens: int
+    op: str
+    ours_s: float  # seconds per operation, median run
+    theirs_s: float
+    ratio: float  # median over rounds of theirs / ours (> 1: ours faster)
 
-    The two sides alternate run by run (and swap who goes first), so a change in machine load mid-way
-    lands on both.
+
+def measure(op: str, work: Workload, settings: Settings) -> Row:
+    """Time `settings.runs` rounds of `op` after a warm-up round; a round runs each side once on fresh state.
+
+    Who goes first alternates round by round.
     """
     times: dict[Side, list[float]] = {Ours: [], Theirs: []}
     for i in range(settings.runs + 1):
@@ -315,22 +326,17 @@ def measure(op: str, work: Workload, settings: Settings) -> tuple[float, float]:
             elapsed = time.perf_counter() - start
             if i:
                 times[side].append(elapsed / num_ops)
-    return statistics.median(times[Ours]), statistics.median(times[Theirs])
+    ratios = [theirs / ours for ours, theirs in zip(times[Ours], times[Theirs])]
+    return Row(
+        work.num_tokens,
+        op,
+        ours_s=statistics.median(times[Ours]),
+        theirs_s=statistics.median(times[Theirs]),
+        ratio=statistics.median(ratios),
+    )
 
 
 # ---------------------------------------------------------------------------------------------- report
-@dataclass
-class Row:
-    num_tokens: int
-    op: str
-    ours_s: float  # seconds per operation
-    theirs_s: float
-
-    @property
-    def ratio(self) -> float:
-        return self.theirs_s / self.ours_s
-
-
 def fmt_rate(per_s: float) -> str:
     for unit, scale in (("G", 1e9), ("M", 1e6), ("k", 1e3)):
         if per_s >= scale:
@@ -353,7 +359,10 @@ def print_table(rows: list[Row], settings: Settings) -> None:
             f"{fmt_rate(1 / r.theirs_s):>12} {r.ratio:>11.2f}x{flag}"
         )
     print()
-    print(f"block size {BLOCK_SIZE}, pool {settings.num_blocks} blocks on both sides, median of {settings.runs} runs")
+    print(
+        f"block size {BLOCK_SIZE}, pool {settings.num_blocks} blocks on both sides; {settings.runs} rounds: rates from "
+        "each side's median run, ratio the median of the rounds' ratios"
+    )
     for op in OPS:
         print(f"  {op:<9} {NOTES[op]}")
     slower = [r for r in rows if r.ratio < 1]
@@ -375,7 +384,7 @@ def main(argv: list[str] | None = None) -> int:
             work = Workload.make(num_tokens, settings)
             check_same_outcome(work, settings)
             for op in OPS:
-                rows.append(Row(num_tokens, op, *measure(op, work, settings)))
+                rows.append(measure(op, work, settings))
     finally:
         gc.unfreeze()
     print_table(rows, settings)

@@ -9,11 +9,12 @@ Every block is in exactly one of three states:
     evictable   ref_count == 0, key in index   -> kept for prefix hits, evicted LRU-first
     referenced  ref_count  > 0                 -> held by block tables, never handed out
 
-The LRU is a queue in release order with lazy deletion: a block joins its tail when its last reference
-goes, and its entry is left in place, dead, when the block is shared again or evicted out of turn (the
-block counts its dead entries in `Block.lru_dead`; they all precede its live one). Popping skips dead
-entries, and the queue is compacted once it holds more than twice the pool, so every operation stays
-O(1) amortized while a release costs one append.
+The LRU is a queue in release order with lazy deletion. A release appends every block it drops a
+reference on to the tail, in one call; the entry is live for a block that became evictable and dead
+from the start for one that stays referenced or goes back to the free deque. A live entry is left in
+place, dead, when its block is shared again or evicted out of turn. Each block counts its dead entries
+in `Block.lru_dead`; they all precede its live one. Popping skips dead entries, and the queue is
+compacted once it holds more than twice the pool, so every operation stays O(1) amortized.
 
 Invariants (checked by `check_invariants`):
   * the free deque, the evictable blocks and the referenced blocks are disjoint and cover the pool;
@@ -25,13 +26,16 @@ Invariants (checked by `check_invariants`):
     of an indexed block that holds the preceding `block_size` tokens. So a key identifies the exact
     tokens at the exact positions from the start of the context, in one namespace, and a lookup that
     confirms the stored token ids and parent key can never be fooled by a hash collision. When a block
-    leaves the index its indexed descendants leave too (they could never match again).
+    leaves the index its indexed descendants leave too (they could never match again);
+  * the tree's links live in the blocks (no container per block): an indexed block's `parent` is the
+    indexed block under `parent_key` (None under a root), and it is in exactly that parent's child
+    list (`first_child`, then `next_sibling`, doubly linked through `prev_sibling`). Blocks outside
+    the index, and every block of an unchained pool, have no links.
 """
 
 from __future__ import annotations
 
 import struct
-import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Sequence
@@ -39,6 +43,11 @@ from typing import Callable, Iterable, Sequence
 import xxhash
 
 from engine.events import EventKind, EventLog, EvictReason
+
+
+# Reading an enum member through its class costs ~0.2 us on Python 3.11 (EnumType defines __getattr__),
+# as much as the rest of a small call's bookkeeping; the per-call paths read these instead.
+_ALLOCATE, _RELEASE = EventKind.ALLOCATE, EventKind.RELEASE
 
 
 class NoFreeBlocksError(RuntimeError):
@@ -69,9 +78,16 @@ class Block:
     key: bytes | None = None  # set while the block is in the prefix index
     parent_key: bytes | None = None  # the key its chain hangs from (namespace root for block 0)
     created_at: float = 0.0  # when it was last handed out by `allocate`
-    last_used: float = 0.0  # last allocation, hit, fork share or release
-    hit_count: int = 0  # times it was reused (prefix hit or fork share) since allocation
+    # Last allocation, prefix hit or release. A fork's share is not stamped: the parent holds the block,
+    # so it cannot be evicted before a release stamps it again.
+    last_used: float = 0.0
+    hit_count: int = 0  # prefix hits (index lookups that reused it) since allocation; forks are not hits
     lru_dead: int = 0  # its dead entries in the pool's LRU queue (see the module docstring)
+    # Prefix-tree links while indexed in a chained pool (see the module docstring).
+    parent: Block | None = field(default=None, repr=False)
+    first_child: Block | None = field(default=None, repr=False)
+    next_sibling: Block | None = field(default=None, repr=False)
+    prev_sibling: Block | None = field(default=None, repr=False)
 
 
 class BlockPool:
@@ -85,7 +101,6 @@ class BlockPool:
         *,
         group: str = "full",
         chained: bool = True,
-        clock: Callable[[], float] = time.time,
     ) -> None:
         if num_blocks < 1 or block_size < 1:
             raise ValueError("num_blocks and block_size must be positive")
@@ -97,13 +112,12 @@ class BlockPool:
         self.chained = chained
         self.blocks = [Block(i) for i in range(num_blocks)]
         self._log = log
-        self._clock = clock
+        self._clock = log.clock  # one time source for block stamps and events
         self._free: deque[Block] = deque(self.blocks)  # ref 0, no key; allocated from the left
         self._lru: deque[Block] = deque()  # evictable blocks, oldest release first, with dead entries
         self._num_evictable = 0  # blocks with a live LRU entry
         self._lru_limit = 2 * num_blocks  # compact the LRU queue beyond this many entries
         self._index: dict[bytes, Block] = {}  # key -> cached block
-        self._children: dict[bytes, dict[bytes, None]] = {}  # key -> keys of indexed children, insertion order
         self._roots: dict[bytes, str] = {}  # namespace root key -> the namespace text it hashes
         self.num_evictions = 0
 
@@ -178,18 +192,13 @@ class BlockPool:
             blocks.append(block)
             ids.append(block.block_id)
         if blocks:
-            self._log.emit(
-                EventKind.ALLOCATE,
-                request_id=request_id,
-                block_id=ids[0],
-                detail={"block_ids": ids, "group": self.group},
-            )
+            self._log.emit(_ALLOCATE, request_id, ids[0], 0, {"block_ids": ids, "group": self.group}, now)
         return blocks
 
     def touch_blocks(self, blocks: Sequence[Block]) -> None:
-        """Take one more reference on each block, cached or already referenced (a prefix hit).
-
-        Cached unreferenced blocks leave the evictable LRU first. The caller emits the HIT event.
+        """Take one more reference on each block, cached or already referenced (a prefix hit): stamps its
+        use and counts the hit. Cached unreferenced blocks leave the evictable LRU. The caller emits the
+        HIT event.
 
         Raises:
             RuntimeError: a block is free (unreferenced and uncached); nothing changes.
@@ -197,21 +206,22 @@ class BlockPool:
         for block in blocks:
             if block.ref_count == 0 and block.key is None:
                 raise RuntimeError(f"block {block.block_id} is free; only cached or held blocks can be shared")
+        now = self._clock()
         for block in blocks:
             if block.ref_count == 0:
                 self._num_evictable -= 1
                 block.lru_dead += 1  # its LRU entry stays behind, dead
-        self.share_held_blocks(blocks)
-
-    def share_held_blocks(self, blocks: Iterable[Block]) -> None:
-        """Take one more reference on blocks outside the evictable LRU: referenced ones (a fork shares its
-        parent's table, which holds every one of them), or ones `touch_blocks` took out. The caller emits
-        the FORK or HIT event."""
-        now = self._clock()
-        for block in blocks:
             block.ref_count += 1
             block.hit_count += 1
             block.last_used = now
+
+    @staticmethod
+    def share_held_blocks(blocks: Iterable[Block]) -> None:
+        """Take one more reference on blocks a fork's parent table holds. They are referenced, so outside
+        the LRU, and a fork is not a prefix hit: only the reference count changes. The caller emits the
+        FORK event."""
+        for block in blocks:
+            block.ref_count += 1
 
     def free_blocks(self, blocks: list[Block], request_id: str, block_ids: list[int] | None = None) -> None:
         """Drop one reference on each block, in order; one RELEASE event for the call.
@@ -226,21 +236,24 @@ class BlockPool:
             RuntimeError: a block has no reference left to drop; nothing changes.
         """
         now, lru, free_queue = self._clock(), self._lru, self._free
-        lru_append, free_append = lru.append, free_queue.append
         lru_before, free_before = len(lru), len(free_queue)
+        # Every released block joins the LRU tail in one call; the entries of blocks that stay referenced
+        # or go back to the free deque are dead from the start.
+        lru.extend(blocks)
+        free_append = free_queue.append
+        dead = 0
         for block in blocks:
             ref_count = block.ref_count = block.ref_count - 1
             block.last_used = now
-            if not ref_count:
-                if block.key is None:
+            if ref_count or block.key is None:
+                if ref_count < 0:
+                    self._undo_release(blocks[: blocks.index(block) + 1], lru_before, free_before)
+                    raise RuntimeError(f"block {block.block_id} released more often than referenced; nothing released")
+                block.lru_dead += 1
+                dead += 1
+                if not ref_count:
                     free_append(block)
-                else:
-                    lru_append(block)
-            elif ref_count < 0:
-                self._undo_release(blocks[: blocks.index(block) + 1], lru_before, free_before)
-                raise RuntimeError(f"block {block.block_id} released more often than referenced; nothing released")
-        cached = len(lru) - lru_before
-        freed = cached + len(free_queue) - free_before
+        cached = len(blocks) - dead
         self._num_evictable += cached
         if len(lru) > self._lru_limit:
             self._compact_lru()
@@ -251,12 +264,14 @@ class BlockPool:
             if last is not first:
                 tokens += (len(blocks) - 2) * bs + len(last.token_ids)
             released = [block.block_id for block in blocks] if block_ids is None else block_ids
+            freed = cached + len(free_queue) - free_before
             self._log.emit(
-                EventKind.RELEASE,
-                request_id=request_id,
-                block_id=released[0],
-                tokens=tokens,
-                detail={"block_ids": released, "freed": freed, "group": self.group},
+                _RELEASE,
+                request_id,
+                released[0],
+                tokens,
+                {"block_ids": released, "freed": freed, "group": self.group},
+                now,
             )
 
     # ------------------------------------------------------------------ prefix index
@@ -298,7 +313,12 @@ class BlockPool:
         block.parent_key = parent_key
         self._index[key] = block
         if self.chained and parent is not None:
-            self._children.setdefault(parent_key, {})[key] = None
+            first = parent.first_child
+            if first is not None:
+                first.prev_sibling = block
+            block.next_sibling = first
+            block.parent = parent
+            parent.first_child = block
         return True
 
     def evict(self, block: Block, reason: EvictReason, request_id: str | None = None) -> None:
@@ -323,13 +343,17 @@ class BlockPool:
             self._free.append(block)
         return dropped, len(self._index)
 
-    def _undo_release(self, blocks: list[Block], lru_before: int, free_before: int) -> None:
-        """Give back the references a failed `free_blocks` call had dropped (blocks in release order)."""
+    def _undo_release(self, failed: list[Block], lru_before: int, free_before: int) -> None:
+        """Give back what a failed `free_blocks` call changed. `failed` are the blocks it reached, in
+        release order, the one released once too often last."""
         for _ in range(len(self._lru) - lru_before):
             self._lru.pop()
         for _ in range(len(self._free) - free_before):
             self._free.pop()
-        for block in blocks:
+        for block in failed[:-1]:
+            if block.ref_count or block.key is None:
+                block.lru_dead -= 1  # its entry was dead from the start
+        for block in failed:
             block.ref_count += 1
 
     def _pop_lru(self) -> Block:
@@ -358,21 +382,48 @@ class BlockPool:
         The block itself must already be out of the evictable LRU; the caller decides where it goes.
         Unreferenced descendants move from the LRU to the free deque.
         """
+        parent = block.parent
+        if parent is not None:  # unlink it from its parent's child list
+            before, after = block.prev_sibling, block.next_sibling
+            if before is None:
+                parent.first_child = after
+            else:
+                before.next_sibling = after
+            if after is not None:
+                after.prev_sibling = before
+            block.parent = block.prev_sibling = block.next_sibling = None
+        self._drop_key(block, reason, request_id)
+        # The whole subtree leaves, so its links are cut wholesale, one child list at a time.
+        removed = 0
+        subtree = [block]
+        while subtree:
+            node = subtree.pop()
+            child, node.first_child = node.first_child, None
+            while child is not None:
+                following = child.next_sibling
+                child.parent = child.prev_sibling = child.next_sibling = None
+                self._drop_key(child, EvictReason.PARENT_EVICTED, request_id)
+                if child.ref_count == 0:
+                    self._num_evictable -= 1
+                    child.lru_dead += 1
+                    self._free.append(child)
+                subtree.append(child)
+                removed += 1
+                child = following
+        return removed
+
+    def _drop_key(self, block: Block, reason: EvictReason, request_id: str | None) -> None:
+        """Take one block's key out of the index and emit its EVICT event (links are the caller's)."""
         key = block.key
         assert key is not None and block.parent_key is not None
         del self._index[key]
-        siblings = self._children.get(block.parent_key)
-        if siblings is not None:
-            siblings.pop(key, None)
-            if not siblings:
-                del self._children[block.parent_key]
         now = self._clock()
         self._log.emit(
             EventKind.EVICT,
-            request_id=request_id,
-            block_id=block.block_id,
-            tokens=len(block.token_ids),
-            detail={
+            request_id,
+            block.block_id,
+            len(block.token_ids),
+            {
                 "reason": reason.value,
                 "key": key.hex(),
                 "start_pos": block.start_pos,
@@ -382,24 +433,11 @@ class BlockPool:
                 "last_used": block.last_used,
                 "group": self.group,
             },
+            now,
         )
         self.num_evictions += 1
         block.key = None
         block.parent_key = None
-        removed = 0
-        for child_key in self._children.pop(key, ()):
-            child = self._index[child_key]
-            removed += 1 + self._uncache_descendant(child, request_id)
-        return removed
-
-    def _uncache_descendant(self, child: Block, request_id: str | None) -> int:
-        if child.ref_count == 0:
-            self._num_evictable -= 1
-            child.lru_dead += 1
-        removed = self._uncache(child, EvictReason.PARENT_EVICTED, request_id)
-        if child.ref_count == 0:
-            self._free.append(child)
-        return removed
 
     # ------------------------------------------------------------------ inspection
     def state_of(self, block: Block) -> str:
@@ -463,6 +501,25 @@ class BlockPool:
                 parent = self._index.get(block.parent_key)
                 assert parent is not None, f"indexed block {block.block_id} hangs from an unindexed parent"
                 assert parent.start_pos + self.block_size == block.start_pos, "chain positions disagree"
-                assert key in self._children.get(block.parent_key, ()), "child link missing"
+                assert block.parent is parent, f"block {block.block_id}: parent link is not its indexed parent"
             else:
                 assert block.start_pos == 0, "a root block must start at position 0"
+                assert block.parent is None, f"root block {block.block_id} has a parent link"
+        self._check_child_lists()
+
+    def _check_child_lists(self) -> None:
+        """Every block's child list is doubly linked, holds exactly the indexed blocks whose parent it is,
+        and only indexed blocks carry links."""
+        listed = 0
+        for block in self.blocks:
+            if block.key is None:
+                assert block.parent is None and block.first_child is None, f"unindexed block {block.block_id} linked"
+                assert block.prev_sibling is None and block.next_sibling is None, f"block {block.block_id} linked"
+            before, child = None, block.first_child
+            while child is not None:
+                assert child.parent is block, f"block {child.block_id} is listed under a block not its parent"
+                assert child.prev_sibling is before, f"block {child.block_id}: sibling links disagree"
+                before, child = child, child.next_sibling
+                listed += 1
+                assert listed <= self.num_blocks, "a child list loops"
+        assert listed == sum(1 for b in self._index.values() if b.parent is not None), "a child is missing from its list"

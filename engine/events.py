@@ -88,22 +88,31 @@ class EventLog:
 
     def __init__(self, clock: Callable[[], float] = time.time) -> None:
         self.step = 0  # set by the engine at the start of every step
-        self._clock = clock
+        self.clock = clock  # the time source of events and of the block pool's stamps
         self._events: list[Event] = []
 
     def emit(
         self,
         kind: EventKind,
-        *,
         request_id: str | None = None,
         block_id: int | None = None,
         tokens: int = 0,
         detail: dict[str, Any] | None = None,
+        at: float | None = None,
     ) -> None:
-        """Append one event. `detail` holds the kind's fields (see the table above); the log keeps it."""
+        """Append one event. `detail` holds the kind's fields (see the table above); the log keeps it.
+        `at` is the event's time when the caller has just read `clock` for the same change."""
         # tuple.__new__ skips the NamedTuple's Python-level __new__ (half the cost of an event); the
         # values are in field order.
-        fields = (kind, self.step, self._clock(), request_id, block_id, tokens, {} if detail is None else detail)
+        fields = (
+            kind,
+            self.step,
+            self.clock() if at is None else at,
+            request_id,
+            block_id,
+            tokens,
+            {} if detail is None else detail,
+        )
         self._events.append(_new_tuple(Event, fields))
 
     def take(self) -> list[Event]:

@@ -33,6 +33,8 @@ from engine.namespace import CacheNamespace
 
 
 _block_id = attrgetter("block_id")
+# Per-call event kinds, read once: an enum member read through its class costs ~0.2 us on Python 3.11.
+_HIT, _FORK, _CACHE, _COW = EventKind.HIT, EventKind.FORK, EventKind.CACHE, EventKind.COW
 
 
 class TableStart(NamedTuple):
@@ -227,7 +229,7 @@ class KVCacheManager:
             if start is None:
                 table.keys.extend(block.key for block in hits)  # type: ignore[misc]
             self._log.emit(
-                EventKind.HIT,
+                _HIT,
                 request_id=request_id,
                 block_id=hits[-1].block_id,
                 tokens=len(hits) * self.block_size,
@@ -264,7 +266,7 @@ class KVCacheManager:
         self._copies.append(BlockCopy(old.block_id, new.block_id, len(new.token_ids)))
         self.num_cow_copies += 1
         self._log.emit(
-            EventKind.COW,
+            _COW,
             request_id=request_id,
             block_id=new.block_id,
             tokens=len(new.token_ids),
@@ -317,7 +319,7 @@ class KVCacheManager:
                 cached.append(block)
         if cached:
             self._log.emit(
-                EventKind.CACHE,
+                _CACHE,
                 request_id=request_id,
                 block_id=cached[0].block_id,
                 tokens=len(cached) * bs,
@@ -344,13 +346,8 @@ class KVCacheManager:
         self.pool.share_held_blocks(blocks)
         self._tables[child_id] = child
         shared = child.num_tokens(self.block_size)
-        self._log.emit(
-            EventKind.FORK,
-            request_id=child_id,
-            block_id=ids[-1] if ids else None,
-            tokens=shared,
-            detail={"parent_id": parent_id, "shared_blocks": len(ids), "group": self.pool.group},
-        )
+        detail = {"parent_id": parent_id, "shared_blocks": len(ids), "group": self.pool.group}
+        self._log.emit(_FORK, child_id, ids[-1] if ids else None, shared, detail)
         return shared
 
     def free(self, request_id: str) -> None:

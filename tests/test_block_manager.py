@@ -106,6 +106,22 @@ def test_hit_shares_blocks_and_takes_them_out_of_the_lru():
     m.check_invariants()
 
 
+def test_a_fork_takes_references_without_counting_a_prefix_hit():
+    m = make_manager()
+    prefill(m, "a", [1, 2, 3, 4, 5, 6])
+    head = m.pool.blocks[0]
+    stamped = head.last_used
+    m.fork("a", "b")
+    assert (head.ref_count, head.hit_count, head.last_used) == (2, 0, stamped)  # a fork is not a hit
+    m.free("a")
+    m.free("b")
+    released = head.last_used
+    assert released > stamped  # the last release stamps it
+    prefill(m, "c", [1, 2, 3, 4, 7])
+    assert (head.ref_count, head.hit_count) == (1, 1) and head.last_used > released  # a prefix hit counts
+    m.check_invariants()
+
+
 def test_lru_eviction_order_and_event_detail():
     m = make_manager(num_blocks=4)
     prefill(m, "a", [1, 2, 3, 4, 5, 6, 7, 8, 9])  # blocks 0, 1 cached, block 2 partial
@@ -175,6 +191,19 @@ def test_releasing_a_block_too_often_is_refused_and_changes_nothing():
     with pytest.raises(RuntimeError, match="released more often"):
         m.pool.free_blocks([held, m.pool.blocks[1]], "b")  # the first would succeed, the second cannot
     assert ([b.ref_count for b in m.pool.blocks], m.pool.evictable_in_lru_order(), m.pool.num_free) == before
+    m.check_invariants()
+
+    # Blocks that would stay referenced (shared by a fork) or go back to the free deque (the partial tail)
+    # ahead of the failing one: their queue entries and dead counts are restored too.
+    m.fork("b", "c")
+    tail, head = (m.pool.blocks[b] for b in m.block_ids("b")[::-1])
+    assert (tail.ref_count, head.ref_count, tail.key, head.key is not None) == (2, 2, None, True)
+    m.free("c")  # tail and head back to one reference each, their entries dead
+    before = ([(b.ref_count, b.lru_dead) for b in m.pool.blocks], m.pool.evictable_in_lru_order(), m.pool.num_free)
+    with pytest.raises(RuntimeError, match="released more often"):
+        m.pool.free_blocks([tail, head, m.pool.blocks[1]], "b")
+    after = ([(b.ref_count, b.lru_dead) for b in m.pool.blocks], m.pool.evictable_in_lru_order(), m.pool.num_free)
+    assert after == before
     m.check_invariants()
 
 
