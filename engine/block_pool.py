@@ -58,6 +58,9 @@ class NoFreeBlocksError(RuntimeError):
 _TOKEN_PACKERS: dict[int, Callable[..., bytes]] = {}
 
 
+KEY_SIZE = 16  # bytes in a chain key (and a namespace root)
+
+
 def chain_key(parent_key: bytes, token_ids: Sequence[int]) -> bytes:
     """The cache key of a full block: a 128-bit hash over its parent's key and its token ids (each as
     4 little-endian bytes, so keys are the same on every platform)."""
@@ -76,6 +79,9 @@ class Block:
     ref_count: int = 0  # number of block-table entries pointing here
     start_pos: int = 0  # context position of slot 0 for its current holders
     key: bytes | None = None  # set while the block is in the prefix index
+    # `key is not None`, kept beside it so that a release reads a flag instead of the key object (in a large
+    # pool those key objects are cold: one cache miss per block).
+    indexed: bool = False
     parent_key: bytes | None = None  # the key its chain hangs from (namespace root for block 0)
     created_at: float = 0.0  # when it was last handed out by `allocate`
     # Last allocation, prefix hit or release. A fork's share is not stamped: the parent holds the block,
@@ -245,7 +251,7 @@ class BlockPool:
         for block in blocks:
             ref_count = block.ref_count = block.ref_count - 1
             block.last_used = now
-            if ref_count or block.key is None:
+            if ref_count or not block.indexed:
                 if ref_count < 0:
                     self._undo_release(blocks[: blocks.index(block) + 1], lru_before, free_before)
                     raise RuntimeError(f"block {block.block_id} released more often than referenced; nothing released")
@@ -310,6 +316,7 @@ class BlockPool:
             elif parent.key != parent_key or self._index.get(parent_key) is not parent:
                 return False
         block.key = key
+        block.indexed = True
         block.parent_key = parent_key
         self._index[key] = block
         if self.chained and parent is not None:
@@ -351,7 +358,7 @@ class BlockPool:
         for _ in range(len(self._free) - free_before):
             self._free.pop()
         for block in failed[:-1]:
-            if block.ref_count or block.key is None:
+            if block.ref_count or not block.indexed:
                 block.lru_dead -= 1  # its entry was dead from the start
         for block in failed:
             block.ref_count += 1
@@ -437,6 +444,7 @@ class BlockPool:
         )
         self.num_evictions += 1
         block.key = None
+        block.indexed = False
         block.parent_key = None
 
     # ------------------------------------------------------------------ inspection
@@ -488,6 +496,7 @@ class BlockPool:
                 assert block.key is None, f"free block {block.block_id} has a key"
             if block.block_id in evictable_set:
                 assert block.key is not None, f"evictable block {block.block_id} has no key"
+            assert block.indexed == (block.key is not None), f"block {block.block_id}: indexed flag is stale"
             if block.key is not None:
                 assert self._index.get(block.key) is block, f"block {block.block_id} key not indexed"
         for key, block in self._index.items():

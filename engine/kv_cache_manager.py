@@ -16,7 +16,8 @@ Invariants (checked by `check_invariants`, on top of the pool's):
     table entries (over running and retained requests) that point at it;
   * a block shared by several tables holds the same tokens for all of them, so a write into a shared
     partial block always copies it first (copy-on-write); the holder left alone writes in place;
-  * `table.keys[i]` is the chained key of `table.blocks[i]`'s tokens under the table's namespace root;
+  * `table.key(i)` is the chained key of logical block i's tokens under the table's namespace root, for
+    i < `table.num_keys` (keys are stored back to back in one bytearray, see `BlockTable.keys`);
   * `table.block_ids[i]` is `table.blocks[i].block_id` (kept beside the blocks so that releases, events
     and snapshots read the ids without a pass over the blocks).
 """
@@ -27,7 +28,7 @@ from dataclasses import dataclass, field
 from operator import attrgetter
 from typing import NamedTuple, Sequence
 
-from engine.block_pool import Block, BlockPool, chain_key
+from engine.block_pool import KEY_SIZE, Block, BlockPool, chain_key
 from engine.events import EventKind, EventLog, EvictReason
 from engine.namespace import CacheNamespace
 
@@ -58,12 +59,22 @@ class BlockTable:
 
     root_key: bytes  # namespace root (with the request's salt) its keys hang from
     blocks: list[Block] = field(default_factory=list)  # logical blocks offset, offset + 1, ...
-    keys: list[bytes] = field(default_factory=list)  # keys of logical blocks [0, len(keys)), all full
+    # Keys of logical blocks [0, num_keys), all full, back to back (KEY_SIZE bytes each): one object however
+    # long the chain, so a fork copies bytes and a release frees them without touching a key object.
+    keys: bytearray = field(default_factory=bytearray)
     offset: int = 0  # logical index of blocks[0]; earlier blocks were released (sliding window only)
     # Retention bookkeeping: logical blocks [0, retired) are not this table's to drop from the cache, either
     # because it already did (they left the retained tail) or because it shared them from another chain.
     retired: int = 0
     block_ids: list[int] = field(default_factory=list)  # blocks[i].block_id, changed with `blocks`
+
+    @property
+    def num_keys(self) -> int:
+        return len(self.keys) // KEY_SIZE
+
+    def key(self, i: int) -> bytes:
+        """The chain key of logical block i (i < num_keys)."""
+        return bytes(self.keys[i * KEY_SIZE : (i + 1) * KEY_SIZE])
 
     def num_tokens(self, block_size: int) -> int:
         if not self.blocks:
@@ -125,7 +136,8 @@ class KVCacheManager:
         return 0 if table is None else table.offset
 
     def chain_keys(self, request_id: str) -> list[bytes]:
-        return list(self._tables[request_id].keys)
+        table = self._tables[request_id]
+        return [table.key(i) for i in range(table.num_keys)]
 
     def num_tokens(self, request_id: str) -> int:
         """Slots filled in the request's table (0 when it has none)."""
@@ -218,7 +230,7 @@ class KVCacheManager:
                 if self.window is None and start.offset:
                     raise RuntimeError("a full-attention table always starts at block 0")
                 table.offset = start.offset
-                table.keys = list(start.chain_keys[: start.offset + len(hits)])
+                table.keys = bytearray(b"".join(start.chain_keys[: start.offset + len(hits)]))
             table.retired = table.offset + len(hits)  # shared state stays under its own chain's retention
         elif hits or start is not None:
             raise RuntimeError("prefix hits can only seed a new table")
@@ -227,7 +239,7 @@ class KVCacheManager:
             table.blocks.extend(hits)
             table.block_ids.extend(map(_block_id, hits))
             if start is None:
-                table.keys.extend(block.key for block in hits)  # type: ignore[misc]
+                table.keys += b"".join([block.key for block in hits])  # type: ignore[misc]
             self._log.emit(
                 _HIT,
                 request_id=request_id,
@@ -296,22 +308,23 @@ class KVCacheManager:
         bs = self.block_size
         blocks, keys, root_key, offset = table.blocks, table.keys, table.root_key, table.offset
         lookup, cache, chained = self.pool.lookup, self.pool.cache, self.pool.chained
-        assert len(keys) >= offset, "a released block was never keyed"
+        first = table.num_keys
+        assert first >= offset, "a released block was never keyed"
         cached: list[Block] = []
-        for i in range(len(keys), offset + len(blocks)):
+        key = table.key(first - 1) if first else root_key  # the chain so far ends here
+        for i in range(first, offset + len(blocks)):
             block = blocks[i - offset]
             if len(block.token_ids) < bs:
                 break
-            parent_key = keys[i - 1] if i else root_key
-            key = chain_key(parent_key, block.token_ids)
-            keys.append(key)
+            parent_key, key = key, chain_key(key, block.token_ids)
+            keys += key
             if not offer:
                 continue
             parent = None
             if i and chained:
                 parent = blocks[i - 1]
                 if parent.key != parent_key:  # our previous block is a duplicate: find the indexed twin
-                    grandparent_key = keys[i - 2] if i > 1 else root_key
+                    grandparent_key = table.key(i - 2) if i > 1 else root_key
                     parent = lookup(parent_key, grandparent_key, parent.token_ids)
                     if parent is None:
                         continue  # the chain above left the index; this block could never be matched
@@ -407,9 +420,9 @@ class KVCacheManager:
             held: True while the table is live: only blocks it already released are considered.
         """
         limit = max(0, end_pos - self.retain_tokens) // self.block_size  # type: ignore[operator]
-        limit = min(limit, table.offset if held else len(table.keys))
+        limit = min(limit, table.offset if held else table.num_keys)
         for i in range(table.retired, limit):
-            block = self.pool.cached_block(table.keys[i])
+            block = self.pool.cached_block(table.key(i))
             if block is not None and block.ref_count == 0:
                 self.pool.evict(block, EvictReason.WINDOW, request_id)
         table.retired = max(table.retired, limit)
@@ -446,11 +459,12 @@ class KVCacheManager:
                 if i < len(table.blocks) - 1:
                     assert len(block.token_ids) == bs, f"{rid}: a non-tail block is partial"
             assert table.block_ids == [b.block_id for b in table.blocks], f"{rid}: block ids out of step"
-            assert table.offset <= len(table.keys) <= table.offset + len(table.blocks)
-            for i in range(table.offset, len(table.keys)):
-                parent = table.keys[i - 1] if i else table.root_key
+            assert len(table.keys) % KEY_SIZE == 0, f"{rid}: a key is cut short"
+            assert table.offset <= table.num_keys <= table.offset + len(table.blocks)
+            for i in range(table.offset, table.num_keys):
+                parent = table.key(i - 1) if i else table.root_key
                 block = table.blocks[i - table.offset]
-                assert table.keys[i] == chain_key(parent, block.token_ids), f"{rid}: key chain broken"
+                assert table.key(i) == chain_key(parent, block.token_ids), f"{rid}: key chain broken"
         for block in self.pool.blocks:
             assert block.ref_count == refs.get(block.block_id, 0), (
                 f"block {block.block_id}: ref_count {block.ref_count} != {refs.get(block.block_id, 0)} holders"
