@@ -54,11 +54,9 @@ class NoFreeBlocksError(RuntimeError):
     """Raised by `allocate` when every block is referenced. Callers check `num_allocatable` first."""
 
 
+KEY_SIZE = 16  # bytes in a chain key (and a namespace root)
 # Token ids -> bytes, by block length: a compiled struct packs a block in a third less time than an array.
 _TOKEN_PACKERS: dict[int, Callable[..., bytes]] = {}
-
-
-KEY_SIZE = 16  # bytes in a chain key (and a namespace root)
 
 
 def chain_key(parent_key: bytes, token_ids: Sequence[int]) -> bytes:

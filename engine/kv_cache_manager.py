@@ -135,10 +135,6 @@ class KVCacheManager:
         table = self._tables.get(request_id)
         return 0 if table is None else table.offset
 
-    def chain_keys(self, request_id: str) -> list[bytes]:
-        table = self._tables[request_id]
-        return [table.key(i) for i in range(table.num_keys)]
-
     def num_tokens(self, request_id: str) -> int:
         """Slots filled in the request's table (0 when it has none)."""
         table = self._tables.get(request_id)
