@@ -1,0 +1,10 @@
+"""The engine's own error types, importable without torch (the console, storage and CLI catch them)."""
+
+from __future__ import annotations
+
+
+class InvariantError(RuntimeError):
+    """A state invariant of the block pool, a KV cache manager, the coordinator or the engine is broken.
+
+    Raised by every `check_invariants`; never an `AssertionError`, so `python -O` checks the same things.
+    """
