@@ -58,7 +58,7 @@ from engine.events import Event, EventKind, EvictReason  # noqa: E402
 from engine.request import SamplingParams  # noqa: E402
 from storage import migrate, queries  # noqa: E402
 from storage.db import db_engine  # noqa: E402
-from storage.models import EventRecord, Eviction, Run  # noqa: E402
+from storage.models import EVENTS, EVICTIONS, RUNS  # noqa: E402
 from storage.recorder import persistence_listener, run_info  # noqa: E402
 from storage.retention import RetentionPolicy  # noqa: E402
 from storage.writer import EventWriter, RunInfo, WriterOptions  # noqa: E402
@@ -221,13 +221,13 @@ def timed_naive_run(url: str, events: list[Event], info: RunInfo) -> tuple[int, 
     engine = db_engine(url)
     migrate.upgrade(engine)
     with engine.begin() as connection:
-        connection.execute(insert(Run.__table__), [{"id": "naive", **_run_row(info)}])
+        connection.execute(insert(RUNS), [{"id": "naive", **_run_row(info)}])
     started, cpu_started = time.perf_counter(), time.process_time()
     for event in events:
         with engine.begin() as connection:
-            connection.execute(insert(EventRecord.__table__), _naive_row("naive", event))
+            connection.execute(insert(EVENTS), _naive_row("naive", event))
             if event.kind is EventKind.EVICT:
-                connection.execute(insert(Eviction.__table__), _naive_eviction_row("naive", event))
+                connection.execute(insert(EVICTIONS), _naive_eviction_row("naive", event))
     seconds, cpu_s = time.perf_counter() - started, time.process_time() - cpu_started
     engine.dispose()
     return len(events), seconds, cpu_s
@@ -313,7 +313,7 @@ def fill_evictions(url: str, num_rows: int) -> tuple[list[str], float]:
 
 def drop_secondary_indexes(engine: Engine) -> None:
     with engine.begin() as connection:
-        for index in Eviction.__table__.indexes:
+        for index in EVICTIONS.indexes:
             index.drop(connection)
 
 
@@ -339,7 +339,7 @@ def query_cases(
     engine: Engine, num_rows: int, run_ids: list[str], use_rollups: bool
 ) -> dict[str, Callable[[], object]]:
     """The console's eviction queries; `use_rollups=False` makes the aggregates scan the log."""
-    table = Eviction.__table__
+    table = EVICTIONS
     deep_offset = num_rows * 9 // 10
     with engine.connect() as connection:
         deep = connection.execute(
