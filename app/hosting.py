@@ -5,13 +5,14 @@
     host.restart(new_config)     # Settings: a new engine (and a new run) replaces the old one
 
 The engine steps on its own background thread. A listener, called on that thread after every step,
-feeds the storage writer process (events and request records of the current run), a bounded ring of
-`PoolStats` samples for the Overview charts and a bounded ring of recent block events for the
-Blocks inspector. Nothing here calls `st.*` except the cached constructor at the bottom, so the engine
-thread never touches Streamlit.
+feeds the storage writer process (through `storage.recorder.persistence_listener`: events and request
+views of the current run), a bounded ring of `PoolStats` samples for the Overview charts and a bounded
+ring of recent block events for the Blocks inspector. Nothing here calls `st.*` except the cached
+constructor at the bottom, so the engine thread never touches Streamlit.
 
 Configuration comes from environment variables (see `config_from_env`) and, after a restart, from the
-Settings page. The history database is `storage.db.default_db_url()` ($PREFIX_CONSOLE_DB_URL).
+Settings page. The history database is `storage.db.default_db_url(data_dir)`: $PREFIX_CONSOLE_DB_URL, else
+`history.sqlite` in the configuration's data directory.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from engine.events import Event, EventKind
 from engine.snapshot import PoolStats, RequestView
 from storage import migrate
 from storage.db import db_engine, default_db_url
-from storage.recorder import run_info
+from storage.recorder import persistence_listener, run_info
 from storage.writer import WriterStats
 from storage.writer_process import WriterProcess
 
@@ -159,7 +160,7 @@ class ConsoleHost:
     """Owns the shared engine, the history writer and a read-only database handle."""
 
     def __init__(self, config: EngineConfig, db_url: str | None = None) -> None:
-        self.db_url = db_url or default_db_url()
+        self.db_url = db_url or default_db_url(config.resolved_data_dir)
         self.db: DbEngine = db_engine(self.db_url)  # for the pages' reads (storage.queries)
         self.schema_error: str | None = None
         try:
@@ -226,14 +227,13 @@ class ConsoleHost:
         return console
 
     def _listener(self, console: Console):
-        writer = self.writer
+        persist = persistence_listener(self.writer)
 
         def on_step(events: list[Event], views: list[RequestView]) -> None:
             if not console.active:
                 return
             try:
-                writer.submit(events)
-                writer.record_requests(views)
+                persist(events, views)
                 console.recent.extend(events)
                 console.history.offer(time.time(), console.engine.stats())
             except Exception:  # a listener must never stop the engine; counted and shown instead
@@ -255,8 +255,3 @@ def _shutdown_at_exit(host_ref: weakref.ref[ConsoleHost]) -> None:
     host = host_ref()
     if host is not None:
         host.shutdown()
-
-
-def get_console() -> Console:
-    """The running engine every session shares."""
-    return get_host().console

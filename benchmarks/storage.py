@@ -1,6 +1,7 @@
 """Storage benchmark: writer throughput, eviction-log query latency, engine step overhead.
 
-    .venv/bin/python benchmarks/storage.py [--rows 1000000] [--url URL] [--only-step-overhead] [--smollm2]
+    .venv/bin/python benchmarks/storage.py [--rows 1000000] [--url URL] [--only-step-overhead | --only-writes]
+                                           [--smollm2]
 
 1. Insert throughput through the real `EventWriter` (batched, one transaction per batch) against a
    naive writer that commits one row per transaction (run on fewer rows; its rate is extrapolated).
@@ -20,7 +21,8 @@
    core, where the writer's CPU time competes with the engine's second thread, and with torch on one
    thread (its steps are no faster on two), where the writer process has a core of its own.
    `--smollm2` adds SmolLM2-135M on a smaller round. Section 3 alone: `--only-step-overhead` (about
-   five minutes at the default 8 rounds; about four more with --smollm2).
+   five minutes at the default 8 rounds; about four more with --smollm2). Section 1 alone: `--only-writes`
+   (with a small `--rows`, e.g. 50000, for its "into the history" row).
 
 Goals: >= 50,000 events/s; every log query < 50 ms on 1M rows; engine step time with persistence on
 within 5% of persistence off (median and mean). Without --url everything runs on SQLite files in a
@@ -56,7 +58,7 @@ from engine.events import Event, EventKind, EvictReason  # noqa: E402
 from engine.request import SamplingParams  # noqa: E402
 from storage import migrate, queries  # noqa: E402
 from storage.db import db_engine  # noqa: E402
-from storage.models import EventRecord, Eviction, Run  # noqa: E402
+from storage.models import EVENTS, EVICTIONS, RUNS  # noqa: E402
 from storage.recorder import persistence_listener, run_info  # noqa: E402
 from storage.retention import RetentionPolicy  # noqa: E402
 from storage.writer import EventWriter, RunInfo, WriterOptions  # noqa: E402
@@ -83,6 +85,9 @@ def main() -> None:
     parser.add_argument("--naive-events", type=int, default=2_000, help="events through the naive writer")
     parser.add_argument("--url", help="database URL (default: SQLite files in a temporary directory)")
     parser.add_argument("--only-step-overhead", action="store_true", help="run only section 3 (engine step time)")
+    parser.add_argument(
+        "--only-writes", action="store_true", help="run only section 1 (insert throughput; --rows sizes its history)"
+    )
     parser.add_argument("--smollm2", action="store_true", help="section 3 also on SmolLM2-135M (about 2 minutes)")
     parser.add_argument("--step-reps", type=int, help="section 3 timed rounds per mode (default: 8 tiny, 16 SmolLM2)")
     args = parser.parse_args()
@@ -95,8 +100,10 @@ def main() -> None:
             print(f"history: {args.rows:,} EVICT events through the writer at {fill_rate:,.0f} events/s")
             print("  (each: an events row, an evictions row with 5 indexes, a rollup update)")
             bench_writes(url_for, history_url, args.write_events, args.naive_events)
-            bench_queries(history_url, run_ids)
-        bench_step_overhead(url_for, args.smollm2, args.step_reps)
+            if not args.only_writes:
+                bench_queries(history_url, run_ids)
+        if not args.only_writes:
+            bench_step_overhead(url_for, args.smollm2, args.step_reps)
     print(f"\nload average at the end: {_load()}")
 
 
@@ -214,13 +221,13 @@ def timed_naive_run(url: str, events: list[Event], info: RunInfo) -> tuple[int, 
     engine = db_engine(url)
     migrate.upgrade(engine)
     with engine.begin() as connection:
-        connection.execute(insert(Run.__table__), [{"id": "naive", **_run_row(info)}])
+        connection.execute(insert(RUNS), [{"id": "naive", **_run_row(info)}])
     started, cpu_started = time.perf_counter(), time.process_time()
     for event in events:
         with engine.begin() as connection:
-            connection.execute(insert(EventRecord.__table__), _naive_row("naive", event))
+            connection.execute(insert(EVENTS), _naive_row("naive", event))
             if event.kind is EventKind.EVICT:
-                connection.execute(insert(Eviction.__table__), _naive_eviction_row("naive", event))
+                connection.execute(insert(EVICTIONS), _naive_eviction_row("naive", event))
     seconds, cpu_s = time.perf_counter() - started, time.process_time() - cpu_started
     engine.dispose()
     return len(events), seconds, cpu_s
@@ -306,7 +313,7 @@ def fill_evictions(url: str, num_rows: int) -> tuple[list[str], float]:
 
 def drop_secondary_indexes(engine: Engine) -> None:
     with engine.begin() as connection:
-        for index in Eviction.__table__.indexes:
+        for index in EVICTIONS.indexes:
             index.drop(connection)
 
 
@@ -332,7 +339,7 @@ def query_cases(
     engine: Engine, num_rows: int, run_ids: list[str], use_rollups: bool
 ) -> dict[str, Callable[[], object]]:
     """The console's eviction queries; `use_rollups=False` makes the aggregates scan the log."""
-    table = Eviction.__table__
+    table = EVICTIONS
     deep_offset = num_rows * 9 // 10
     with engine.connect() as connection:
         deep = connection.execute(

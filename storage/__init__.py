@@ -1,14 +1,20 @@
 """The history store: what the engine did, kept across restarts, for the console to query.
 
-Imports no Streamlit and no torch. Modules, one job each:
+Imports no Streamlit and no torch, and from the engine only the types it persists (`engine.events`,
+`engine.snapshot`, `engine.errors`; tests/test_layering.py checks it). Modules, one job each:
     db          `db_engine(url)`: the one engine factory (SQLite pragmas, PostgreSQL lock timeout),
-                `default_db_url()`, `open_session(engine)`, `encode_json`.
-    models      the schema at head (runs, requests, events, evictions, prunes, eviction_rollups).
+                `default_db_url(data_dir)`, `open_session(engine)`, `encode_json`.
+    models      the schema at head (runs, requests, events, evictions, prunes, eviction_rollups), its
+                Core tables (EVENTS, EVICTIONS, ...) and the column orders of the writer's rows.
     migrate     `upgrade(url_or_engine, revision="head")`, `current_revision(...)` (Alembic, in code).
-    rows        engine values -> table rows (the only code that knows engine field names).
-    writer      `EventWriter`: the single writer (a thread that batches, retries and prunes).
+    rows        engine Events and RequestViews -> table rows (the only code that knows engine field
+                names); the writers' input checks.
+    writer      `EventWriter`: the single writer (a thread that batches, retries, counts and prunes).
+    bulk        a batch's inserts and upserts, per dialect: bulk_sqlite (one statement over a JSON
+                array), bulk_postgres (COPY, ON CONFLICT), executemany elsewhere.
     writer_process  `WriterProcess`: the same interface, with the EventWriter in a child process (what
                 the console and the CLI use: the database work never shares the engine's interpreter).
+    recorder    `record_engine(engine, writer)`, `persistence_listener(writer)`: an engine's listener.
     frame_pipe  `FramePipe`: length-prefixed frames into a pipe without ever blocking the writer.
     rollups     per-minute eviction aggregates kept equal to the log.
     retention   `prune(engine, RetentionPolicy, now)`: age and row-count bounds, logged in `prunes`.
@@ -17,13 +23,14 @@ Imports no Streamlit and no torch. Modules, one job each:
 
 Engine side (never blocks on the database; nothing is lost without being counted):
 
-    writer = WriterProcess(url)                     # or EventWriter(url), in-process;
-                                                    # url=None: $PREFIX_CONSOLE_DB_URL or <data>/history.sqlite
+    writer = WriterProcess(url)                     # or EventWriter(url), in-process; a default url is
+                                                    #   default_db_url(data_dir): $PREFIX_CONSOLE_DB_URL
+                                                    #   or <data_dir>/history.sqlite
     run_id = writer.start_run(RunInfo(model=..., num_blocks=..., block_size=..., dtype=..., device=...,
                                       weights_revision=..., namespace=..., started_at=...))
     writer.submit(events)                           # list[engine.events.Event]; one call <= 512 events is atomic
-    writer.record_requests(views)                   # immutable RequestViews or dicts (copied); converted by the
-                                                    #   writer thread, one upsert per request per batch (latest wins)
+    writer.record_requests(views)                   # engine.snapshot.RequestViews; one upsert per request per
+                                                    #   batch (latest wins). Anything else: TypeError at the call
     writer.stats()                                  # WriterStats: queued, written_*, dropped, failed_batches,
                                                     #   retries, retrying, last_error, schema_ready, pruned_rows
     writer.flush(timeout_s=None) -> bool            # wait until everything queued so far is written or dropped

@@ -19,13 +19,12 @@ import os
 import sqlite3
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
 import orjson
 
 from sqlalchemy import Connection, Engine, create_engine, event, make_url
 from sqlalchemy.orm import Session
-
-from engine.config import default_data_dir
 
 DB_URL_ENV = "PREFIX_CONSOLE_DB_URL"
 DEFAULT_BUSY_TIMEOUT_MS = 5000
@@ -44,16 +43,17 @@ def encode_json(value: object) -> str:
     return orjson.dumps(value, default=str, option=_JSON_OPTIONS).decode()
 
 
-def default_db_url() -> str:
-    """$PREFIX_CONSOLE_DB_URL, else a SQLite file ``history.sqlite`` in the engine's data directory."""
+def default_db_url(data_dir: Path) -> str:
+    """$PREFIX_CONSOLE_DB_URL, else a SQLite file ``history.sqlite`` in `data_dir` (the caller's data
+    directory: the console passes its engine configuration's)."""
     url = os.environ.get(DB_URL_ENV)
     if url:
         return url
-    return f"sqlite:///{default_data_dir() / 'history.sqlite'}"
+    return f"sqlite:///{Path(data_dir) / 'history.sqlite'}"
 
 
-def db_engine(url: str | None = None, *, busy_timeout_ms: int = DEFAULT_BUSY_TIMEOUT_MS) -> Engine:
-    """Create an engine for `url` (default: `default_db_url()`).
+def db_engine(url: str, *, busy_timeout_ms: int = DEFAULT_BUSY_TIMEOUT_MS) -> Engine:
+    """Create an engine for `url`.
 
     Args:
         url: any SQLAlchemy URL; SQLite files get their parent directory created.
@@ -62,7 +62,7 @@ def db_engine(url: str | None = None, *, busy_timeout_ms: int = DEFAULT_BUSY_TIM
     Returns:
         A new engine; callers own it and should `dispose()` it when done.
     """
-    parsed = make_url(url or default_db_url())
+    parsed = make_url(url)
     backend = parsed.get_backend_name()
     connect_args: dict[str, object] = {}
     if backend == "sqlite":

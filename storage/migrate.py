@@ -22,11 +22,11 @@ HEAD = "head"
 _PG_MIGRATION_LOCK = 0x70726566
 
 
-def upgrade(url_or_engine: str | Engine | None = None, revision: str = HEAD) -> None:
+def upgrade(url_or_engine: str | Engine, revision: str = HEAD) -> None:
     """Upgrade the database to `revision` (default: the newest). A no-op when already there.
 
     Args:
-        url_or_engine: a URL (default: `storage.db.default_db_url()`) or an engine from `db_engine`.
+        url_or_engine: a URL or an engine from `db_engine`.
         revision: an Alembic revision id such as "0001", or "head".
     """
     engine, owned = _engine(url_or_engine)
@@ -40,7 +40,7 @@ def upgrade(url_or_engine: str | Engine | None = None, revision: str = HEAD) -> 
             engine.dispose()
 
 
-def current_revision(url_or_engine: str | Engine | None = None) -> str | None:
+def current_revision(url_or_engine: str | Engine) -> str | None:
     """The revision the database is at, or None for a database Alembic never touched."""
     engine, owned = _engine(url_or_engine)
     try:
@@ -58,7 +58,7 @@ def _alembic_config(connection: Connection) -> Config:
     return config
 
 
-def _engine(url_or_engine: str | Engine | None) -> tuple[Engine, bool]:
+def _engine(url_or_engine: str | Engine) -> tuple[Engine, bool]:
     if isinstance(url_or_engine, Engine):
         return url_or_engine, False
     return db_engine(url_or_engine), True

@@ -173,3 +173,24 @@ class EvictionRollup(Base):
         *(Column(name, Integer, nullable=False) for name in AGE_BIN_COLUMNS + HIT_BIN_COLUMNS),
         Index("ix_eviction_rollups_minute", "minute"),
     )
+
+
+# Core tables, for the writer's bulk statements, the queries, retention and rollups (one definition each).
+RUNS = Run.__table__
+REQUESTS = RequestRecord.__table__
+EVENTS = EventRecord.__table__
+EVICTIONS = Eviction.__table__
+PRUNES = Prune.__table__
+ROLLUPS = EvictionRollup.__table__
+
+# The `events` columns the writer fills, in the order of its row tuples (storage.rows.event_values).
+EVENT_COLUMNS = ("run_id", "step", "time", "kind", "request_id", "block_id", "tokens", "detail")
+# The eviction log as the pages and the CSV export show it; the writer fills every column but the id, in
+# this order (storage.rows.eviction_values).
+EVICTION_COLUMNS = (
+    "id", "time", "run_id", "reason", "block_id", "key_hex", "start_pos", "end_pos",
+    "age_s", "hit_count", "last_used", "group", "request_id",
+)  # fmt: skip
+EVICTION_ROW_COLUMNS = EVICTION_COLUMNS[1:]
+# The primary key of `requests`: a request record is upserted by it.
+REQUEST_KEY = ("run_id", "request_id")

@@ -35,31 +35,21 @@ from storage.buckets import bucket_index
 from storage.models import (
     AGE_BIN_COLUMNS,
     AGE_EDGES_S,
+    EVENTS,
+    EVICTION_COLUMNS,
+    EVICTIONS,
     HIT_BIN_COLUMNS,
     HIT_EDGES,
+    PRUNES,
+    REQUESTS,
     ROLLUP_SECONDS,
-    EventRecord,
-    Eviction,
-    EvictionRollup,
-    Prune,
-    RequestRecord,
-    Run,
+    ROLLUPS,
+    RUNS,
 )
 from storage.rollups import minute_of
 
 Readable = Engine | Connection | Session
 
-EVENTS = EventRecord.__table__
-EVICTIONS = Eviction.__table__
-REQUESTS = RequestRecord.__table__
-RUNS = Run.__table__
-PRUNES = Prune.__table__
-ROLLUPS = EvictionRollup.__table__
-
-EVICTION_COLUMNS = (
-    "id", "time", "run_id", "reason", "block_id", "key_hex", "start_pos", "end_pos",
-    "age_s", "hit_count", "last_used", "group", "request_id",
-)  # fmt: skip
 _HEX = re.compile(r"[0-9a-f]+")
 
 

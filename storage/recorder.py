@@ -1,16 +1,19 @@
 """Connecting a running engine to the history: one run row, then every step's events and requests.
 
-Duck-typed on the engine (no torch import here): it needs `config`, `namespace`, `loaded`,
-`num_blocks`, `runner.loaded.device` and `add_listener`.
+Duck-typed on the engine (no torch import here): it needs `config`, `namespace`, `loaded` (model_id,
+device, weights_revision), `num_blocks` and `add_listener`.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from storage.writer import EventWriter, RunInfo
+
+if TYPE_CHECKING:
+    from storage.writer_process import WriterProcess
 
 
 def run_info(engine: Any, started_at: float | None = None) -> RunInfo:
@@ -27,7 +30,7 @@ def run_info(engine: Any, started_at: float | None = None) -> RunInfo:
     )
 
 
-def record_engine(engine: Any, writer: EventWriter) -> str:
+def record_engine(engine: Any, writer: EventWriter | WriterProcess) -> str:
     """Start a run for `engine` and persist everything it does from now on. Returns the run id.
 
     The listener only queues (the writer thread does the I/O), so the engine's step time does not
@@ -38,8 +41,11 @@ def record_engine(engine: Any, writer: EventWriter) -> str:
     return run_id
 
 
-def persistence_listener(writer: EventWriter) -> Callable[[list, list], None]:
-    """An engine listener that queues every event and request view into the writer's current run."""
+def persistence_listener(writer: EventWriter | WriterProcess) -> Callable[[list, list], None]:
+    """An engine listener that queues every event and request view into the writer's current run.
+
+    The engine hands its listeners `Event`s and `RequestView`s, the only types the writers accept.
+    """
 
     def persist(events: list, views: list) -> None:
         if events:

@@ -17,9 +17,8 @@ from dataclasses import dataclass
 from sqlalchemy import ColumnElement, Engine, Table, delete, func, insert, select, tuple_
 
 from storage import rollups
-from storage.models import EventRecord, Eviction, Prune, RequestRecord
+from storage.models import EVENTS, EVICTIONS, PRUNES, REQUESTS
 
-EVICTIONS = Eviction.__table__
 SECONDS_PER_DAY = 86_400.0
 
 
@@ -47,27 +46,25 @@ def prune(engine: Engine, policy: RetentionPolicy, now: float) -> list[PruneResu
         One result per (table, reason) that deleted at least one row.
     """
     results: list[PruneResult] = []
-    events = EventRecord.__table__
-    evictions = EVICTIONS
     if policy.max_age_days is not None:
         cutoff = now - policy.max_age_days * SECONDS_PER_DAY
         aged = (
-            (events, events.c.time),
-            (evictions, evictions.c.time),
-            (RequestRecord.__table__, RequestRecord.__table__.c.arrival_time),
-            (Prune.__table__, Prune.__table__.c.time),
+            (EVENTS, EVENTS.c.time),
+            (EVICTIONS, EVICTIONS.c.time),
+            (REQUESTS, REQUESTS.c.arrival_time),
+            (PRUNES, PRUNES.c.time),
         )
         for table, time_column in aged:
             deleted = _delete_chunked(engine, table, time_column < cutoff, time_column, policy.chunk_rows)
             results.append(PruneResult(table.name, "age", deleted))
-    for table, max_rows in ((events, policy.max_events), (evictions, policy.max_evictions)):
+    for table, max_rows in ((EVENTS, policy.max_events), (EVICTIONS, policy.max_evictions)):
         if max_rows is not None:
             results.append(PruneResult(table.name, "max_rows", _delete_beyond(engine, table, max_rows, policy)))
     results = [result for result in results if result.rows_deleted]
     if results:
         with engine.begin() as connection:
             connection.execute(
-                insert(Prune.__table__),
+                insert(PRUNES),
                 [
                     {"time": now, "table_name": r.table_name, "reason": r.reason, "rows_deleted": r.rows_deleted}
                     for r in results

@@ -16,18 +16,8 @@ from typing import Any
 from sqlalchemy import Connection, and_, bindparam, case, delete, func, insert, select, update
 
 from storage.buckets import bucket_index
-from storage.models import (
-    AGE_BIN_COLUMNS,
-    AGE_EDGES_S,
-    HIT_BIN_COLUMNS,
-    HIT_EDGES,
-    ROLLUP_SECONDS,
-    Eviction,
-    EvictionRollup,
-)
+from storage.models import AGE_BIN_COLUMNS, AGE_EDGES_S, EVICTIONS, HIT_BIN_COLUMNS, HIT_EDGES, ROLLUP_SECONDS, ROLLUPS
 
-ROLLUPS = EvictionRollup.__table__
-EVICTIONS = Eviction.__table__
 KEY_COLUMNS = ("run_id", "minute", "reason")
 COUNT_COLUMNS = ("evictions", *AGE_BIN_COLUMNS, *HIT_BIN_COLUMNS)
 

@@ -1,33 +1,28 @@
-"""Turn engine values (events, request views) into rows of the history tables.
+"""Turn the engine's values (`Event`s, `RequestView`s) into rows of the history tables.
 
-Event and eviction rows are tuples of driver-ready values (JSON already encoded) for the writer's bulk
-insert; request rows are dicts for SQLAlchemy's upsert.
+The writers accept these two types only, checked when they are handed over (`checked_events`,
+`checked_views`), so bad input fails at the call and never inside the writer thread. Event and eviction
+rows are tuples of driver-ready values (JSON already encoded) in the column orders of storage.models;
+request rows are dicts for SQLAlchemy's upsert. `encode_events` is the events' wire and SQLite form: one
+JSON array, built in C.
 
 The storage layer depends on the engine only through `engine.events` (the Event type and the detail
-field names per kind), the field names of `engine.request.Request` and `engine.snapshot.RequestView`
-(whose attributes `view_values` reads, and whose records `checked_request_records` trusts). A request
-may be given as any object with those attributes (a `RequestView`, a `Request`) or as a mapping with
-those keys.
+field names per kind) and `engine.snapshot.RequestView` (field names, plain-string values).
 """
 
 from __future__ import annotations
 
-import enum
 import operator
-from collections.abc import Iterable, Mapping
-from typing import Any
+from collections.abc import Iterable, Sequence
+from typing import Any, NamedTuple
+
+import orjson
 
 from engine.events import Event, EventKind
 from engine.snapshot import RequestView
 from storage.db import encode_json
 
-# Column order of `event_values` and `eviction_values`.
-EVENT_COLUMNS = ("run_id", "step", "time", "kind", "request_id", "block_id", "tokens", "detail")
-EVICTION_COLUMNS = (
-    "run_id", "time", "block_id", "key_hex", "start_pos", "end_pos", "reason",
-    "age_s", "hit_count", "last_used", "group", "request_id",
-)  # fmt: skip
-# Request fields copied as they are (the columns of `requests` that mirror engine.request.Request).
+# Request fields copied as they are (the columns of `requests` that mirror the RequestView's fields).
 REQUEST_FIELDS = (
     "request_id",
     "parent_id",
@@ -44,33 +39,60 @@ REQUEST_FIELDS = (
     "first_token_time",
     "finish_time",
 )
-# Sliding-window replay fields; absent until the engine records them.
+# Sliding-window replay fields (RequestView's h, s, e, r are properties named as in the REPLAY event).
 WINDOW_FIELDS = ("h", "s", "e", "r", "replay_mode", "replayed_tokens")
-REQUIRED_REQUEST_FIELDS = ("request_id", "status", "arrival_time")
-_ROW_FIELDS = REQUEST_FIELDS + WINDOW_FIELDS
-_READ_ROW_FIELDS = operator.attrgetter(*_ROW_FIELDS)
-# What a request row holds where its record has no value (None or empty), here and in the writer's SQLite path.
-REQUEST_DEFAULTS = {
-    "output_token_ids": [],
-    "cached_tokens": 0,
-    "computed_tokens": 0,
-    "cow_copies": 0,
-    "preemptions": 0,
-    "hit_source": "none",
-}
-# The `requests` columns an engine RequestView fills, in `view_values` order (the writer's SQLite path
-# takes them positionally).
+# The `requests` columns a RequestView fills, in `view_values` order (the SQLite path takes them positionally).
 VIEW_COLUMNS = (*REQUEST_FIELDS, "prompt_tokens", *WINDOW_FIELDS)
 _VIEW_ATTRIBUTES = {"prompt_tokens": "num_prompt_tokens"}
-# RequestView -> its VIEW_COLUMNS values, in one C call (its strings are plain already, not enums).
+# RequestView -> its VIEW_COLUMNS values, in one C call.
 view_values = operator.attrgetter(*(_VIEW_ATTRIBUTES.get(column, column) for column in VIEW_COLUMNS))
+# The view fields behind NOT NULL columns of `requests`: a view lacking one is refused when handed over.
+REQUIRED_VIEW_FIELDS = (
+    "request_id", "status", "num_prompt_tokens", "output_token_ids", "cached_tokens", "computed_tokens",
+    "hit_source", "cow_copies", "preemptions", "arrival_time",
+)  # fmt: skip
+_READ_REQUIRED = operator.itemgetter(*(RequestView._fields.index(name) for name in REQUIRED_VIEW_FIELDS))
 _PROMPT_FIELD = RequestView._fields.index("prompt_token_ids")
 # Enum `.value` is a slow descriptor; event rows are the hot path of the writer.
 _KIND_VALUES = {kind: kind.value for kind in EventKind}
+_EVENT_TYPE = frozenset({Event})
+
+
+def checked_events(events: Sequence[Event]) -> Sequence[Event]:
+    """`events` as given, once every element is an `engine.events.Event`.
+
+    Raises:
+        TypeError: an element of another type (a dict, a plain tuple, ...).
+    """
+    types = set(map(type, events))  # in C: the check costs a fraction of encoding the events
+    if not types <= _EVENT_TYPE:
+        other = next(kind for kind in types if kind is not Event)
+        raise TypeError(f"the writer stores engine.events.Event values, got a {other.__name__}")
+    return events
+
+
+def checked_views(views: Iterable[RequestView]) -> tuple[RequestView, ...]:
+    """`views` as a tuple, once every element is an `engine.snapshot.RequestView` with its required fields.
+
+    Raises:
+        TypeError: an element of another type (a dict, an `engine.request.Request`, ...).
+        ValueError: a view whose request_id, status, arrival_time or a count is None.
+    """
+    views = tuple(views)
+    for view in views:
+        if type(view) is not RequestView:
+            raise TypeError(f"the writer stores engine.snapshot.RequestView values, got a {type(view).__name__}")
+        if None in _READ_REQUIRED(view):
+            missing = [name for name, value in zip(REQUIRED_VIEW_FIELDS, _READ_REQUIRED(view)) if value is None]
+            raise ValueError(f"request view {view.request_id!r} lacks {missing}")
+    return views
 
 
 def event_values(run_id: str, event: Event) -> tuple[Any, ...]:
-    """The `events` row for one event, as driver-ready values in EVENT_COLUMNS order."""
+    """The `events` row for one event, as driver-ready values in EVENT_COLUMNS order.
+
+    `event.kind` is an EventKind, or its value for events decoded from `encode_events`.
+    """
     return (
         run_id,
         event.step,
@@ -84,101 +106,71 @@ def event_values(run_id: str, event: Event) -> tuple[Any, ...]:
 
 
 def eviction_values(run_id: str, event: Event) -> tuple[Any, ...]:
-    """The `evictions` row for an EVICT event, in EVICTION_COLUMNS order (detail names: engine.events)."""
+    """The `evictions` row for an EVICT event, in EVICTION_ROW_COLUMNS order (detail names: engine.events).
+
+    Raises:
+        ValueError: not an EVICT event.
+    """
     if event.kind is not EventKind.EVICT:
         raise ValueError(f"not an eviction: {event.kind}")
     detail = event.detail
     key = detail.get("key")
-    group = detail.get("group")
     return (
-        run_id,
         event.time,
+        run_id,
+        detail.get("reason"),
         event.block_id,
         key.lower() if isinstance(key, str) else None,
         detail.get("start_pos"),
         detail.get("end_pos"),
-        _plain(detail.get("reason")),
         detail.get("age_s"),
         detail.get("hit_count"),
         detail.get("last_used"),
-        None if group is None else str(_plain(group)),
+        detail.get("group"),
         event.request_id,
     )
 
 
-def request_row(run_id: str, request: Mapping[str, Any] | object) -> dict[str, Any]:
-    """The `requests` row for one request view or mapping.
+class EncodedEvents(NamedTuple):
+    """Events in the form the writer stores them (`encode_events`)."""
 
-    The prompt length is taken from `prompt_tokens`, else `num_prompt_tokens`, else the length of
-    `prompt_token_ids`; enum values are stored as their string values.
+    json: str  # a JSON array with one array per event, the Event fields in order (kind as its value)
+    count: int  # events in it
+    evictions: tuple[Event, ...]  # its EVICT events, for the eviction log and its rollups
 
-    Raises:
-        ValueError: a required field (request_id, status, arrival_time) is missing.
+
+def encode_events(events: Sequence[Event]) -> EncodedEvents:
+    """Encode events as the writer stores them (one orjson call, in C); only EVICT events stay objects.
+
+    A WriterProcess sends events this way: its child neither rebuilds nor re-encodes the others.
     """
-    read = _reader(request)
-    values = None
-    if not isinstance(request, Mapping):
-        try:
-            values = _READ_ROW_FIELDS(request)  # one C call for the engine's views
-        except AttributeError:
-            pass  # an object without the window fields: read them one by one
-    if values is None:
-        values = tuple(read(name) for name in _ROW_FIELDS)
-    row = dict(zip(_ROW_FIELDS, map(_plain, values)))
-    missing = [name for name in REQUIRED_REQUEST_FIELDS if row[name] is None]
-    if missing:
-        raise ValueError(f"request record lacks {missing}")
+    evictions = tuple(event for event in events if event.kind is EventKind.EVICT)
+    return EncodedEvents(encode_json(list(map(tuple, events))), len(events), evictions)
+
+
+def join_encoded(parts: Sequence[EncodedEvents]) -> EncodedEvents:
+    """Several `encode_events` results as one, in order (one JSON array, no re-encoding)."""
+    if len(parts) == 1:
+        return parts[0]
+    evictions = tuple(event for part in parts for event in part.evictions)
+    json = "[" + ",".join(part.json[1:-1] for part in parts if part.count) + "]"
+    return EncodedEvents(json, sum(part.count for part in parts), evictions)
+
+
+def decode_events(encoded: EncodedEvents) -> list[Event]:
+    """The events of `encode_events`, each kind as its value (which `event_values` takes as it is)."""
+    return [Event._make(fields) for fields in orjson.loads(encoded.json)]
+
+
+def request_row(run_id: str, view: RequestView) -> dict[str, Any]:
+    """The `requests` row for one request view (the columns of VIEW_COLUMNS and its run)."""
+    row = dict(zip(VIEW_COLUMNS, view_values(view)))
     row["run_id"] = run_id
-    row["prompt_tokens"] = _prompt_tokens(read)
-    for name, default in REQUEST_DEFAULTS.items():
-        row[name] = row[name] or default
-    row["output_token_ids"] = list(row["output_token_ids"])  # a copy: never the shared default
+    row["output_token_ids"] = list(row["output_token_ids"])
     return row
-
-
-def checked_request_records(requests: Iterable[Mapping[str, Any] | object]) -> list[Mapping[str, Any] | object]:
-    """Request records as a writer queues them: mappings copied, objects as given (nobody may change them
-    afterwards). Engine RequestViews pass unchecked: they are immutable and always carry the fields.
-
-    Raises:
-        ValueError: a record lacks request_id, status or arrival_time.
-    """
-    records = []
-    for record in requests:
-        if type(record) is not RequestView:
-            if isinstance(record, Mapping):
-                record = dict(record)
-            read = _reader(record)
-            missing = [name for name in REQUIRED_REQUEST_FIELDS if read(name) is None]
-            if missing:
-                raise ValueError(f"request record lacks {missing}")
-        records.append(record)
-    return records
 
 
 def view_without_prompt(view: RequestView) -> tuple[Any, ...]:
     """A view's fields as a plain tuple (pickled in C, unlike a NamedTuple), its prompt tokens left out:
     the history stores only their count (`num_prompt_tokens`). `RequestView._make` rebuilds the view."""
     return (*view[:_PROMPT_FIELD], (), *view[_PROMPT_FIELD + 1 :])
-
-
-def request_id_of(request: Mapping[str, Any] | object) -> Any:
-    if type(request) is RequestView:  # the engine's records: the common case, and the Mapping check is slow
-        return request.request_id
-    return request.get("request_id") if isinstance(request, Mapping) else getattr(request, "request_id", None)
-
-
-def _reader(request: Mapping[str, Any] | object):
-    return request.get if isinstance(request, Mapping) else lambda name: getattr(request, name, None)
-
-
-def _prompt_tokens(read) -> int:
-    for name in ("prompt_tokens", "num_prompt_tokens"):
-        value = read(name)
-        if value is not None:
-            return int(value)
-    return len(read("prompt_token_ids") or ())
-
-
-def _plain(value: Any) -> Any:
-    return value.value if isinstance(value, enum.Enum) else value

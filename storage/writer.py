@@ -1,14 +1,14 @@
-"""The single writer: the engine hands it events and request records, a background thread stores them.
+"""The single writer: the engine hands it events and request views, a background thread stores them.
 
 Contract with the engine thread:
-    * `start_run`, `submit`, `record_requests` and `close` never wait on the database, and do no
-      conversion work: events and request records are queued as given (events are immutable; request
-      records must not change after the call, as the engine's RequestView snapshots never do). The
-      queue is a bounded `queue.Queue`; when it is full the newest data is dropped and counted in
-      `stats().dropped`.
+    * `start_run`, `submit`, `record_requests` and `close` never wait on the database. They check what
+      they are given (engine `Event`s and `RequestView`s only: anything else raises TypeError at the
+      call, see storage.rows), encode events (one orjson call, in C) and queue; views are immutable and
+      queued as given. The queue is a bounded `queue.Queue`; when it is full the newest data is dropped
+      and counted in `stats().dropped`.
     * The writer thread gathers a batch for up to `batch_interval_s` after its first item (or until
-      `batch_rows`), so a request updated on every step is converted and upserted once per batch,
-      its latest record winning. `flush` and `close` cut the wait short.
+      `batch_rows`), so a request updated on every step is upserted once per batch, its latest view
+      winning. `flush` and `close` cut the wait short.
     * One `submit()` call of at most `WriterOptions.item_rows` events is written in one transaction,
       together with the `evictions` rows of its EVICT events: a crash loses whole calls, never part
       of one. Longer calls are split into items of that size, each atomic.
@@ -20,59 +20,38 @@ Contract with the engine thread:
       commits, so the rows of that run always find their run.
 
 Only the writer thread touches the database; it also applies the retention policy every
-`prune_interval_s` seconds. The engine thread needs the GIL for its own Python work, so the writer
-keeps its GIL-held work per row small: on SQLite, every table's rows of a batch go in as one JSON array,
-unpacked by SQLite inside one statement (the sqlite3 module releases the GIL while a statement runs; see
-`_insert_events_as_json`); on other databases rows go through COPY (psycopg) or executemany, with SQL
-compiled by SQLAlchemy (see `_bulk_insert`). Engines sharing one PostgreSQL
-database each run their own writer: every writer only adds rows of its own runs.
+`prune_interval_s` seconds. The rows of a batch go in through storage.bulk, which picks each dialect's
+bulk path (on SQLite one statement per table over a JSON array, so the writer holds the GIL for little
+work per row). Engines sharing one PostgreSQL database each run their own writer: every writer only adds
+rows of its own runs.
 """
 
 from __future__ import annotations
 
-import functools
 import operator
 import queue
 import secrets
 import threading
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
-from typing import Any, NamedTuple
+from typing import Any
 
-import orjson
-from sqlalchemy import Connection, Table, insert, select, tuple_, update
-from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy import Connection, insert, select, update
 from sqlalchemy.exc import DBAPIError, OperationalError
 
-from engine.events import Event, EventKind
+from engine.events import Event
 from engine.snapshot import RequestView
-from storage import migrate, rollups
-from storage.db import DEFAULT_BUSY_TIMEOUT_MS, db_engine, encode_json
-from storage.models import EventRecord, Eviction, RequestRecord, Run
+from storage import bulk, migrate, rollups
+from storage.db import DEFAULT_BUSY_TIMEOUT_MS, db_engine
+from storage.models import EVICTION_ROW_COLUMNS, EVICTIONS, RUNS
 from storage.retention import RetentionPolicy, prune
-from storage.rows import (
-    EVENT_COLUMNS,
-    EVICTION_COLUMNS,
-    REQUEST_DEFAULTS,
-    VIEW_COLUMNS,
-    checked_request_records,
-    event_values,
-    eviction_values,
-    request_id_of,
-    request_row,
-    view_values,
-)
+from storage.rows import EncodedEvents, checked_events, checked_views, encode_events, eviction_values
 
-EVENTS = EventRecord.__table__
-EVICTIONS = Eviction.__table__
-REQUESTS = RequestRecord.__table__
-RUNS = Run.__table__
-REQUEST_KEY = ("run_id", "request_id")
 # (run_id, time, reason, age_s, hit_count) of an eviction row, as rollups.eviction_deltas takes them.
 _ROLLUP_FIELDS = operator.itemgetter(
-    *(EVICTION_COLUMNS.index(name) for name in ("run_id", "time", "reason", "age_s", "hit_count"))
+    *(EVICTION_ROW_COLUMNS.index(name) for name in ("run_id", "time", "reason", "age_s", "hit_count"))
 )
 
 
@@ -124,53 +103,18 @@ class WriterStats:
     pruned_rows: int  # rows deleted by retention
 
 
-class EncodedEvents(NamedTuple):
-    """Events already in the form the writer stores them (`encode_events`), for `submit_encoded`."""
-
-    json: str  # a JSON array with one array per event, the Event fields in order (kind as its value)
-    count: int  # events in it
-    evictions: tuple[Event, ...]  # its EVICT events, for the eviction log and its rollups
-
-
-def encode_events(events: Sequence[Event]) -> EncodedEvents:
-    """Encode events as the writer stores them (one orjson call, in C); only EVICT events stay objects.
-
-    A WriterProcess sends events this way: its child neither rebuilds nor re-encodes the others.
-    """
-    evictions = tuple(event for event in events if event.kind is EventKind.EVICT)
-    return EncodedEvents(_event_array(events), len(events), evictions)
-
-
-def _event_array(events: Sequence[Event]) -> str:
-    """One JSON array of the events' fields, in order (the kind as its value)."""
-    return encode_json(list(map(tuple, events)))
-
-
-def join_encoded(parts: Sequence[EncodedEvents]) -> EncodedEvents:
-    """Several `encode_events` results as one, in order (one JSON array, no re-encoding)."""
-    if len(parts) == 1:
-        return parts[0]
-    evictions = tuple(event for part in parts for event in part.evictions)
-    return EncodedEvents(_join_arrays([part.json for part in parts]), sum(part.count for part in parts), evictions)
-
-
-def _join_arrays(arrays: Sequence[str]) -> str:
-    """Non-empty JSON arrays as one array of all their elements."""
-    return arrays[0] if len(arrays) == 1 else "[" + ",".join(array[1:-1] for array in arrays) + "]"
-
-
 @dataclass(frozen=True)
 class _Item:
     """One unit of the queue, written whole or not at all. An empty item only wakes the thread."""
 
     seq: int  # order of submission; `flush` waits on it
     run_id: str | None = None  # the run its rows belong to
-    events: tuple[Event, ...] | EncodedEvents = ()
-    requests: tuple[Mapping[str, Any] | object, ...] = ()  # request records, converted by the writer thread
+    events: EncodedEvents | None = None  # at most `item_rows` events, written in one transaction
+    requests: tuple[RequestView, ...] = ()
 
     @property
     def num_events(self) -> int:
-        return self.events.count if isinstance(self.events, EncodedEvents) else len(self.events)
+        return 0 if self.events is None else self.events.count
 
     @property
     def num_rows(self) -> int:
@@ -179,6 +123,8 @@ class _Item:
 
 @dataclass
 class _Counters:
+    """The counters behind `WriterStats` (the same fields, documented there), guarded by the writer's lock."""
+
     queued: int = 0
     written_events: int = 0
     written_requests: int = 0
@@ -201,8 +147,8 @@ def new_run_id(started_at: float) -> str:
 class EventWriter:
     """The one writer of the history database. See the module docstring for its contract."""
 
-    def __init__(self, url: str | None = None, options: WriterOptions | None = None) -> None:
-        """Start the writer thread for `url` (default: `storage.db.default_db_url()`).
+    def __init__(self, url: str, options: WriterOptions | None = None) -> None:
+        """Start the writer thread for `url` (any SQLAlchemy URL; see `storage.db.default_db_url`).
 
         The thread first upgrades the schema (retrying while the database is unavailable); nothing
         here touches the database, so a bad or unreachable database shows up in `stats()`.
@@ -243,12 +189,13 @@ class EventWriter:
 
         Raises:
             RuntimeError: no run was started.
+            TypeError: an element is not an `engine.events.Event` (nothing is queued).
         """
-        run_id = self._require_run()
+        self._require_run()
+        checked_events(events)
         size = self._options.item_rows
         for start in range(0, len(events), size):
-            chunk = tuple(events[start : start + size])
-            self._enqueue(lambda seq, chunk=chunk: _Item(seq, run_id, events=chunk), len(chunk))
+            self.submit_encoded(encode_events(events[start : start + size]))
 
     def submit_encoded(self, events: EncodedEvents) -> None:
         """Queue events of the current run that `encode_events` encoded, as one atomic item.
@@ -260,21 +207,18 @@ class EventWriter:
         if events.count:
             self._enqueue(lambda seq: _Item(seq, run_id, events=events), events.count)
 
-    def record_requests(self, requests: Iterable[Mapping[str, Any] | object]) -> None:
-        """Queue request records of the current run (upserted by (run_id, request_id), last wins).
-
-        Each is a mapping (copied here) or an object with `engine.request.Request`'s field names (see
-        storage.rows) that nobody changes afterwards: the writer thread converts it later, and only
-        the latest record of a request in a batch.
+    def record_requests(self, views: Iterable[RequestView]) -> None:
+        """Queue request views of the current run (upserted by (run_id, request_id), the latest wins).
 
         Raises:
             RuntimeError: no run was started.
-            ValueError: a record lacks request_id, status or arrival_time (nothing is queued).
+            TypeError: an element is not an `engine.snapshot.RequestView` (nothing is queued).
+            ValueError: a view lacks a required field (see `storage.rows.checked_views`; nothing is queued).
         """
         run_id = self._require_run()
-        records = tuple(checked_request_records(requests))
-        if records:
-            self._enqueue(lambda seq: _Item(seq, run_id, requests=records), len(records))
+        views = checked_views(views)
+        if views:
+            self._enqueue(lambda seq: _Item(seq, run_id, requests=views), len(views))
 
     def stats(self) -> WriterStats:
         with self._lock:
@@ -400,11 +344,12 @@ class EventWriter:
             runs = dict(self._pending_runs)
             stops = dict(self._pending_stops)
         backoff = self._options.first_backoff_s
-        for attempt in range(1, self._options.max_attempts + 1):
+        attempt = 1
+        while True:
             try:
                 with self._engine.begin() as connection:
                     _insert_runs(connection, runs)
-                    _insert_items(connection, items)
+                    _insert_rows(connection, items)
                     _stop_runs(connection, stops)
             except Exception as error:  # the thread must outlive any failure; report it instead
                 retry = _is_transient(error) and attempt < self._options.max_attempts
@@ -414,10 +359,10 @@ class EventWriter:
                     return False
                 time.sleep(backoff)
                 backoff = min(backoff * 2, self._options.max_backoff_s)
+                attempt += 1
             else:
                 self._finish(items, runs, stops, written=True)
                 return True
-        raise AssertionError("unreachable: the last attempt returns")
 
     def _finish(self, items: list[_Item], runs: dict, stops: dict, written: bool) -> None:
         num_events = sum(item.num_events for item in items)
@@ -492,166 +437,25 @@ def _insert_runs(connection: Connection, runs: dict[str, dict[str, Any]]) -> Non
         connection.execute(insert(RUNS), missing)
 
 
-def _insert_items(connection: Connection, items: list[_Item]) -> None:
-    parts_by_run: dict[str, list[tuple[Event, ...] | EncodedEvents]] = {}  # each run's events, in item order
+def _insert_rows(connection: Connection, items: list[_Item]) -> None:
+    """The rows of a batch: each run's events and evictions (with their rollups), then the latest view of
+    every request."""
+    parts_by_run: dict[str, list[EncodedEvents]] = {}  # each run's events, in item order
     for item in items:
-        if item.num_events:
-            parts_by_run.setdefault(item.run_id, []).append(item.events)  # type: ignore[arg-type]
+        if item.events is not None:
+            parts_by_run.setdefault(item.run_id, []).append(item.events)
     for run_id, parts in parts_by_run.items():
-        if connection.dialect.name == "sqlite":
-            _insert_events_as_json(connection, run_id, [_events_json(part) for part in parts])
-        else:
-            rows = [event_values(run_id, event) for part in parts for event in _events_of(part)]
-            _bulk_insert(connection, EVENTS, EVENT_COLUMNS, rows)
-        evictions = [eviction_values(run_id, event) for part in parts for event in _evictions_of(part)]
+        bulk.insert_events(connection, run_id, parts)
+        evictions = [eviction_values(run_id, event) for part in parts for event in part.evictions]
         if evictions:
-            _bulk_insert(connection, EVICTIONS, EVICTION_COLUMNS, evictions)
+            bulk.insert_rows(connection, EVICTIONS, EVICTION_ROW_COLUMNS, evictions)
             rollups.add_evictions(connection, rollups.eviction_deltas(map(_ROLLUP_FIELDS, evictions)))
-    latest = {(item.run_id, request_id_of(record)): (item.run_id, record) for item in items for record in item.requests}
+    latest = {(item.run_id, view.request_id): view for item in items for view in item.requests}
     views_by_run: dict[str, list[RequestView]] = {}
-    others = []
-    for run_id, record in latest.values():
-        if connection.dialect.name == "sqlite" and isinstance(record, RequestView):
-            views_by_run.setdefault(run_id, []).append(record)
-        else:
-            others.append(request_row(run_id, record))
+    for (run_id, _), view in latest.items():
+        views_by_run.setdefault(run_id, []).append(view)
     for run_id, views in views_by_run.items():
-        _upsert_views_as_json(connection, run_id, views)
-    if others:
-        _upsert_requests(connection, others)
-
-
-def _events_json(part: tuple[Event, ...] | EncodedEvents) -> str:
-    return part.json if isinstance(part, EncodedEvents) else _event_array(part)
-
-
-def _events_of(part: tuple[Event, ...] | EncodedEvents) -> Sequence[Event]:
-    """The events of a part (decoded ones carry their kind as its value, which `event_values` takes)."""
-    return [Event._make(fields) for fields in orjson.loads(part.json)] if isinstance(part, EncodedEvents) else part
-
-
-def _evictions_of(part: tuple[Event, ...] | EncodedEvents) -> Iterable[Event]:
-    if isinstance(part, EncodedEvents):
-        return part.evictions
-    return (event for event in part if event.kind is EventKind.EVICT)
-
-
-def _insert_events_as_json(connection: Connection, run_id: str, arrays: list[str]) -> None:
-    """SQLite: the `events` rows of one run in one statement that reads them from one JSON array.
-
-    The arrays (one per item, see `encode_events`) are built in C by orjson, as `event_values` would
-    encode each value, and joined here; SQLite unpacks them inside a single statement step, during
-    which the sqlite3 module releases the GIL. Row by row (executemany) the writer held the GIL for
-    every row's conversion and binding, and the engine thread, whose Python work needs the GIL too,
-    took about three times as long for the steps that overlapped a batch.
-    """
-    # Every column after run_id is the Event field of the same name.
-    elements = [_json_element(Event._fields.index(name)) for name in EVENT_COLUMNS[1:]]
-    statement = _insert_from_json(connection, EVENTS, EVENT_COLUMNS, ["?", *elements])
-    connection.exec_driver_sql(statement, (run_id, _join_arrays(arrays)))
-
-
-def _insert_rows_as_json(connection: Connection, table: Table, columns: Sequence[str], rows: list[tuple]) -> None:
-    """SQLite: driver-ready row tuples in one statement over a JSON array (see `_insert_events_as_json`)."""
-    statement = _insert_from_json(connection, table, columns, [_json_element(i) for i in range(len(columns))])
-    connection.exec_driver_sql(statement, (encode_json(rows),))
-
-
-def _upsert_views_as_json(connection: Connection, run_id: str, views: list[RequestView]) -> None:
-    """SQLite: upsert the `requests` rows of one run's engine views in one statement over a JSON array
-    (built in C from `view_values`), for the same reason as `_insert_events_as_json`."""
-    quote = connection.dialect.identifier_preparer.quote
-    elements = []
-    for index, column in enumerate(VIEW_COLUMNS):
-        if column in REQUEST_DEFAULTS:  # request_row's default, as a JSON literal
-            default = encode_json(REQUEST_DEFAULTS[column])
-            elements.append(f"coalesce({_json_element(index)}, json_extract('{default}', '$'))")
-        else:
-            elements.append(_json_element(index))
-    updates = ", ".join(f"{quote(c)} = excluded.{quote(c)}" for c in VIEW_COLUMNS if c not in REQUEST_KEY)
-    statement = (
-        _insert_from_json(connection, REQUESTS, ("run_id", *VIEW_COLUMNS), ["?", *elements])
-        + f" WHERE true ON CONFLICT (run_id, request_id) DO UPDATE SET {updates}"
-    )
-    connection.exec_driver_sql(statement, (run_id, encode_json(list(map(view_values, views)))))
-
-
-def _insert_from_json(connection: Connection, table: Table, columns: Sequence[str], values: Sequence[str]) -> str:
-    """INSERT INTO table (columns) SELECT values FROM json_each(?): one row per element of the JSON array
-    bound last; `values` are SQL expressions over that element (`value`), or `?` for a bound value."""
-    quote = connection.dialect.identifier_preparer.quote
-    return (
-        f"INSERT INTO {quote(table.name)} ({', '.join(map(quote, columns))}) "
-        f"SELECT {', '.join(values)} FROM json_each(?)"
-    )
-
-
-def _json_element(index: int) -> str:
-    return f"json_extract(value, '$[{index}]')"
-
-
-def _bulk_insert(connection: Connection, table: Table, columns: Sequence[str], rows: list[tuple[Any, ...]]) -> None:
-    """INSERT `rows` (driver-ready values in `columns` order, see storage.rows).
-
-    SQLite: one statement over a JSON array (`_insert_rows_as_json`); psycopg: COPY; any other driver:
-    executemany of the statement SQLAlchemy compiles from `insert(table)`. SQLAlchemy's per-row parameter
-    processing is skipped everywhere, because it cost more than SQLite's own insert.
-    """
-    if connection.dialect.driver == "psycopg":
-        _copy_rows(connection, table, columns, rows)
-        return
-    if connection.dialect.name == "sqlite":
-        _insert_rows_as_json(connection, table, columns, rows)
-        return
-    compiled = insert(table).inline().compile(dialect=connection.dialect, column_keys=list(columns))
-    if not compiled.positional:
-        parameters: list[Any] = [dict(zip(columns, row, strict=True)) for row in rows]
-    elif tuple(compiled.positiontup) == tuple(columns):
-        parameters = rows
-    else:
-        order = [columns.index(name) for name in compiled.positiontup]
-        parameters = [tuple(row[index] for index in order) for row in rows]
-    connection.exec_driver_sql(compiled.string, parameters)
-
-
-def _copy_rows(connection: Connection, table: Table, columns: Sequence[str], rows: list[tuple[Any, ...]]) -> None:
-    """PostgreSQL through psycopg: COPY FROM STDIN in the current transaction (about twice the rows/s
-    of executemany here). The statement is composed by psycopg from quoted identifiers."""
-    from psycopg import sql  # the PostgreSQL driver; SQLite users need not install it
-
-    statement = sql.SQL("COPY {} ({}) FROM STDIN").format(
-        sql.Identifier(table.name), sql.SQL(", ").join(map(sql.Identifier, columns))
-    )
-    driver_connection = connection.connection.driver_connection
-    try:
-        with driver_connection.cursor() as cursor, cursor.copy(statement) as copy:
-            for row in rows:
-                copy.write_row(row)
-    except connection.dialect.loaded_dbapi.Error as error:
-        # As SQLAlchemy would have wrapped it, so failures are classified like every other statement's.
-        text = statement.as_string(driver_connection)
-        raise DBAPIError.instance(text, None, error, connection.dialect.loaded_dbapi.Error) from error
-
-
-def _upsert_requests(connection: Connection, rows: list[dict[str, Any]]) -> None:
-    """Insert or replace request rows by (run_id, request_id); rows have distinct keys."""
-    dialect = connection.dialect.name
-    if dialect in ("sqlite", "postgresql"):
-        connection.execute(_upsert_statement(dialect, tuple(rows[0])), rows)
-        return
-    keys = [tuple(row[name] for name in REQUEST_KEY) for row in rows]
-    key_columns = tuple_(*(REQUESTS.c[name] for name in REQUEST_KEY))
-    connection.execute(REQUESTS.delete().where(key_columns.in_(keys)))
-    connection.execute(insert(REQUESTS), rows)
-
-
-@functools.cache
-def _upsert_statement(dialect: str, columns: tuple[str, ...]):
-    """INSERT ... ON CONFLICT (run_id, request_id) DO UPDATE for SQLite or PostgreSQL, built once
-    (building it costs more than a batch of request rows)."""
-    statement = (sqlite.insert if dialect == "sqlite" else postgresql.insert)(REQUESTS)
-    updates = {name: statement.excluded[name] for name in columns if name not in REQUEST_KEY}
-    return statement.on_conflict_do_update(index_elements=REQUEST_KEY, set_=updates)
+        bulk.upsert_views(connection, run_id, views)
 
 
 def _stop_runs(connection: Connection, stops: dict[str, float]) -> None:

@@ -14,7 +14,7 @@ Data flow, one way:
     * `submit` encodes events on the calling thread as the writer stores them (`encode_events`: one
       orjson call, ~0.3 us an event; EVICT events also travel as tuples, for the eviction log) and holds
       the encoded bytes (not the events: held rows are no work for the garbage collector).
-      `record_requests` holds only the latest record of each request (the engine republishes every
+      `record_requests` holds only the latest view of each request (the engine republishes every
       running request every step, and a view carries its whole prompt).
     * What is held goes out as one frame at most every `batch_interval_s`, when the held events would
       pass `item_rows`, before a new run starts, on `flush` and `close`, and from the pipe's thread when
@@ -23,7 +23,7 @@ Data flow, one way:
       the pipe's backlog, of at most `queue_items` frames. A frame refused there is dropped and its rows
       counted in `stats().dropped`. A frame holds whole `submit` chunks, at most `item_rows` events, and
       the child writes its events as one atomic item; the child neither rebuilds nor re-encodes them.
-      A superseded request record counts as written (as `EventWriter` counts the records it coalesces)
+      A superseded request view counts as written (as `EventWriter` counts the views it coalesces)
       once its successor is sent, and as dropped if its successor is.
     * Control frames (`start_run`, `flush`, `close`) are never dropped; frames reach the child in order,
       so a run's rows always follow its run.
@@ -46,26 +46,23 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
 
 from engine.events import Event
 from engine.snapshot import RequestView
-from storage.db import db_engine, default_db_url
+from storage.db import db_engine
 from storage.frame_pipe import FramePipe, read_frames, write_frame
-from storage.rows import checked_request_records, request_id_of, view_without_prompt
-from storage.writer import (
+from storage.rows import (
     EncodedEvents,
-    EventWriter,
-    RunInfo,
-    WriterOptions,
-    WriterStats,
+    checked_events,
+    checked_views,
     encode_events,
     join_encoded,
-    new_run_id,
+    view_without_prompt,
 )
+from storage.writer import EventWriter, RunInfo, WriterOptions, WriterStats, new_run_id
 
 ROOT = Path(__file__).resolve().parents[1]
 PICKLE_PROTOCOL = pickle.HIGHEST_PROTOCOL
@@ -87,8 +84,8 @@ class _Held:
 
     events: list[EncodedEvents] = field(default_factory=list)  # one per submit chunk, in order
     num_events: int = 0
-    requests: dict[Any, Mapping[str, Any] | object] = field(default_factory=dict)  # request id -> latest record
-    superseded: int = 0  # request records replaced in `requests` by a later one of the same request
+    requests: dict[str, RequestView] = field(default_factory=dict)  # request id -> its latest view
+    superseded: int = 0  # request views replaced in `requests` by a later one of the same request
 
     @property
     def num_rows(self) -> int:
@@ -98,15 +95,14 @@ class _Held:
 class WriterProcess:
     """`EventWriter`'s interface, with the writer in a child process. See the module docstring."""
 
-    def __init__(self, url: str | None = None, options: WriterOptions | None = None) -> None:
-        """Start the child for `url` (default: `storage.db.default_db_url()`).
+    def __init__(self, url: str, options: WriterOptions | None = None) -> None:
+        """Start the child for `url` (any SQLAlchemy URL; see `storage.db.default_db_url`).
 
         Raises:
             sqlalchemy.exc.ArgumentError (or the driver's ImportError): `url` cannot name a database,
                 as `EventWriter` raises it. An unreachable database is reported in `stats()` instead.
         """
         self._options = options or WriterOptions()
-        url = url or default_db_url()
         db_engine(url).dispose()  # a malformed URL or a missing driver fails here, not in the child
         to_child_read, to_child_write = os.pipe()
         from_child_read, from_child_write = os.pipe()
@@ -124,8 +120,8 @@ class WriterProcess:
         self._from_child = os.fdopen(from_child_read, "rb")
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)
-        self._accepted_rows = 0  # every event and request record handed in (held, sent, refused)
-        self._superseded = 0  # request records replaced by a later one of the same request, then sent
+        self._accepted_rows = 0  # every event and request view handed in (held, sent, refused)
+        self._superseded = 0  # request views replaced by a later one of the same request, then sent
         self._dropped_here = 0  # rows refused on this side: backlog full, closed, child gone
         self._child_stats = NO_STATS
         self._child_gone = False  # its pipe closed: it exited (after close, or not)
@@ -167,8 +163,10 @@ class WriterProcess:
 
         Raises:
             RuntimeError: no run was started.
+            TypeError: an element is not an `engine.events.Event` (nothing is queued).
         """
         self._require_run()
+        checked_events(events)
         size = self._options.item_rows
         for start in range(0, len(events), size):  # each chunk one atomic item, as EventWriter.submit does
             chunk = encode_events(events[start : start + size])
@@ -185,25 +183,26 @@ class WriterProcess:
                 self._held.num_events += chunk.count
         self._send_held_if_due()
 
-    def record_requests(self, requests: Iterable[Mapping[str, Any] | object]) -> None:
-        """Queue request records of the current run (see `EventWriter.record_requests`).
+    def record_requests(self, views: Iterable[RequestView]) -> None:
+        """Queue request views of the current run (see `EventWriter.record_requests`).
 
         Raises:
             RuntimeError: no run was started.
-            ValueError: a record lacks request_id, status or arrival_time (nothing is queued).
+            TypeError: an element is not an `engine.snapshot.RequestView` (nothing is queued).
+            ValueError: a view lacks a required field (nothing is queued).
         """
         self._require_run()
-        records = checked_request_records(requests)
+        views = checked_views(views)
         with self._lock:
-            self._accepted_rows += len(records)
+            self._accepted_rows += len(views)
             if self._refusing_rows():
-                self._dropped_here += len(records)
+                self._dropped_here += len(views)
                 return
             held = self._held.requests
             num_before = len(held)
-            for record in records:
-                held[request_id_of(record)] = record
-            self._held.superseded += len(records) - (len(held) - num_before)
+            for view in views:
+                held[view.request_id] = view
+            self._held.superseded += len(views) - (len(held) - num_before)
         self._send_held_if_due()
 
     def stats(self) -> WriterStats:
@@ -284,14 +283,11 @@ class WriterProcess:
             # Plain tuples: the pickle module handles them in C, NamedTuples and enums in Python.
             events = join_encoded(held.events) if held.events else EMPTY_EVENTS
             evictions = list(map(tuple, events.evictions))
-            requests = [
-                view_without_prompt(record) if type(record) is RequestView else record
-                for record in held.requests.values()
-            ]
+            requests = list(map(view_without_prompt, held.requests.values()))
             message = ("rows", events.json, events.count, evictions, requests)
             try:
                 payload = pickle.dumps(message, PICKLE_PROTOCOL)
-            except Exception as error:  # a record holding what cannot cross (a lock, a lambda): counted, shown
+            except Exception as error:  # a view holding what cannot cross (a lock, a lambda): counted, shown
                 with self._lock:
                     self._dropped_here += held.num_rows + held.superseded
                     reason = f"{type(error).__name__}: {error}"
@@ -299,7 +295,7 @@ class WriterProcess:
                 return
             sent = self._to_child.send(payload)
             with self._lock:
-                if sent:  # superseded records count as written once their successors are on the way
+                if sent:  # superseded views count as written once their successors are on the way
                     self._superseded += held.superseded
                 else:
                     self._dropped_here += held.num_rows + held.superseded
@@ -377,7 +373,7 @@ def serve(read_fd: int, write_fd: int) -> None:
             if count:
                 writer.submit_encoded(EncodedEvents(json, count, tuple(map(Event._make, evictions))))
             if requests:
-                writer.record_requests([RequestView._make(r) if type(r) is tuple else r for r in requests])
+                writer.record_requests(list(map(RequestView._make, requests)))
         elif kind == "run":
             writer.start_run(message[2], run_id=message[1])
         elif kind == "flush":  # answered by a thread, so frames behind it keep flowing in

@@ -2,6 +2,10 @@
 
 The SmolLM2 conversion (~15 s of GGUF dequantization) lands in $PREFIX_CONSOLE_TEST_DATA_DIR, by
 default `data/test-cache` under the repository, so it happens once per machine, not once per run.
+
+The history-store fixtures (databases, writers) live in tests/storage_support.py and the browser test's
+server in tests/browser_support.py; both are registered here. The page tests import theirs from
+tests/test_app_support.py.
 """
 
 from __future__ import annotations
@@ -11,6 +15,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+
+pytest_plugins = ["tests.storage_support", "tests.browser_support"]
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # before transformers is imported: nothing reaches a hub
 

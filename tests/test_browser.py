@@ -5,103 +5,19 @@ It submits a retained request, forks it twice in one action, finds the shared bl
 count 3 on the Blocks page, forces evictions (a second request, then a confirmed cache reset) and finds
 them on the Evictions page. Screenshots land in artifacts/ (git-ignored).
 
-Without chromium the test skips locally and fails when CI=true.
+Without chromium the test skips locally and fails when CI=true (the `console_server` fixture, in
+tests/browser_support.py).
 """
 
 from __future__ import annotations
 
-import os
-import shutil
-import socket
-import subprocess
-import sys
-import time
-import urllib.request
-from collections.abc import Iterator
-from pathlib import Path
+from tests.browser_support import ARTIFACTS, CHROMIUM, CHROMIUM_ARGS
 
-import pytest
-
-ROOT = Path(__file__).resolve().parent.parent
-ARTIFACTS = ROOT / "artifacts"
-CHROMIUM = os.environ.get("PREFIX_CONSOLE_CHROMIUM", "/usr/bin/chromium")
-CHROMIUM_ARGS = [
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-    "--no-first-run",
-]
 TIMEOUT_MS = 60_000
-TEST_DATA_DIR = Path(os.environ.get("PREFIX_CONSOLE_TEST_DATA_DIR", ROOT / "data" / "test-cache"))
 PROMPT = "Operators share one long system prompt across many requests, so its blocks are cached once. " * 2
 
 
-def require_chromium() -> None:
-    if Path(CHROMIUM).is_file() or shutil.which(CHROMIUM):
-        return
-    message = f"chromium not found at {CHROMIUM} (apt-get install chromium, or `make system-deps`)"
-    if os.environ.get("CI", "").lower() == "true":
-        pytest.fail(message)
-    pytest.skip(message)
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-@pytest.fixture
-def server(tmp_path) -> Iterator[str]:
-    """`streamlit run app` on a free loopback port; yields its URL."""
-    require_chromium()
-    ARTIFACTS.mkdir(exist_ok=True)
-    port = free_port()
-    env = {
-        **os.environ,
-        "PREFIX_CONSOLE_MODEL": "tiny-chat",
-        "PREFIX_CONSOLE_NUM_BLOCKS": "24",
-        "PREFIX_CONSOLE_BLOCK_SIZE": "16",
-        "PREFIX_CONSOLE_DEVICE": "cpu",
-        "PREFIX_CONSOLE_DB_URL": f"sqlite:///{tmp_path / 'history.sqlite'}",
-        "PREFIX_CONSOLE_DATA_DIR": str(TEST_DATA_DIR),
-        "HF_HUB_OFFLINE": "1",
-    }
-    log = open(ARTIFACTS / "browser-server.log", "w")
-    process = subprocess.Popen(
-        [sys.executable, "-m", "streamlit", "run", "app", "--server.port", str(port), "--server.address", "127.0.0.1"],
-        cwd=ROOT,
-        env=env,
-        stdout=log,
-        stderr=subprocess.STDOUT,
-    )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                with urllib.request.urlopen(f"{url}/_stcore/health", timeout=2) as response:
-                    if response.status == 200:
-                        break
-            except OSError:
-                pass
-            if process.poll() is not None or time.monotonic() > deadline:
-                raise AssertionError(f"streamlit did not start; see {ARTIFACTS / 'browser-server.log'}")
-            time.sleep(0.2)
-        yield url
-    finally:
-        process.terminate()
-        try:
-            process.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
-        log.close()
-
-
-def test_submit_fork_inspect_evict_in_a_real_browser(server):
+def test_submit_fork_inspect_evict_in_a_real_browser(console_server: str) -> None:
     from playwright.sync_api import expect, sync_playwright
 
     with sync_playwright() as playwright:
@@ -110,7 +26,7 @@ def test_submit_fork_inspect_evict_in_a_real_browser(server):
         page.set_default_timeout(TIMEOUT_MS)
         expect.set_options(timeout=TIMEOUT_MS)
         try:
-            walk(page, server, expect)
+            walk(page, console_server, expect)
         except Exception:
             page.screenshot(path=str(ARTIFACTS / "browser-failure.png"), full_page=True)
             raise

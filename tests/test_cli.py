@@ -1,14 +1,20 @@
-"""The run-trace CLI: one JSON line per finished request, a summary line, clear errors naming the line."""
+"""The run-trace CLI: one JSON line per finished request, a summary line, clear errors naming the line.
+
+`python -m cli run-trace` is the command; `python -m engine run-trace` its old spelling, kept working.
+"""
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from engine.__main__ import main
+import pytest
+
+from cli.__main__ import main
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -103,14 +109,60 @@ def test_bad_lines_name_the_line_and_keep_state_consistent(tmp_path, capsys):
         assert records(proc)[-1]["summary"]["invariants_ok"] is True
 
 
-def test_cli_runs_as_a_module(tmp_path):
+@pytest.mark.parametrize("package", ["cli", "engine"])
+def test_cli_runs_as_a_module(tmp_path, package):
     trace = write_trace(tmp_path, [{"op": "submit", "id": "a", "tokens": [3, 4, 5], "max_new_tokens": 2}])
-    cmd = [sys.executable, "-m", "engine", "run-trace", str(trace), "--model", "tiny-llama", "--device", "cpu"]
+    cmd = [sys.executable, "-m", package, "run-trace", str(trace), "--model", "tiny-llama", "--device", "cpu"]
     env = {"PREFIX_CONSOLE_DATA_DIR": str(tmp_path), "PATH": "/usr/bin:/bin", "HF_HUB_OFFLINE": "1"}
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stderr
     lines = [json.loads(line) for line in proc.stdout.splitlines()]
     assert lines[0]["id"] == "a" and lines[-1]["summary"]["invariants_ok"] is True
+
+
+# Runs `python -m engine ARGS...` in this interpreter, then reports which storage modules it imported.
+IMPORTED_STORAGE = """
+import runpy, sys
+sys.argv = ["engine", *sys.argv[1:]]
+try:
+    runpy.run_module("engine", run_name="__main__", alter_sys=True)
+except SystemExit as exit:
+    status = exit.code
+print(json.dumps({"status": status, "storage": sorted(m for m in sys.modules if m.split(".")[0] == "storage")}))
+"""
+
+
+def imported_storage(tmp_path: Path, *extra: str) -> dict:
+    trace = write_trace(tmp_path, [{"op": "submit", "id": "a", "tokens": [3, 4, 5], "max_new_tokens": 2}])
+    args = ["run-trace", str(trace), "--model", "tiny-llama", "--device", "cpu", *extra]
+    code = "import json\n" + IMPORTED_STORAGE
+    env = {**os.environ, "PREFIX_CONSOLE_DATA_DIR": str(tmp_path), "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.run([sys.executable, "-c", code, *args], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          env=env)
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout.splitlines()[-1])
+
+
+def test_the_engine_alias_imports_storage_only_for_db(tmp_path):
+    without_db = imported_storage(tmp_path)
+    assert without_db == {"status": 0, "storage": []}
+    with_db = imported_storage(tmp_path, "--db", f"sqlite:///{tmp_path / 'history.sqlite'}")
+    assert with_db["status"] == 0 and "storage.writer_process" in with_db["storage"]
+
+
+def test_the_dispatcher_imports_no_torch_and_no_storage():
+    """Commands that never run the engine (the analyzer and fleet commands to come) must not pay for torch."""
+    code = "import sys, cli.__main__; print(sorted({'torch', 'storage', 'engine.engine'} & set(sys.modules)))"
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "[]"
+
+
+def test_a_bad_option_or_a_missing_trace_is_a_clear_error(tmp_path, capsys):
+    assert main(["run-trace", str(tmp_path / "none.jsonl"), "--block-size", "0"]) == 2
+    assert "block_size" in capsys.readouterr().err
+    assert main(["run-trace", str(tmp_path / "none.jsonl")]) == 2
+    assert "cannot read the trace" in capsys.readouterr().err
 
 
 def test_db_flag_persists_requests_events_and_evictions(tmp_path, capsys):

@@ -1,8 +1,7 @@
 """The history store on real databases: SQLite files and a throwaway PostgreSQL server.
 
-Every test that takes `db_url` runs once per backend. The PostgreSQL server comes from
-$PREFIX_CONSOLE_TEST_PG_URL, else `.ci/start-postgres` starts one for the session; without server
-binaries the postgresql cases fail under CI (CI=true) and are skipped locally.
+Every test that takes `db_url` runs once per backend; the fixtures (databases, writers, a known history)
+and the event and request-view builders are in tests/storage_support.py.
 """
 
 from __future__ import annotations
@@ -13,17 +12,14 @@ import json
 import math
 import os
 import random
-import secrets
-import shutil
 import signal
 import sqlite3
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -36,161 +32,42 @@ from sqlalchemy import JSON, Engine, Index, create_engine, func, insert, inspect
 from sqlalchemy import column as sql_column
 from sqlalchemy import table as sql_table
 from sqlalchemy.exc import DBAPIError
-from sqlalchemy.schema import CreateSchema, DropSchema
 
-from engine.events import Event, EventKind, EvictReason
-from engine.snapshot import RequestView
+from engine.events import Event, EventKind
 from engine.request import HitSource, Request, RequestStatus, SamplingParams
 from storage import migrate, queries
 from storage.db import DB_URL_ENV, db_engine, default_db_url, open_session
-from storage.models import AGE_EDGES_S, HIT_EDGES, Base, EventRecord, Eviction, EvictionRollup, Prune, RequestRecord, Run
-from storage.rows import EVENT_COLUMNS, event_values, request_row
+from storage.models import (
+    AGE_EDGES_S,
+    EVENT_COLUMNS,
+    EVENTS,
+    HIT_EDGES,
+    PRUNES,
+    REQUESTS,
+    ROLLUPS,
+    Base,
+    EventRecord,
+    Eviction,
+    Prune,
+    Run,
+)
 from storage.queries import Cursor, EvictionFilters
 from storage.retention import RetentionPolicy, prune
-from storage.writer import EventWriter, RunInfo, WriterOptions
+from storage.rows import event_values, request_row
+from storage.writer import RunInfo, WriterOptions
 from storage.writer_process import WriterProcess
-
-REPO = Path(__file__).resolve().parents[1]
-PG_URL_ENV = "PREFIX_CONSOLE_TEST_PG_URL"
-BASE_TIME = 1_750_000_017.25  # not on a minute boundary, so time filters cut minutes
-NO_RETENTION = RetentionPolicy(max_age_days=None, max_events=None, max_evictions=None)
-FAST = {
-    "first_backoff_s": 0.01,
-    "max_backoff_s": 0.05,
-    "poll_s": 0.02,
-    "busy_timeout_ms": 200,
-    "retention": NO_RETENTION,
-}
-RUN_INFO = RunInfo(model="tiny", num_blocks=64, block_size=16, dtype="float32", device="cpu", started_at=BASE_TIME)
-REASONS = [reason.value for reason in EvictReason]
-
-
-# ---------------------------------------------------------------- fixtures
-
-
-def postgres_bin_dir() -> Path | None:
-    """The newest installed PostgreSQL server's bin directory (Debian layout), if any."""
-    found = [path.parent for path in Path("/usr/lib/postgresql").glob("*/bin/initdb") if path.parts[-3].isdigit()]
-    return max(found, key=lambda path: int(path.parts[-2]), default=None)
-
-
-@pytest.fixture(scope="session")
-def postgres_server() -> Iterator[str]:
-    """URL of a PostgreSQL server: $PREFIX_CONSOLE_TEST_PG_URL, else one started for this session."""
-    url = os.environ.get(PG_URL_ENV)
-    if url:
-        yield url
-        return
-    bin_dir = postgres_bin_dir()
-    if bin_dir is None:
-        reason = f"no PostgreSQL server binaries and no ${PG_URL_ENV} (`make system-deps` installs postgresql)"
-        if os.environ.get("CI", "").lower() in ("1", "true"):
-            pytest.fail(reason)
-        pytest.skip(reason)
-    directory = Path(tempfile.mkdtemp(prefix="prefix-console-pg-"))  # not under pytest's root-only tmp
-    started = subprocess.run(
-        [str(REPO / ".ci" / "start-postgres"), str(directory)], capture_output=True, text=True, timeout=180
-    )
-    if started.returncode != 0:
-        shutil.rmtree(directory, ignore_errors=True)
-        pytest.fail(f".ci/start-postgres failed: {started.stderr}")
-    try:
-        yield started.stdout.split()[-1]
-    finally:
-        stop = [str(bin_dir / "pg_ctl"), "-D", str(directory / "data"), "stop", "-m", "fast"]
-        if os.geteuid() == 0:
-            stop = ["runuser", "-u", "postgres", "--", *stop]
-        subprocess.run(stop, capture_output=True, timeout=60)
-        shutil.rmtree(directory, ignore_errors=True)
-
-
-@pytest.fixture(scope="session")
-def postgres_database(postgres_server: str) -> Iterator[str]:
-    """URL of a database created on the server for this test session, dropped at its end."""
-    name = f"prefix_console_test_{secrets.token_hex(4)}"
-    admin = create_engine(postgres_server, isolation_level="AUTOCOMMIT")
-    with admin.connect() as connection:
-        connection.execute(text(f'CREATE DATABASE "{name}"'))  # a generated identifier: DDL takes no parameters
-    try:
-        yield make_url(postgres_server).set(database=name).render_as_string(hide_password=False)
-    finally:
-        with admin.connect() as connection:
-            connection.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
-        admin.dispose()
-
-
-@pytest.fixture(params=["sqlite", "postgresql"])
-def db_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
-    """An empty database: a SQLite file, or a fresh schema in the session's PostgreSQL database."""
-    if request.param == "sqlite":
-        return f"sqlite:///{tmp_path / 'history.sqlite'}"
-    url = request.getfixturevalue("postgres_database")
-    engine = create_engine(url, isolation_level="AUTOCOMMIT")
-    with engine.connect() as connection:
-        connection.execute(DropSchema("public", cascade=True, if_exists=True))
-        connection.execute(CreateSchema("public"))
-    engine.dispose()
-    return url
-
-
-@pytest.fixture(params=["thread", "process"])
-def make_writer(request: pytest.FixtureRequest) -> Iterator[Callable[..., EventWriter]]:
-    """Writer factory with fast retries and no retention, once per kind: the `EventWriter` thread and
-    the `WriterProcess` that runs one in a child process. Every writer is closed afterwards."""
-    kind = EventWriter if request.param == "thread" else WriterProcess
-    writers: list[EventWriter] = []
-
-    def make(url: str, **options) -> EventWriter:
-        writer = kind(url, WriterOptions(**{**FAST, **options}))
-        writers.append(writer)
-        return writer
-
-    yield make
-    for writer in writers:
-        writer.close(timeout_s=10)
-
-
-@pytest.fixture
-def engine_for() -> Iterator[Callable[[str], Engine]]:
-    engines: list[Engine] = []
-
-    def make(url: str) -> Engine:
-        engines.append(db_engine(url))
-        return engines[-1]
-
-    yield make
-    for engine in engines:
-        engine.dispose()
-
-
-def evict(index: int, t: float, **detail) -> Event:
-    values = {
-        "reason": EvictReason.LRU,
-        "key": f"{index:016x}",
-        "start_pos": 0,
-        "end_pos": 16,
-        "age_s": 1.0,
-        "hit_count": 0,
-        "last_used": t,
-        "group": "full",
-    }
-    values.update(detail)
-    return Event(EventKind.EVICT, index, t, f"req-{index % 7}", index % 64, 16, values)
-
-
-def cache(index: int, t: float, request_id: str = "req-0") -> Event:
-    return Event(EventKind.CACHE, index, t, request_id, index % 64, 16, {"key": f"{index:016x}", "group": "full"})
-
-
-def request_record(request_id: str, **fields) -> dict:
-    record = {"request_id": request_id, "status": "finished", "prompt_token_ids": [1, 2, 3], "arrival_time": BASE_TIME}
-    record.update(fields)
-    return record
-
-
-def count_rows(engine: Engine, table) -> int:
-    with engine.connect() as connection:
-        return connection.scalar(select(func.count()).select_from(table))
+from tests.storage_support import (
+    BASE_TIME,
+    FAST,
+    REASONS,
+    REPO,
+    RUN_INFO,
+    cache,
+    count_rows,
+    evict,
+    request_view,
+    wait_for,
+)
 
 
 # ---------------------------------------------------------------- the database handle
@@ -207,12 +84,11 @@ def test_sqlite_connections_get_wal_busy_timeout_foreign_keys_and_normal_sync(tm
     engine.dispose()
 
 
-def test_default_url_comes_from_the_environment_else_the_data_dir(monkeypatch, tmp_path: Path) -> None:
+def test_default_url_comes_from_the_environment_else_the_callers_data_dir(monkeypatch, tmp_path: Path) -> None:
     monkeypatch.delenv(DB_URL_ENV, raising=False)
-    monkeypatch.setenv("PREFIX_CONSOLE_DATA_DIR", str(tmp_path))
-    assert default_db_url() == f"sqlite:///{tmp_path / 'history.sqlite'}"
+    assert default_db_url(tmp_path) == f"sqlite:///{tmp_path / 'history.sqlite'}"
     monkeypatch.setenv(DB_URL_ENV, "postgresql+psycopg://someone@db/history")
-    assert default_db_url() == "postgresql+psycopg://someone@db/history"
+    assert default_db_url(tmp_path) == "postgresql+psycopg://someone@db/history"
 
 
 # ---------------------------------------------------------------- migrations
@@ -292,7 +168,7 @@ def test_a_database_made_by_the_first_schema_upgrades_without_losing_rows(db_url
     migrate.upgrade(engine)
 
     assert migrate.current_revision(engine) == "0003"
-    assert count_rows(engine, EventRecord.__table__) == 3
+    assert count_rows(engine, EVENTS) == 3
     assert queries.request_timeline(engine, "missing").empty
     recorded = queries.recent_requests(engine, "old").sort_values("request_id")
     assert recorded["cached_tokens"].tolist() == [0, 1]
@@ -310,7 +186,7 @@ def test_a_migration_that_fails_part_way_leaves_the_schema_as_it_was(db_url: str
     migrate.upgrade(engine, "0002")
     # An index that takes the name 0003 creates last, so 0003 fails after creating its table.
     with engine.begin() as connection:
-        Index("ix_eviction_rollups_minute", Prune.__table__.c.reason).create(connection)
+        Index("ix_eviction_rollups_minute", PRUNES.c.reason).create(connection)
     with pytest.raises(DBAPIError):
         migrate.upgrade(engine)
     assert migrate.current_revision(engine) == "0002"
@@ -325,8 +201,8 @@ def test_history_survives_a_restart(db_url: str, make_writer, engine_for) -> Non
     first = make_writer(db_url)
     first_run = first.start_run(RUN_INFO)
     first.submit([evict(i, BASE_TIME + i) for i in range(10)] + [cache(i, BASE_TIME + i) for i in range(5)])
-    first.record_requests([request_record("a", output_token_ids=[7])])
-    first.record_requests([request_record("a", output_token_ids=[7, 8], cached_tokens=2)])  # last write wins
+    first.record_requests([request_view("a", output_token_ids=[7])])
+    first.record_requests([request_view("a", output_token_ids=[7, 8], cached_tokens=2)])  # last write wins
     assert first.close()
 
     second = make_writer(db_url)
@@ -340,39 +216,62 @@ def test_history_survives_a_restart(db_url: str, make_writer, engine_for) -> Non
     assert runs["stopped_at"].isna().tolist() == [True, False]  # the second is still running
     assert queries.eviction_count(engine) == 13
     assert queries.eviction_count(engine, EvictionFilters(run_id=first_run)) == 10
-    assert count_rows(engine, EventRecord.__table__) == 18
+    assert count_rows(engine, EVENTS) == 18
     request = queries.recent_requests(engine, first_run).iloc[0]
     assert request["output_token_ids"] == [7, 8] and request["cached_tokens"] == 2 and request["prompt_tokens"] == 3
     assert first.stats().written_events == 15 and first.stats().dropped == 0
 
 
-def test_request_records_come_from_views_objects_or_mappings(db_url: str, make_writer, engine_for) -> None:
+def test_request_views_are_stored_with_their_window_fields(db_url: str, make_writer, engine_for) -> None:
     writer = make_writer(db_url)
     run_id = writer.start_run(RUN_INFO)
-    engine_request = Request(
-        request_id="obj",
-        prompt_token_ids=[1, 2, 3, 4],
-        sampling=SamplingParams(),
-        status=RequestStatus.FINISHED,
-        output_token_ids=[9],
-        cached_tokens=2,
-        computed_tokens=2,
-        hit_source=HitSource.PREFIX,
-        arrival_time=BASE_TIME,
-        first_scheduled_time=BASE_TIME + 1,
-    )
     writer.record_requests(
-        [engine_request, request_record("map", h=5, s=1, e=6, r=2, replay_mode="full", replayed_tokens=4)]
-    )
+        [
+            request_view(
+                "prefix-hit",
+                prompt_token_ids=[1, 2, 3, 4],
+                output_token_ids=[9],
+                cached_tokens=2,
+                computed_tokens=2,
+                hit_source="prefix",
+                first_scheduled_time=BASE_TIME + 1,
+            ),
+            request_view("window", cached_tokens=5, window_start=1, window_end=6, replay_from=2, replay_mode="full",
+                         replayed_tokens=4),
+        ]
+    )  # fmt: skip
     assert writer.flush(timeout_s=10)
     engine = engine_for(db_url)
     rows = queries.recent_requests(engine, run_id).set_index("request_id")
-    assert rows.loc["obj", "status"] == "finished" and rows.loc["obj", "hit_source"] == "prefix"
-    assert rows.loc["obj", "prompt_tokens"] == 4
-    assert rows.loc["map", "h"] == 5 and rows.loc["map", "replay_mode"] == "full"
-    with pytest.raises(ValueError, match="status"):
-        writer.record_requests([{"request_id": "x", "arrival_time": 1.0}])
+    assert rows.loc["prefix-hit", "status"] == "finished" and rows.loc["prefix-hit", "hit_source"] == "prefix"
+    assert rows.loc["prefix-hit", "prompt_tokens"] == 4
+    assert rows.loc["window", "h"] == 5 and rows.loc["window", "replay_mode"] == "full"
+    assert (rows.loc["window", "s"], rows.loc["window", "e"], rows.loc["window", "r"]) == (1, 6, 2)
     assert queries.hit_rate_over_time(engine, 60)["hit_rate"].tolist() == [0.5]
+
+
+def test_the_writers_refuse_anything_but_engine_events_and_views_at_the_call(tmp_path: Path, make_writer) -> None:
+    """Regression: dicts and engine Requests were accepted and converted by the writer thread, whose
+    conversion then failed the whole batch (or stored the wrong prompt length) far from the caller."""
+    writer = make_writer(f"sqlite:///{tmp_path / 'h.sqlite'}")
+    writer.start_run(RUN_INFO)
+    engine_request = Request(
+        request_id="obj", prompt_token_ids=[1, 2, 3, 4], sampling=SamplingParams(), status=RequestStatus.FINISHED,
+        hit_source=HitSource.PREFIX, arrival_time=BASE_TIME,
+    )  # fmt: skip
+    with pytest.raises(TypeError, match="RequestView"):
+        writer.record_requests([engine_request])
+    with pytest.raises(TypeError, match="RequestView.*dict"):
+        writer.record_requests([request_view("ok"), {"request_id": "x", "status": "finished", "arrival_time": 1.0}])
+    with pytest.raises(ValueError, match="status"):
+        writer.record_requests([request_view("x", status=None)])
+    with pytest.raises(TypeError, match="Event.*dict"):
+        writer.submit([cache(0, BASE_TIME), {"kind": "cache", "step": 1}])
+    with pytest.raises(TypeError, match="Event.*tuple"):
+        writer.submit([tuple(cache(0, BASE_TIME))])
+    assert writer.flush(timeout_s=10)
+    stats = writer.stats()
+    assert (stats.written_events, stats.written_requests, stats.dropped, stats.queued) == (0, 0, 0, 0)
 
 
 def test_a_batch_waits_for_more_rows_but_flush_cuts_the_wait_short(db_url: str, make_writer, engine_for) -> None:
@@ -381,22 +280,20 @@ def test_a_batch_waits_for_more_rows_but_flush_cuts_the_wait_short(db_url: str, 
     writer.submit([evict(i, BASE_TIME + i) for i in range(5)])
     assert wait_for(lambda: writer.stats().schema_ready)
     time.sleep(0.3)
-    assert count_rows(engine_for(db_url), EventRecord.__table__) == 0  # still gathering its batch
+    assert count_rows(engine_for(db_url), EVENTS) == 0  # still gathering its batch
     started = time.monotonic()
     assert writer.flush(timeout_s=10)
     assert time.monotonic() - started < 5
-    assert count_rows(engine_for(db_url), EventRecord.__table__) == 5
+    assert count_rows(engine_for(db_url), EVENTS) == 5
 
 
-def test_request_records_are_coalesced_per_batch_and_mappings_copied(db_url: str, make_writer, engine_for) -> None:
+def test_request_views_are_coalesced_per_batch(db_url: str, make_writer, engine_for) -> None:
     writer = make_writer(db_url, batch_interval_s=30.0)  # everything below lands in one batch
     run_id = writer.start_run(RUN_INFO)
-    record = request_record("a", output_token_ids=[1])
-    writer.record_requests([record])
-    record["output_token_ids"] = [99]  # a mapping is copied when queued: this change is not recorded
+    writer.record_requests([request_view("a", output_token_ids=[1])])
     for step in range(2, 6):  # the engine publishes a running request on every step
-        writer.record_requests([request_record("a", status="running", output_token_ids=list(range(1, step)))])
-    writer.record_requests([request_record("b")])
+        writer.record_requests([request_view("a", status="running", output_token_ids=list(range(1, step)))])
+    writer.record_requests([request_view("b")])
     assert writer.flush(timeout_s=10)
     rows = queries.recent_requests(engine_for(db_url), run_id).set_index("request_id")
     assert rows.loc["a", "output_token_ids"] == [1, 2, 3, 4] and rows.loc["a", "status"] == "running"
@@ -418,13 +315,12 @@ def test_sqlite_json_paths_store_exactly_what_the_row_functions_build(tmp_path: 
         Event(EventKind.RELEASE, 4, BASE_TIME + 3, "req-9", 7, 24, {"block_ids": [7, 3], "freed": 2, "group": "full"}),
         Event(EventKind.REPLAY, 5, BASE_TIME + 4, "req-9", None, 5, {"kl": 0.25, "top1": 1.0, "mode": "exact"}),
     ]
-    view = RequestView(
-        request_id="req-9", parent_id="req-1", status="finished", retain=False, salt=None,
-        prompt_token_ids=(1, 2, 3), output_token_ids=(4, 5), num_prompt_tokens=3, num_computed_tokens=5,
+    view = request_view(
+        "req-9", parent_id="req-1", prompt_token_ids=(1, 2, 3), output_token_ids=(4, 5), num_computed_tokens=5,
         cached_tokens=2, computed_tokens=1, hit_source="fork", cow_copies=1, preemptions=2,
-        finish_reason="length", arrival_time=BASE_TIME, first_scheduled_time=BASE_TIME + 0.5,
-        first_token_time=BASE_TIME + 0.75, finish_time=None, block_tables={"full": (7, 3)}, max_new_tokens=2,
-        window_start=1, window_end=3, replay_from=2, replay_mode="exact", replayed_tokens=1, replay_divergence=None,
+        finish_reason="length", first_scheduled_time=BASE_TIME + 0.5, first_token_time=BASE_TIME + 0.75,
+        block_tables={"full": (7, 3)}, max_new_tokens=2, window_start=1, window_end=3, replay_from=2,
+        replay_mode="exact", replayed_tokens=1,
     )  # fmt: skip
     writer.submit(events)
     writer.record_requests([view._replace(status="running", output_token_ids=(4,)), view])
@@ -433,9 +329,9 @@ def test_sqlite_json_paths_store_exactly_what_the_row_functions_build(tmp_path: 
     engine = engine_for(url)
     with engine.connect() as connection:
         stored = connection.execute(
-            select(*(EventRecord.__table__.c[name] for name in EVENT_COLUMNS)).order_by(EventRecord.__table__.c.id)
+            select(*(EVENTS.c[name] for name in EVENT_COLUMNS)).order_by(EVENTS.c.id)
         ).all()
-        request = connection.execute(select(RequestRecord.__table__)).mappings().one()
+        request = connection.execute(select(REQUESTS)).mappings().one()
     expected = [event_values(run_id, event) for event in events]
     assert [row[:-1] for row in stored] == [row[:-1] for row in expected]
     assert [row[-1] for row in stored] == [json.loads(row[-1]) for row in expected]  # the JSON column, decoded
@@ -589,12 +485,12 @@ def test_a_dead_writer_process_is_reported_and_its_rows_counted(tmp_path: Path, 
     os.kill(writer.pid, signal.SIGKILL)
     assert wait_for(lambda: writer.stats().last_error is not None)
     writer.submit([cache(i, BASE_TIME) for i in range(10, 15)])  # the engine keeps serving
-    writer.record_requests([request_record("a")])
+    writer.record_requests([request_view("a")])
     stats = writer.stats()
     assert "writer process exited" in stats.last_error and not stats.retrying
     assert stats.written_events == 10 and stats.dropped == 6 and stats.queued == 0
     assert writer.flush(timeout_s=5) and writer.close(timeout_s=5)
-    assert count_rows(engine_for(url), EventRecord.__table__) == 10
+    assert count_rows(engine_for(url), EVENTS) == 10
 
 
 def test_a_stalled_writer_process_never_blocks_the_engine(tmp_path: Path, engine_for) -> None:
@@ -622,7 +518,7 @@ def test_a_stalled_writer_process_never_blocks_the_engine(tmp_path: Path, engine
     assert writer.flush(timeout_s=60)
     stats = writer.stats()
     assert stats.written_events + stats.dropped == 4000 and stats.queued == 0
-    assert count_rows(engine_for(url), EventRecord.__table__) == stats.written_events
+    assert count_rows(engine_for(url), EVENTS) == stats.written_events
     assert writer.close(timeout_s=20)
 
 
@@ -630,12 +526,12 @@ def test_a_record_that_cannot_reach_the_writer_process_is_counted_and_the_rest_f
     url = f"sqlite:///{tmp_path / 'history.sqlite'}"
     writer = WriterProcess(url, WriterOptions(**FAST, batch_interval_s=30.0))
     writer.start_run(RUN_INFO)
-    writer.record_requests([request_record("a", replay_divergence=threading.Lock())])  # cannot be pickled
+    writer.record_requests([request_view("a", replay_divergence=threading.Lock())])  # cannot be pickled
     assert writer.flush(timeout_s=20)
     stats = writer.stats()
     assert stats.dropped == 1 and "could not be sent" in stats.last_error and "lock" in stats.last_error
     writer.submit([cache(i, BASE_TIME) for i in range(5)])
-    writer.record_requests([request_record("b")])
+    writer.record_requests([request_view("b")])
     assert writer.flush(timeout_s=20)
     stats = writer.stats()
     assert (stats.written_events, stats.written_requests, stats.dropped, stats.queued) == (5, 1, 1, 0)
@@ -646,9 +542,9 @@ def test_a_writer_process_sends_pending_request_records_once_the_engine_is_quiet
     """Request records wait to be coalesced; with no flush and nothing else coming they still go out."""
     writer = WriterProcess(f"sqlite:///{tmp_path / 'history.sqlite'}", WriterOptions(**FAST, batch_interval_s=0.2))
     writer.start_run(RUN_INFO)
-    writer.record_requests([request_record("a", status="running")])  # the first goes out at once
-    writer.record_requests([request_record("a", status="running", output_token_ids=[4])])
-    writer.record_requests([request_record("a", output_token_ids=[4, 5])])  # supersedes the one before
+    writer.record_requests([request_view("a", status="running")])  # the first goes out at once
+    writer.record_requests([request_view("a", status="running", output_token_ids=[4])])
+    writer.record_requests([request_view("a", output_token_ids=[4, 5])])  # supersedes the one before
     assert wait_for(lambda: writer.stats().written_requests == 3, timeout_s=20)  # the superseded one counts
     assert writer.stats().queued == 0
     writer.close(timeout_s=20)
@@ -677,15 +573,6 @@ def write_lock(url: str) -> Iterator[None]:
     engine.dispose()
 
 
-def wait_for(condition: Callable[[], bool], timeout_s: float = 20.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.01)
-    return True
-
-
 def test_a_locked_database_is_reported_and_the_writer_recovers(db_url: str, make_writer, engine_for) -> None:
     writer = make_writer(db_url, busy_timeout_ms=50, max_attempts=2)
     writer.start_run(RUN_INFO)
@@ -704,7 +591,7 @@ def test_a_locked_database_is_reported_and_the_writer_recovers(db_url: str, make
     assert writer.flush(timeout_s=10)
     stats = writer.stats()
     assert stats.written_events == 10 and stats.dropped == 50 and not stats.retrying
-    assert count_rows(engine_for(db_url), EventRecord.__table__) == 10
+    assert count_rows(engine_for(db_url), EVENTS) == 10
 
 
 def test_a_lock_released_within_the_retries_loses_nothing(db_url: str, make_writer) -> None:
@@ -732,7 +619,7 @@ def test_a_read_only_database_is_reported_not_raised(db_url: str, make_writer) -
     writer = make_writer(read_only_url(db_url), max_attempts=2)
     writer.start_run(RUN_INFO)
     writer.submit([cache(i, BASE_TIME) for i in range(7)])
-    writer.record_requests([request_record("a")])
+    writer.record_requests([request_view("a")])
     assert writer.flush(timeout_s=20)
     stats = writer.stats()
     assert stats.schema_ready and stats.written_events == 0
@@ -772,7 +659,7 @@ def test_retention_runs_in_the_background_and_is_logged(db_url: str, make_writer
     assert writer.flush(timeout_s=10)
     engine = engine_for(db_url)
     assert wait_for(lambda: queries.eviction_count(engine, use_rollups=False) == 40)
-    assert wait_for(lambda: count_rows(engine, EventRecord.__table__) == 150)
+    assert wait_for(lambda: count_rows(engine, EVENTS) == 150)
     assert wait_for(lambda: writer.stats().pruned_rows == 110)
     newest = queries.eviction_log(engine, page_size=100).rows
     assert newest["time"].min() == BASE_TIME + 60  # the oldest went first
@@ -789,7 +676,7 @@ def test_pruning_by_age_keeps_rollups_equal_to_the_log(db_url: str, make_writer,
     writer.start_run(RUN_INFO)
     writer.submit([evict(i, BASE_TIME + 7.5 * i, age_s=float(i), hit_count=i) for i in range(80)])
     writer.record_requests(
-        [request_record("old", arrival_time=BASE_TIME), request_record("new", arrival_time=BASE_TIME + 500)]
+        [request_view("old", arrival_time=BASE_TIME), request_view("new", arrival_time=BASE_TIME + 500)]
     )
     assert writer.close()
     engine = engine_for(db_url)
@@ -804,46 +691,6 @@ def test_pruning_by_age_keeps_rollups_equal_to_the_log(db_url: str, make_writer,
 
 
 # ---------------------------------------------------------------- queries
-
-
-@pytest.fixture
-def history(db_url: str, make_writer, engine_for) -> tuple[Engine, list[dict], list[str]]:
-    """A known eviction log: two runs, ties in time, every reason, unknown ages and hit counts.
-
-    Returns:
-        The engine, the expected rows (id, time, run_id, reason, key_hex, request_id, age_s,
-        hit_count) in insertion order, and the run ids.
-    """
-    rng = random.Random(5)
-    writer = make_writer(db_url, item_rows=64)
-    expected: list[dict] = []
-    run_ids = []
-    for run_number, count in enumerate((240, 160)):
-        run_ids.append(writer.start_run(RunInfo(**{**vars(RUN_INFO), "started_at": BASE_TIME + run_number})))
-        events = []
-        for i in range(count):
-            t = BASE_TIME + run_number * 400 + (i // 3) * 4.9  # three evictions share each time
-            row = {
-                "id": len(expected) + 1,
-                "time": t,
-                "run_id": run_ids[-1],
-                "reason": rng.choice(REASONS),
-                "key_hex": rng.choice(["ab", "abc", "f0", "0f"]) + f"{rng.getrandbits(32):08x}",
-                "request_id": f"req-{rng.randrange(12)}",
-                "age_s": None if i % 17 == 0 else rng.choice([0.5, 5.0, 59.9, 60.0, 200.0, 1e5]) * rng.random() * 2,
-                "hit_count": None if i % 19 == 0 else rng.randrange(150),
-            }
-            expected.append(row)
-            detail = {
-                "reason": row["reason"],
-                "key": row["key_hex"].upper(),
-                "age_s": row["age_s"],
-                "hit_count": row["hit_count"],
-            }
-            events.append(Event(EventKind.EVICT, i, t, row["request_id"], i % 64, 16, detail))
-        writer.submit(events)
-    assert writer.flush(timeout_s=20)
-    return engine_for(db_url), expected, run_ids
 
 
 def matching(rows: list[dict], filters: EvictionFilters) -> list[dict]:
@@ -988,10 +835,10 @@ def test_request_timeline_hit_rate_and_recent_requests(db_url: str, make_writer,
     )
     writer.record_requests(
         [
-            request_record(
+            request_view(
                 "a", prompt_token_ids=list(range(32)), computed_tokens=32, first_scheduled_time=t + 1, arrival_time=t
             ),
-            request_record(
+            request_view(
                 "b",
                 prompt_token_ids=list(range(32)),
                 cached_tokens=16,
@@ -999,7 +846,7 @@ def test_request_timeline_hit_rate_and_recent_requests(db_url: str, make_writer,
                 first_scheduled_time=t + 61,
                 arrival_time=t + 0.5,
             ),  # fmt: skip
-            request_record("c", status="waiting", arrival_time=t + 2),  # not scheduled: no hit rate yet
+            request_view("c", status="waiting", arrival_time=t + 2),  # not scheduled: no hit rate yet
         ]
     )
     assert writer.flush(timeout_s=10)
@@ -1028,8 +875,8 @@ def test_the_rollup_table_never_keeps_empty_minutes(history) -> None:
     engine, _, _ = history
     prune(engine, RetentionPolicy(max_age_days=None, max_events=None, max_evictions=10), now=BASE_TIME)
     with engine.connect() as connection:
-        assert connection.scalar(select(func.min(EvictionRollup.__table__.c.evictions))) >= 1
-        assert connection.scalar(select(func.sum(EvictionRollup.__table__.c.evictions))) == 10
+        assert connection.scalar(select(func.min(ROLLUPS.c.evictions))) >= 1
+        assert connection.scalar(select(func.sum(ROLLUPS.c.evictions))) == 10
     assert_rollups_match_the_log(engine, EvictionFilters())
 
 

@@ -1,0 +1,34 @@
+"""`python -m cli COMMAND ...`: one dispatcher, one module per command.
+
+    run-trace   replay a JSONL workload through the engine (cli/run_trace.py)
+
+A command module exposes `add_parser(subparsers)`, which adds its subcommand and sets `run` as that
+parser's default, and `run(args) -> int`, the exit status. Command modules import at the top only what
+their arguments need (no torch, no storage), so `--help` and commands that never run the engine stay
+light; what a command runs it imports in `run`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from types import ModuleType
+
+from cli import run_trace
+
+COMMANDS: tuple[ModuleType, ...] = (run_trace,)
+
+
+def main(argv: Sequence[str] | None = None, *, prog: str = "python -m cli", commands=COMMANDS) -> int:
+    """Parse `argv` (default: sys.argv[1:]), run the chosen command and return its exit status."""
+    parser = argparse.ArgumentParser(prog=prog)
+    subparsers = parser.add_subparsers(dest="command", required=True)
+    for command in commands:
+        command.add_parser(subparsers)
+    args = parser.parse_args(argv)
+    return args.run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

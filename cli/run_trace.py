@@ -1,0 +1,105 @@
+"""`run-trace`: replay a JSONL workload through the engine and print one JSON line per finished request.
+
+    python -m cli run-trace TRACE.jsonl [--model M] [--block-size N] [--num-blocks N] [--db URL] ...
+
+The trace format and the lines printed are cli/trace.py's. With `--db URL` everything the replay ran
+(run, events, evictions, request rows) is persisted there through a `storage.writer_process.WriterProcess`;
+storage is imported only then. Exit status: 0; 2 for an invalid option, an unreadable trace or a bad
+trace line (the replay stops there; the summary line is still printed); 1 when history rows could not
+be written.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+from engine.config import DEFAULT_MODEL, EngineConfig
+
+NAME = "run-trace"
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(NAME, help="replay a JSONL workload and print one JSON line per request")
+    parser.add_argument("trace", help="path to the JSONL trace ('-' for stdin)")
+    parser.add_argument("--model", default=DEFAULT_MODEL, help="preset name or local model directory")
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--num-blocks", type=int, default=None)
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--db", default=None, help="SQLAlchemy URL: persist everything the replay ran there")
+    parser.add_argument("--attention-override", default=None, help="'sliding:W' or 'hybrid:W' (even layers sliding)")
+    parser.add_argument("--window-backtrack", type=int, default=0, help="extra window state kept when caching")
+    parser.add_argument("--allow-approximate-replay", action="store_true")
+    parser.add_argument(
+        "--verify-replay", action="store_true", help="measure approximate replays against a full recompute"
+    )
+    parser.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Replay `args.trace`; returns the exit status (see the module docstring)."""
+    try:
+        config = engine_config(args)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    try:
+        source = sys.stdin if args.trace == "-" else open(args.trace, encoding="utf-8")
+    except OSError as exc:
+        print(f"error: cannot read the trace: {exc}", file=sys.stderr)
+        return 2
+    # torch loads here, for the command that runs the engine, not for `python -m cli --help`.
+    from cli.trace import TraceError, replay, summary_record
+    from engine.engine import Engine
+
+    with source:
+        engine = Engine(config)
+        writer = None
+        if args.db is not None:
+            from storage.recorder import record_engine  # the history is optional: imported only when asked for
+            from storage.writer_process import WriterProcess
+
+            writer = WriterProcess(args.db)
+            record_engine(engine, writer)
+        status = 0
+        try:
+            replay(engine, source, _emit)
+        except TraceError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            status = 2
+    _emit(summary_record(engine))
+    if writer is not None:
+        writer.close()
+        lost = writer.stats().dropped
+        if lost:
+            print(f"error: {lost} history rows could not be written to {args.db}", file=sys.stderr)
+            status = status or 1
+    return status
+
+
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    """The engine configuration the options name.
+
+    Raises:
+        ValueError: an option out of its bounds (EngineConfig's message).
+    """
+    return EngineConfig(
+        model=args.model,
+        device=args.device,
+        dtype=args.dtype,
+        block_size=args.block_size,
+        num_blocks=args.num_blocks,
+        seed=args.seed,
+        attention_override=args.attention_override,
+        window_backtrack=args.window_backtrack,
+        allow_approximate_replay=args.allow_approximate_replay,
+        verify_replay=args.verify_replay,
+    )
+
+
+def _emit(record: dict[str, Any]) -> None:
+    print(json.dumps(record), flush=True)

@@ -1,0 +1,96 @@
+"""The real-browser test's console server (registered from tests/conftest.py; no tests here).
+
+`console_server` runs `streamlit run app` on a free loopback port against the tiny-chat model and a
+temporary SQLite history. Without chromium it skips locally and fails when CI=true.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+ARTIFACTS = ROOT / "artifacts"
+CHROMIUM = os.environ.get("PREFIX_CONSOLE_CHROMIUM", "/usr/bin/chromium")
+CHROMIUM_ARGS = [
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--no-first-run",
+]
+TEST_DATA_DIR = Path(os.environ.get("PREFIX_CONSOLE_TEST_DATA_DIR", ROOT / "data" / "test-cache"))
+START_TIMEOUT_S = 60
+
+
+def require_chromium() -> None:
+    if Path(CHROMIUM).is_file() or shutil.which(CHROMIUM):
+        return
+    message = f"chromium not found at {CHROMIUM} (apt-get install chromium, or `make system-deps`)"
+    if os.environ.get("CI", "").lower() == "true":
+        pytest.fail(message)
+    pytest.skip(message)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture
+def console_server(tmp_path: Path) -> Iterator[str]:
+    """`streamlit run app` on a free loopback port; yields its URL."""
+    require_chromium()
+    ARTIFACTS.mkdir(exist_ok=True)
+    port = free_port()
+    env = {
+        **os.environ,
+        "PREFIX_CONSOLE_MODEL": "tiny-chat",
+        "PREFIX_CONSOLE_NUM_BLOCKS": "24",
+        "PREFIX_CONSOLE_BLOCK_SIZE": "16",
+        "PREFIX_CONSOLE_DEVICE": "cpu",
+        "PREFIX_CONSOLE_DB_URL": f"sqlite:///{tmp_path / 'history.sqlite'}",
+        "PREFIX_CONSOLE_DATA_DIR": str(TEST_DATA_DIR),
+        "HF_HUB_OFFLINE": "1",
+    }
+    log = open(ARTIFACTS / "browser-server.log", "w")
+    process = subprocess.Popen(
+        [sys.executable, "-m", "streamlit", "run", "app", "--server.port", str(port), "--server.address", "127.0.0.1"],
+        cwd=ROOT,
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while True:
+            try:
+                with urllib.request.urlopen(f"{url}/_stcore/health", timeout=2) as response:
+                    if response.status == 200:
+                        break
+            except OSError:
+                pass
+            if process.poll() is not None or time.monotonic() > deadline:
+                raise AssertionError(f"streamlit did not start; see {ARTIFACTS / 'browser-server.log'}")
+            time.sleep(0.2)
+        yield url
+    finally:
+        process.terminate()
+        try:
+            process.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+        log.close()

@@ -1,0 +1,264 @@
+"""Fixtures and builders for the history-store tests (registered from tests/conftest.py; no tests here).
+
+Every test that takes `db_url` runs once per backend. The PostgreSQL server comes from
+$PREFIX_CONSOLE_TEST_PG_URL, else `.ci/start-postgres` starts one for the session; without server
+binaries the postgresql cases fail under CI (CI=true) and are skipped locally.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import secrets
+import shutil
+import subprocess
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from sqlalchemy import Engine, create_engine, func, make_url, select, text
+from sqlalchemy.schema import CreateSchema, DropSchema
+
+from engine.events import Event, EventKind, EvictReason
+from engine.snapshot import RequestView
+from storage.db import db_engine
+from storage.retention import RetentionPolicy
+from storage.writer import EventWriter, RunInfo, WriterOptions
+from storage.writer_process import WriterProcess
+
+REPO = Path(__file__).resolve().parents[1]
+PG_URL_ENV = "PREFIX_CONSOLE_TEST_PG_URL"
+BASE_TIME = 1_750_000_017.25  # not on a minute boundary, so time filters cut minutes
+NO_RETENTION = RetentionPolicy(max_age_days=None, max_events=None, max_evictions=None)
+FAST = {
+    "first_backoff_s": 0.01,
+    "max_backoff_s": 0.05,
+    "poll_s": 0.02,
+    "busy_timeout_ms": 200,
+    "retention": NO_RETENTION,
+}
+RUN_INFO = RunInfo(model="tiny", num_blocks=64, block_size=16, dtype="float32", device="cpu", started_at=BASE_TIME)
+REASONS = [reason.value for reason in EvictReason]
+# What `request_view` fills in for every field it is not given: a finished 3-token request of no hit.
+VIEW_DEFAULTS: dict[str, Any] = {
+    "parent_id": None,
+    "status": "finished",
+    "retain": False,
+    "salt": None,
+    "prompt_token_ids": (1, 2, 3),
+    "output_token_ids": (),
+    "num_computed_tokens": 0,
+    "cached_tokens": 0,
+    "computed_tokens": 0,
+    "hit_source": "none",
+    "cow_copies": 0,
+    "preemptions": 0,
+    "finish_reason": None,
+    "arrival_time": BASE_TIME,
+    "first_scheduled_time": None,
+    "first_token_time": None,
+    "finish_time": None,
+    "block_tables": {},
+    "max_new_tokens": 16,
+    "window_start": 0,
+    "window_end": 0,
+    "replay_from": 0,
+    "replay_mode": "none",
+    "replayed_tokens": 0,
+    "replay_divergence": None,
+}
+
+
+# ---------------------------------------------------------------- builders
+
+
+def request_view(request_id: str, **fields: Any) -> RequestView:
+    """A RequestView as the engine would publish it: VIEW_DEFAULTS, overridden by `fields`.
+
+    `num_prompt_tokens` defaults to the prompt's length; token lists become tuples, as in the engine's views.
+    """
+    values = {**VIEW_DEFAULTS, **fields, "request_id": request_id}
+    for name in ("prompt_token_ids", "output_token_ids"):
+        values[name] = tuple(values[name])
+    values.setdefault("num_prompt_tokens", len(values["prompt_token_ids"]))
+    return RequestView(**values)
+
+
+def evict(index: int, t: float, **detail: Any) -> Event:
+    """An EVICT event of block `index % 64`, with the detail fields the block pool sends."""
+    values = {
+        "reason": EvictReason.LRU.value,
+        "key": f"{index:016x}",
+        "start_pos": 0,
+        "end_pos": 16,
+        "age_s": 1.0,
+        "hit_count": 0,
+        "last_used": t,
+        "group": "full",
+    }
+    values.update(detail)
+    return Event(EventKind.EVICT, index, t, f"req-{index % 7}", index % 64, 16, values)
+
+
+def cache(index: int, t: float, request_id: str = "req-0") -> Event:
+    return Event(EventKind.CACHE, index, t, request_id, index % 64, 16, {"key": f"{index:016x}", "group": "full"})
+
+
+def count_rows(engine: Engine, table) -> int:
+    with engine.connect() as connection:
+        return connection.scalar(select(func.count()).select_from(table))
+
+
+def wait_for(condition: Callable[[], bool], timeout_s: float = 20.0) -> bool:
+    """Poll `condition` until it holds (True) or `timeout_s` passes (False)."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
+# ---------------------------------------------------------------- databases
+
+
+def postgres_bin_dir() -> Path | None:
+    """The newest installed PostgreSQL server's bin directory (Debian layout), if any."""
+    found = [path.parent for path in Path("/usr/lib/postgresql").glob("*/bin/initdb") if path.parts[-3].isdigit()]
+    return max(found, key=lambda path: int(path.parts[-2]), default=None)
+
+
+@pytest.fixture(scope="session")
+def postgres_server() -> Iterator[str]:
+    """URL of a PostgreSQL server: $PREFIX_CONSOLE_TEST_PG_URL, else one started for this session."""
+    url = os.environ.get(PG_URL_ENV)
+    if url:
+        yield url
+        return
+    bin_dir = postgres_bin_dir()
+    if bin_dir is None:
+        reason = f"no PostgreSQL server binaries and no ${PG_URL_ENV} (`make system-deps` installs postgresql)"
+        if os.environ.get("CI", "").lower() in ("1", "true"):
+            pytest.fail(reason)
+        pytest.skip(reason)
+    directory = Path(tempfile.mkdtemp(prefix="prefix-console-pg-"))  # not under pytest's root-only tmp
+    started = subprocess.run(
+        [str(REPO / ".ci" / "start-postgres"), str(directory)], capture_output=True, text=True, timeout=180
+    )
+    if started.returncode != 0:
+        shutil.rmtree(directory, ignore_errors=True)
+        pytest.fail(f".ci/start-postgres failed: {started.stderr}")
+    try:
+        yield started.stdout.split()[-1]
+    finally:
+        stop = [str(bin_dir / "pg_ctl"), "-D", str(directory / "data"), "stop", "-m", "fast"]
+        if os.geteuid() == 0:
+            stop = ["runuser", "-u", "postgres", "--", *stop]
+        subprocess.run(stop, capture_output=True, timeout=60)
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def postgres_database(postgres_server: str) -> Iterator[str]:
+    """URL of a database created on the server for this test session, dropped at its end."""
+    name = f"prefix_console_test_{secrets.token_hex(4)}"
+    admin = create_engine(postgres_server, isolation_level="AUTOCOMMIT")
+    with admin.connect() as connection:
+        connection.execute(text(f'CREATE DATABASE "{name}"'))  # a generated identifier: DDL takes no parameters
+    try:
+        yield make_url(postgres_server).set(database=name).render_as_string(hide_password=False)
+    finally:
+        with admin.connect() as connection:
+            connection.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+        admin.dispose()
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def db_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    """An empty database: a SQLite file, or a fresh schema in the session's PostgreSQL database."""
+    if request.param == "sqlite":
+        return f"sqlite:///{tmp_path / 'history.sqlite'}"
+    url = request.getfixturevalue("postgres_database")
+    engine = create_engine(url, isolation_level="AUTOCOMMIT")
+    with engine.connect() as connection:
+        connection.execute(DropSchema("public", cascade=True, if_exists=True))
+        connection.execute(CreateSchema("public"))
+    engine.dispose()
+    return url
+
+
+@pytest.fixture
+def engine_for() -> Iterator[Callable[[str], Engine]]:
+    """`engine_for(url)`: a SQLAlchemy engine from `storage.db.db_engine`, disposed after the test."""
+    engines: list[Engine] = []
+
+    def make(url: str) -> Engine:
+        engines.append(db_engine(url))
+        return engines[-1]
+
+    yield make
+    for engine in engines:
+        engine.dispose()
+
+
+# ---------------------------------------------------------------- writers and a known history
+
+
+@pytest.fixture(params=["thread", "process"])
+def make_writer(request: pytest.FixtureRequest) -> Iterator[Callable[..., EventWriter]]:
+    """Writer factory with fast retries and no retention, once per kind: the `EventWriter` thread and
+    the `WriterProcess` that runs one in a child process. Every writer is closed afterwards."""
+    kind = EventWriter if request.param == "thread" else WriterProcess
+    writers: list[EventWriter] = []
+
+    def make(url: str, **options) -> EventWriter:
+        writer = kind(url, WriterOptions(**{**FAST, **options}))
+        writers.append(writer)
+        return writer
+
+    yield make
+    for writer in writers:
+        writer.close(timeout_s=10)
+
+
+@pytest.fixture
+def history(db_url: str, make_writer, engine_for) -> tuple[Engine, list[dict], list[str]]:
+    """A known eviction log: two runs, ties in time, every reason, unknown ages and hit counts.
+
+    Returns:
+        The engine, the expected rows (id, time, run_id, reason, key_hex, request_id, age_s,
+        hit_count) in insertion order, and the run ids.
+    """
+    rng = random.Random(5)
+    writer = make_writer(db_url, item_rows=64)
+    expected: list[dict] = []
+    run_ids = []
+    for run_number, count in enumerate((240, 160)):
+        run_ids.append(writer.start_run(RunInfo(**{**vars(RUN_INFO), "started_at": BASE_TIME + run_number})))
+        events = []
+        for i in range(count):
+            t = BASE_TIME + run_number * 400 + (i // 3) * 4.9  # three evictions share each time
+            row = {
+                "id": len(expected) + 1,
+                "time": t,
+                "run_id": run_ids[-1],
+                "reason": rng.choice(REASONS),
+                "key_hex": rng.choice(["ab", "abc", "f0", "0f"]) + f"{rng.getrandbits(32):08x}",
+                "request_id": f"req-{rng.randrange(12)}",
+                "age_s": None if i % 17 == 0 else rng.choice([0.5, 5.0, 59.9, 60.0, 200.0, 1e5]) * rng.random() * 2,
+                "hit_count": None if i % 19 == 0 else rng.randrange(150),
+            }
+            expected.append(row)
+            detail = {
+                "reason": row["reason"],
+                "key": row["key_hex"].upper(),
+                "age_s": row["age_s"],
+                "hit_count": row["hit_count"],
+            }
+            events.append(Event(EventKind.EVICT, i, t, row["request_id"], i % 64, 16, detail))
+        writer.submit(events)
+    assert writer.flush(timeout_s=20)
+    return engine_for(db_url), expected, run_ids
