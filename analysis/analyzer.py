@@ -89,10 +89,14 @@ class Analysis:
 
 
 def log_spaced_capacities(max_blocks: int, count: int) -> tuple[int, ...]:
-    """Up to `count` distinct capacities in blocks, log-spaced from 1 to `max_blocks` (both included)."""
+    """`min(count, max_blocks)` distinct capacities in blocks from 1 to `max_blocks`, log-spaced (where
+    rounding would repeat a small capacity, the next integer is taken instead)."""
     if max_blocks < 1 or count < 1:
         raise ValueError("max_blocks and count must be positive")
-    return tuple(np.unique(np.rint(np.geomspace(1, max_blocks, count)).astype(np.int64)).tolist())
+    capacities: list[int] = []
+    for value in np.rint(np.geomspace(1, max_blocks, min(count, max_blocks))).astype(np.int64).tolist():
+        capacities.append(max(value, capacities[-1] + 1) if capacities else value)
+    return tuple(capacities)
 
 
 def analyze(trace: Trace, config: AnalysisConfig, progress: ProgressCallback | None = None) -> Analysis:

@@ -12,12 +12,14 @@ each such call consumes the block's next reference. So a block's next use is kno
 released, and it cannot change while the block stays evictable (the next reference is what would
 touch it).
 
-Optimality: OPT maximises the number of hit *blocks*. In a trace where every id always follows the
-same parent (both Mooncake traces; every trace of prefix hashes), a block's parent is used no later
-than the block itself, so OPT never keeps a block whose parent it evicted: every cached block it
-reuses is a leading block, and the block count is the prefix-hit count the analyzer reports. With all
-blocks full that is also the token optimum; a partial last block weighs fewer tokens than it counts,
-so in tokens OPT is the optimum only up to those tails (tests pin an example).
+Optimality: OPT minimises block misses (blocks of a request not cached when it arrives). In a trace
+where every id always follows the same parent (both Mooncake traces; any trace of prefix hashes), a
+block's parent is used no later than the block itself, so OPT never keeps a block whose parent it
+evicted: every cached block a request finds is a leading block, and OPT maximises the leading-block
+hits the analyzer reports (a brute force over every eviction choice agrees, in the tests). With full
+blocks that is also the token optimum; a partial last block weighs fewer tokens than it counts, so
+there OPT is optimal in blocks, not always in tokens. In a trace whose ids change parents, a cached
+block can sit behind a missing one, and an online policy can beat OPT (tests pin both examples).
 
 Invariants (checked by `check_invariants`): every evictable block is in exactly one of `_never_again`
 (next use NEVER) and `_by_next_use` (priority -next use); no block consumed more references than the

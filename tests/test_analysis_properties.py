@@ -201,3 +201,15 @@ def test_opt_maximises_hit_blocks_which_a_partial_tail_can_make_fewer_tokens():
     assert trace.hit_tokens(opt.hit_blocks).sum() == 1
     assert best_hit_tokens(chains, lengths, 2) == 4
     assert BLOCK_SIZE == 4
+
+
+def test_opt_can_lose_on_a_trace_whose_ids_change_parents():
+    # Capacity 6. Id 1 starts one request and follows 0 in another, which prefix hashes never do. At r3
+    # OPT evicts 0 (next used at r5, after 4 at r4); at r5 block 1 is cached but 0 is not, so nothing
+    # hits: 2 blocks in all. LFU evicts 4 (one use against two), misses it at r4 and hits [0, 1] at r5:
+    # 3 blocks, the exhaustive optimum. OPT minimises block misses, not leading-block misses.
+    chains = [[0], [0], [4], [1, 2, 3, 5, 6], [4], [0, 1]]
+    trace = trace_of(chains)
+    assert simulate(trace, Policy.OPT, 6).hit_blocks.tolist() == [0, 1, 0, 0, 1, 0]
+    assert simulate(trace, Policy.LFU, 6).hit_blocks.tolist() == [0, 1, 0, 0, 0, 2]
+    assert best_hit_blocks(chains, 6) == 3
