@@ -22,8 +22,8 @@ Seams for what comes next (the engine's block pool, timed mode, own workloads, C
     more), release (the last reference dropped: it joins the evictable set), victim + remove (evict
     when no free block is left), remove (a block leaves the index out of turn). Keys are any hashable,
     so the pool passes its chain keys and a policy's memory of evicted keys (reuse-LRU's history)
-    means the same content coming back. `make_policy(Policy, capacity_blocks, trace)` builds one;
-    online policies need only the capacity.
+    means the same content coming back. `make_policy(Policy, capacity_blocks)` builds an online one
+    (OPT also needs the trace: it reads the future).
   * The LRU simulation through the pool. `sequential.replay(trace, cache)` drives any object with
     `serve(blocks) -> leading hit blocks`; an adapter over the engine's pool with that method replays a
     trace through it, and a test compares its `hit_blocks` with `simulate(trace, Policy.LRU, C)` and

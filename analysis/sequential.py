@@ -108,8 +108,18 @@ class SequentialCache:
         self.policy.check_invariants()
 
 
-def make_policy(policy: Policy, capacity_blocks: int, trace: Trace) -> EvictionPolicy:
-    """A fresh policy object for simulating `trace` at `capacity_blocks` (OPT reads the trace's future)."""
+def make_policy(policy: Policy, capacity_blocks: int, trace: Trace | None = None) -> EvictionPolicy:
+    """A fresh policy object for a cache of `capacity_blocks` blocks.
+
+    Args:
+        policy: which one.
+        capacity_blocks: the cache's size (reuse-LRU scales its credit and history with it).
+        trace: the trace to be simulated; only OPT needs it (it reads the future), and its keys must
+            then be the trace's dense block ids.
+
+    Raises:
+        ValueError: OPT without a trace.
+    """
     if policy is Policy.LRU:
         return LruPolicy()
     if policy is Policy.FIFO:
@@ -119,6 +129,8 @@ def make_policy(policy: Policy, capacity_blocks: int, trace: Trace) -> EvictionP
     if policy is Policy.REUSE_LRU:
         return ReuseLruPolicy(capacity_blocks)
     if policy is Policy.OPT:
+        if trace is None:
+            raise ValueError("OPT needs the trace it will be run on (it reads the future)")
         return BeladyPolicy(trace.dense.ids, trace.unique_blocks)
     raise ValueError(f"no policy {policy!r}")
 

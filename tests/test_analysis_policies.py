@@ -6,7 +6,7 @@ import pytest
 
 from analysis.errors import NoVictimError
 from analysis.policies import LruPolicy, Policy, ReuseLruPolicy
-from analysis.sequential import SequentialCache, simulate
+from analysis.sequential import SequentialCache, make_policy, simulate
 from analysis.stack_distance import lru_curve
 from engine.errors import InvariantError
 from tests.analysis_support import trace_of
@@ -140,3 +140,14 @@ def test_policies_refuse_misuse():
         policy.release(A)
     with pytest.raises(ValueError, match="already cached"):
         policy.insert(A)
+
+
+def test_online_policies_are_built_from_the_capacity_alone_and_opt_needs_the_trace():
+    assert [type(make_policy(p, 8)).__name__ for p in Policy if p.online] == [
+        "LruPolicy",
+        "FifoPolicy",
+        "LfuPolicy",
+        "ReuseLruPolicy",
+    ]
+    with pytest.raises(ValueError, match="OPT needs the trace"):
+        make_policy(Policy.OPT, 8)
