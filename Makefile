@@ -34,3 +34,4 @@ bench: install
 	$(PY) benchmarks/prefix_reuse.py
 	$(PY) benchmarks/sliding_window.py
 	$(PY) benchmarks/storage.py
+	$(PY) benchmarks/analyzer.py
