@@ -193,7 +193,7 @@ class KVCoordinator:
 
     def _admission(self, plan: HitPlan) -> list[_GroupAdmission]:
         """Per group: the full group shares the hits [0, h) and writes from h; the sliding group shares
-        its window blocks up to r and writes from r (every chunk starts at r)."""
+        its window blocks up to r and writes from r (the first chunk starts at r)."""
         groups = []
         for manager in self.managers:
             if manager.window is None:
