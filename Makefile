@@ -26,8 +26,14 @@ system-deps:
 run: install
 	$(VENV)/bin/streamlit run app --server.address $(HOST) --server.port $(PORT)
 
+# The engine's checks must not lean on `assert` (python -O drops them): these run a second time under -O.
+OPTIMIZED_TESTS := tests/test_block_manager.py tests/test_block_manager_properties.py \
+	tests/test_block_pool_properties.py tests/test_kv_coordinator_properties.py tests/test_request.py \
+	tests/test_engine.py tests/test_sliding_window.py
+
 test: install system-deps
 	$(PY) -m pytest -q -p no:cacheprovider tests
+	$(PY) -O -m pytest -q -p no:cacheprovider -W "ignore::pytest.PytestConfigWarning" $(OPTIMIZED_TESTS)
 
 bench: install
 	$(PY) benchmarks/block_manager.py

@@ -573,8 +573,9 @@ def main(argv: list[str] | None = None) -> int:
 
     # Two copies of the weights: the engine's runner switches its model to paged attention for good.
     data_dir = resolve_data_dir(args.data_dir)
-    hf_loaded = load_model(SMOLLM2, dtype="float32", device="cpu", data_dir=data_dir, seed=0)
-    engine_loaded = load_model(SMOLLM2, dtype="float32", device="cpu", data_dir=data_dir, seed=0)
+    model_config = EngineConfig(model=SMOLLM2, dtype="float32", device="cpu", data_dir=data_dir)
+    hf_loaded = load_model(model_config)
+    engine_loaded = load_model(model_config)
     work = Workload(hf_loaded.tokenizer, settings)
     blocks_per_request = -(-(s.prefix_len + s.suffix_len + s.new_tokens) // BLOCK_SIZE)
     num_blocks = s.num_requests * blocks_per_request + s.prefix_blocks + max(s.fork_counts) * s.private_blocks

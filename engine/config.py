@@ -6,8 +6,11 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from engine.kv_memory import DTYPE_BYTES
+
 DEFAULT_MODEL = "smollm2"
-DTYPES = ("float32", "float16", "bfloat16")
+DTYPES = tuple(DTYPE_BYTES)
+DATA_DIR_ENV = "PREFIX_CONSOLE_DATA_DIR"
 
 # Bounds on every size an operator can type (console and CLI validate against these).
 MAX_BLOCK_SIZE = 256
@@ -17,8 +20,9 @@ MAX_BATCHED_TOKENS = 1 << 16
 
 
 def default_data_dir() -> Path:
-    """Where converted weights and the SQLite history live: $PREFIX_CONSOLE_DATA_DIR or ./data."""
-    return Path(os.environ.get("PREFIX_CONSOLE_DATA_DIR", "data")).resolve()
+    """Where converted weights and the SQLite history live: $PREFIX_CONSOLE_DATA_DIR, or ./data when it is
+    unset or empty (an empty path would resolve to the working directory itself)."""
+    return Path(os.environ.get(DATA_DIR_ENV) or "data").resolve()
 
 
 @dataclass(frozen=True)

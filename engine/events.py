@@ -70,13 +70,12 @@ class Event(NamedTuple):
 #   CACHE:  block_ids, keys (hex, one per block), start_pos (first block), end_pos (last block's end), group.
 #   HIT:    cached_tokens, num_blocks.          FORK: parent_id, shared_blocks, group.
 #   COW:    src_block, dst_block, num_slots, group.
-#   RESET:  dropped_blocks, ok (bool: False when referenced blocks kept it from being complete).
+#   RESET:  dropped_blocks, ok (bool: False when referenced blocks kept it from being complete), kept_blocks.
 #   SCHEDULE: cached_tokens, computed_tokens, hit_source.   PREEMPT: num_computed_tokens.
 #   REJECT: reason.   FINISH: reason ("length" | "eos" | "stop"), output_tokens.
-#   REPLAY: h, s, e, r, mode, replayed_tokens.   WINDOW_RELEASE: num_blocks, group.
-
-
-_new_tuple = tuple.__new__
+#   REPLAY: h, s, e, r, mode (ReplayMode value), replayed_tokens; a verification adds verified and the
+#           Divergence fields (engine/verify.py).
+#   WINDOW_RELEASE: num_blocks, block_ids, group.
 
 
 class EventLog:
@@ -87,33 +86,25 @@ class EventLog:
     """
 
     def __init__(self, clock: Callable[[], float] = time.time) -> None:
-        self.step = 0  # set by the engine at the start of every step
+        self.step = 0  # the engine step counter: the engine advances it at the start of every step
         self.clock = clock  # the time source of events and of the block pool's stamps
         self._events: list[Event] = []
 
     def emit(
         self,
         kind: EventKind,
+        detail: dict[str, Any],
+        *,
         request_id: str | None = None,
         block_id: int | None = None,
         tokens: int = 0,
-        detail: dict[str, Any] | None = None,
         at: float | None = None,
     ) -> None:
         """Append one event. `detail` holds the kind's fields (see the table above); the log keeps it.
-        `at` is the event's time when the caller has just read `clock` for the same change."""
-        # tuple.__new__ skips the NamedTuple's Python-level __new__ (half the cost of an event); the
-        # values are in field order.
-        fields = (
-            kind,
-            self.step,
-            self.clock() if at is None else at,
-            request_id,
-            block_id,
-            tokens,
-            {} if detail is None else detail,
-        )
-        self._events.append(_new_tuple(Event, fields))
+        `at` is the event's time when the caller has just read `clock` for the same change (so a block's
+        stamp and its event agree)."""
+        now = self.clock() if at is None else at
+        self._events.append(Event(kind, self.step, now, request_id, block_id, tokens, detail))
 
     def take(self) -> list[Event]:
         """Return every event appended since the last call, oldest first, and forget them."""

@@ -29,11 +29,20 @@ import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
 
-from engine.kv_coordinator import GroupSlots
 from engine.kv_groups import kv_groups
+from engine.kv_memory import kv_bytes_per_block
 from engine.models import LoadedModel
 
 PAGED_ATTENTION = "prefix_console_paged"
+
+
+@dataclass(frozen=True, slots=True)
+class GroupSlots:
+    """One KV group's view of a chunk: where its tokens' K/V live and which positions it writes."""
+
+    block_ids: list[int]  # physical blocks of logical blocks first_block, first_block + 1, ...
+    first_block: int  # logical index of block_ids[0]; keys before first_block * block_size are not visible
+    write_from: int  # positions below this already hold K/V in this group: the chunk does not write them
 
 
 @dataclass(frozen=True)
@@ -141,7 +150,8 @@ class ModelRunner:
     def bytes_per_block(loaded: LoadedModel, block_size: int, num_layers: int | None = None) -> int:
         """Device bytes one block takes across `num_layers` layers (default: all), K and V."""
         layers = loaded.num_layers if num_layers is None else num_layers
-        return 2 * layers * block_size * loaded.num_kv_heads * loaded.head_dim * loaded.dtype.itemsize
+        dtype = str(loaded.dtype).removeprefix("torch.")
+        return kv_bytes_per_block(layers, loaded.num_kv_heads, loaded.head_dim, dtype, block_size)
 
     @torch.inference_mode()
     def copy_blocks(self, copies: Sequence[Sequence[tuple[int, int, int]]]) -> None:

@@ -1,10 +1,11 @@
-"""Continuous batching: which tokens of which requests the next forward computes.
+"""Continuous batching: which tokens of which requests the next forward computes, and what its results do.
 
 Pure Python: no torch. Each step the scheduler fills a token budget, running requests first (decodes
 and unfinished prefill chunks, oldest first), then waiting requests (oldest first). A request that
 cannot get blocks waits; when a running request cannot grow, the newest running request is preempted:
 its blocks are released and it goes back to the front of the queue, to be recomputed later (usually
-a prefix hit, since its full blocks stay cached).
+a prefix hit, since its full blocks stay cached). After the forward, `postprocess` accounts for the
+computed chunks, appends the sampled tokens and finishes the requests that stop.
 
 Invariant between steps: for every running or retained request, its block table holds exactly
 `num_computed_tokens` tokens, and those are its context's first tokens.
@@ -15,11 +16,14 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass
+from typing import Collection
 
+from engine.config import EngineConfig
 from engine.events import EventKind, EventLog
 from engine.kv_cache_manager import BlockCopy
 from engine.kv_coordinator import KVCoordinator
-from engine.request import HitSource, Request, RequestStatus
+from engine.kv_groups import HitPlan
+from engine.request import Request, RequestStatus
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,18 +46,16 @@ class SchedulerOutput:
     chunks: list[ScheduledChunk]
     copies: tuple[list[BlockCopy], ...]  # per KV group: copy-on-write copies to execute before the forward
     preempted: list[Request]
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(len(c.token_ids) for c in self.chunks)
+    changed: list[Request]  # every request this step changes: those with a chunk, then the preempted
 
 
 class Scheduler:
-    def __init__(self, kv: KVCoordinator, log: EventLog, *, max_num_batched_tokens: int, max_num_seqs: int):
+    def __init__(self, config: EngineConfig, kv: KVCoordinator, log: EventLog, eos_token_ids: Collection[int]):
         self.kv = kv
         self._log = log
-        self.max_num_batched_tokens = max_num_batched_tokens
-        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = config.max_num_batched_tokens
+        self.max_num_seqs = config.max_num_seqs
+        self.eos_token_ids = frozenset(eos_token_ids)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
@@ -67,9 +69,6 @@ class Scheduler:
     def add(self, request: Request) -> None:
         self.waiting.append(request)
 
-    def remove_waiting(self, request: Request) -> None:
-        self.waiting.remove(request)
-
     # ------------------------------------------------------------------ scheduling
     def schedule(self) -> SchedulerOutput:
         budget = self.max_num_batched_tokens
@@ -79,84 +78,84 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            n = min(budget, request.num_tokens - request.num_computed_tokens)
-            tokens = request.all_token_ids[request.num_computed_tokens : request.num_computed_tokens + n]
-            write_from = self._grow(request, tokens, preempted)
-            if write_from is None:
+            start = request.num_computed_tokens
+            n = min(budget, request.num_tokens - start)
+            if not self._make_room(request, n, preempted):
                 break  # it preempted itself: it was the newest, nothing runs after it
-            chunks.append(ScheduledChunk(request, tokens, request.num_computed_tokens, write_from))
+            tokens = request.tokens(start, start + n)
+            reservation = self.kv.append(request.request_id, start, tokens)
+            request.reserved(reservation.num_copies)
+            chunks.append(ScheduledChunk(request, tokens, start, reservation.write_from))
             budget -= n
             i += 1
 
         while self.waiting and budget > 0 and not preempted and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
-            chunk = self._admit(request, budget)
-            if chunk is None:
+            plan = self._plan(request)
+            if not self._can_admit(request, plan, budget):
                 break
             self.waiting.popleft()
             self.running.append(request)
-            chunks.append(chunk)
-            budget -= len(chunk.token_ids)
+            chunks.append(self._admit(request, plan, budget))
+            budget -= len(chunks[-1].token_ids)
 
-        return SchedulerOutput(chunks, self.kv.take_copies(), preempted)
+        changed = [chunk.request for chunk in chunks] + preempted
+        return SchedulerOutput(chunks, self.kv.take_copies(), preempted, changed)
 
-    def _grow(self, request: Request, tokens: list[int], preempted: list[Request]) -> tuple[int, ...] | None:
-        """Reserve slots for a running request, preempting the newest running requests as needed.
-
-        Returns the chunk's per-group write positions, or None when the request had to preempt itself.
-        """
-        while (write_from := self.kv.allocate(request.request_id, request.num_computed_tokens, tokens)) is None:
+    def _make_room(self, request: Request, num_tokens: int, preempted: list[Request]) -> bool:
+        """Preempt the newest running requests until the request's next chunk fits. Returns False when
+        the request had to preempt itself."""
+        while not self.kv.can_append(request.request_id, request.num_computed_tokens, num_tokens):
             victim = self.running[-1]
             self._preempt(victim)
             preempted.append(victim)
             if victim is request:
-                return None
-        return write_from
+                return False
+        return True
 
-    def _admit(self, request: Request, budget: int) -> ScheduledChunk | None:
-        """Reserve blocks for a waiting request's first chunk, or return None (nothing changed)."""
-        kv = self.kv
-        rid = request.request_id
-        if kv.has_table(rid):  # a fork child: its tables were shared at fork time
-            start = kv.num_tokens(rid)
-            tokens = request.all_token_ids[start : start + min(budget, request.num_tokens - start)]
-            write_from = kv.allocate(rid, start, tokens)
-            plan = None
-        else:
-            plan = kv.plan_hit(request.all_token_ids, request.salt)
-            if self._computed_by_another(request, plan.r):
-                return None  # wait: next step this request hits the blocks another one is computing now
-            start = plan.r
-            tokens = request.all_token_ids[start : start + min(budget, request.num_tokens - start)]
-            write_from = kv.admit(rid, tokens, plan, request.salt)
-        if write_from is None:
+    def _plan(self, request: Request) -> HitPlan | None:
+        """A waiting request's hit plan; None for a fork child, whose tables it shares with its parent."""
+        if self.kv.has_table(request.request_id):
             return None
+        return self.kv.plan_hit(request.all_token_ids, request.salt)
+
+    def _first_chunk_start(self, request: Request, plan: HitPlan | None) -> int:
+        """Where a waiting request's first chunk starts: its replay boundary, or (a fork child) the end of
+        the tokens its shared tables hold."""
+        return self.kv.num_tokens(request.request_id) if plan is None else plan.r
+
+    def _can_admit(self, request: Request, plan: HitPlan | None, budget: int) -> bool:
+        """Whether a waiting request can start now (`plan`: its hit plan; None for a fork child with tables)."""
+        start = self._first_chunk_start(request, plan)
+        n = min(budget, request.num_tokens - start)
+        if plan is None:
+            return self.kv.can_append(request.request_id, start, n)
+        if self._computed_by_another(request, plan.r):
+            return False  # wait: next step this request hits the blocks another one is computing now
+        return self.kv.can_admit(plan, n)
+
+    def _admit(self, request: Request, plan: HitPlan | None, budget: int) -> ScheduledChunk:
+        """Reserve blocks for a waiting request's first chunk (`_can_admit` said yes)."""
+        rid = request.request_id
+        start = self._first_chunk_start(request, plan)
+        tokens = request.tokens(start, start + min(budget, request.num_tokens - start))
+        if plan is None:
+            reservation = self.kv.append(rid, start, tokens)
+        else:
+            reservation = self.kv.admit(rid, tokens, plan, request.salt)
         first_time = request.first_scheduled_time is None
-        request.status = RequestStatus.RUNNING
-        request.num_computed_tokens = start
+        request.admitted(start, plan, time.time())
+        request.reserved(reservation.num_copies)
         if first_time:
-            request.first_scheduled_time = time.time()
-            if plan is not None:
-                request.cached_tokens = plan.h
-                request.hit_source = HitSource.PREFIX if plan.h else HitSource.NONE
-                request.window_start, request.window_end = plan.s, plan.e
-                request.replay_from, request.replay_mode = plan.r, plan.mode
-                request.replayed_tokens = plan.replayed_tokens
-            if plan is not None:  # every (re)admission decides afresh whether its state is exact
-                request.cacheable = plan.mode != "approximate"
             self.prefix_query_tokens += request.num_prompt_tokens
             self.prefix_hit_tokens += request.cached_tokens
-            self._log.emit(
-                EventKind.SCHEDULE,
-                request_id=rid,
-                tokens=request.num_prompt_tokens,
-                detail={
-                    "cached_tokens": request.cached_tokens,
-                    "computed_tokens": request.num_prompt_tokens - start,
-                    "hit_source": request.hit_source.value,
-                },
-            )
-        return ScheduledChunk(request, tokens, start, write_from)
+            detail = {
+                "cached_tokens": request.cached_tokens,
+                "computed_tokens": request.num_prompt_tokens - start,
+                "hit_source": request.hit_source.value,
+            }
+            self._log.emit(EventKind.SCHEDULE, detail, request_id=rid, tokens=request.num_prompt_tokens)
+        return ScheduledChunk(request, tokens, start, reservation.write_from)
 
     def _computed_by_another(self, request: Request, hit_end: int) -> bool:
         """True when a running request is still prefilling the block of this prompt that follows its hit.
@@ -167,57 +166,64 @@ class Scheduler:
         """
         bs = self.kv.block_size
         end = hit_end + bs
-        tokens = request.all_token_ids
-        if end > (len(tokens) - 1) // bs * bs:  # past the hit cap: no further block could be reused
+        if end > (request.num_tokens - 1) // bs * bs:  # past the hit cap: no further block could be reused
             return False
-        head = tokens[:end]
+        head = request.tokens(0, end)
         return any(
             other.prefilling
             and other.salt == request.salt
             and other.num_computed_tokens < end
-            and other.all_token_ids[:end] == head
+            and other.num_tokens >= end
+            and other.tokens(0, end) == head
             for other in self.running
         )
 
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
         self.kv.free(request.request_id)
-        self._log.emit(
-            EventKind.PREEMPT,
-            request_id=request.request_id,
-            tokens=request.num_computed_tokens,
-            detail={"num_computed_tokens": request.num_computed_tokens},
-        )
-        request.status = RequestStatus.WAITING
-        request.num_computed_tokens = 0
-        request.preemptions += 1
-        request.prefilling = True
+        detail = {"num_computed_tokens": request.num_computed_tokens}
+        self._log.emit(EventKind.PREEMPT, detail, request_id=request.request_id, tokens=request.num_computed_tokens)
+        request.preempted()
         self.num_preemptions += 1
         self.waiting.appendleft(request)
 
     # ------------------------------------------------------------------ after the forward
-    def finish_chunk(self, chunk: ScheduledChunk) -> None:
-        """Account for a computed chunk: its KV is now in the blocks; full blocks enter the index."""
-        request = chunk.request
-        request.num_computed_tokens += len(chunk.token_ids)
-        if request.prefilling:
-            request.computed_tokens += len(chunk.token_ids)
-        self.kv.finish_chunk(request.request_id, cacheable=request.cacheable)
+    def postprocess(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
+        """Account for the forward over `out`: computed chunks enter the cache, sampled tokens are
+        appended, and requests that stop finish. Returns the finished requests, in chunk order.
 
-    def finish_request(self, request: Request, reason: str) -> None:
+        Args:
+            out: this step's schedule.
+            sampled: the token sampled for each request whose chunk reached its context's end.
+        """
+        finished = []
+        now = time.time()
+        for chunk in out.chunks:
+            request = chunk.request
+            request.chunk_computed(len(chunk.token_ids))
+            self.kv.finish_chunk(request.request_id, cacheable=request.cacheable)
+            token = sampled.get(request.request_id)
+            if token is None:
+                continue
+            request.append_token(token, now)
+            reason = self._stop_reason(request, token)
+            if reason is not None:
+                self._finish(request, reason, now)
+                finished.append(request)
+        return finished
+
+    def _stop_reason(self, request: Request, token: int) -> str | None:
+        if not request.sampling.ignore_eos and token in self.eos_token_ids:
+            return "eos"
+        if len(request.output_token_ids) >= request.sampling.max_new_tokens:
+            return "length"
+        return None
+
+    def _finish(self, request: Request, reason: str, now: float) -> None:
         """Take a finished request out of the running set; free its blocks unless it is retained."""
         self.running.remove(request)
-        request.finish_reason = reason
-        request.finish_time = time.time()
-        request.final_block_tables = self.kv.block_ids(request.request_id)
-        if request.retain:
-            request.status = RequestStatus.RETAINED
-        else:
-            request.status = RequestStatus.FINISHED
+        request.finished(reason, self.kv.block_ids(request.request_id), now)
+        if request.status is RequestStatus.FINISHED:
             self.kv.free(request.request_id)
-        self._log.emit(
-            EventKind.FINISH,
-            request_id=request.request_id,
-            tokens=len(request.output_token_ids),
-            detail={"reason": reason, "output_tokens": len(request.output_token_ids)},
-        )
+        detail = {"reason": reason, "output_tokens": len(request.output_token_ids)}
+        self._log.emit(EventKind.FINISH, detail, request_id=request.request_id, tokens=len(request.output_token_ids))

@@ -43,8 +43,9 @@ class BlockManagerMachine(RuleBasedStateMachine):
         assert len(hits) * BLOCK_SIZE <= len(prompt) - 1
         for i, block in enumerate(hits):
             assert block.token_ids == prompt[i * BLOCK_SIZE : (i + 1) * BLOCK_SIZE]
-        ok = self.m.allocate_slots(rid, prompt[len(hits) * BLOCK_SIZE :], hits=hits, salt=salt)
-        if ok:
+        new = prompt[len(hits) * BLOCK_SIZE :]
+        if self.m.can_allocate(len(new), hits):
+            self.m.allocate(rid, new, hits=hits, salt=salt)
             self.m.cache_full_blocks(rid)
             self.context[rid] = prompt
         else:
@@ -57,7 +58,8 @@ class BlockManagerMachine(RuleBasedStateMachine):
         child = self._new_id()
         self.m.fork(parent, child)
         self.context[child] = list(self.context[parent])
-        if self.m.allocate_slots(child, suffix):
+        if self.m.can_append(child, len(suffix)):
+            self.m.append(child, suffix)
             self.m.cache_full_blocks(child)
             self.context[child] += suffix
         else:
@@ -70,7 +72,8 @@ class BlockManagerMachine(RuleBasedStateMachine):
         rid = data.draw(st.sampled_from(sorted(self.context)))
         if rid in self.retained:
             return
-        if self.m.allocate_slots(rid, new):
+        if self.m.can_append(rid, len(new)):
+            self.m.append(rid, new)
             self.m.cache_full_blocks(rid)
             self.context[rid] += new
 

@@ -11,6 +11,8 @@ tests/browser_support.py).
 
 from __future__ import annotations
 
+import re
+
 from tests.browser_support import ARTIFACTS, CHROMIUM, CHROMIUM_ARGS
 
 TIMEOUT_MS = 60_000
@@ -119,7 +121,8 @@ def walk(page, url: str, expect) -> None:
 
     # Evictions: the reset's rows are in the persisted log.
     go(page, "Evictions")
-    heading = main.get_by_role("heading", name="evictions").first
+    # The count heading ("N evictions"), not the page title: the rows may land after the first render.
+    heading = main.get_by_role("heading", name=re.compile(r"^[\d,]+ evictions$"))
     expect(heading).to_be_visible()
     for _ in range(20):  # the writer commits in the background; Refresh until the rows are there
         if not heading.inner_text().startswith("0 "):

@@ -22,7 +22,6 @@ import ast
 from dataclasses import dataclass
 from pathlib import Path
 
-import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 PRODUCT = ("engine", "storage", "app", "pages", "cli", "analysis", "fleet")
@@ -147,7 +146,6 @@ def test_the_cli_imports_storage_only_inside_the_commands_that_write_history() -
     assert breaking(imports_in("cli"), lambda found: found.lazy or not found.within("storage")) == []
 
 
-@pytest.mark.xfail(strict=True, reason="engine half of issue 13: pages/settings.py still sizes KV memory with torch")
 def test_the_console_imports_no_torch_and_no_model_runner() -> None:
     def allowed(found: Import) -> bool:
         return not found.within(*TORCH_SIDE, "engine.model_runner")
