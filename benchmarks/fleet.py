@@ -1,6 +1,6 @@
 """Fleet benchmark: KV events from vLLM's publisher through the collector into the fleet index.
 
-    .venv/bin/python benchmarks/fleet.py [--pods 16] [--steps 400] [--block-size 16]
+    .venv/bin/python benchmarks/fleet.py [--pods 16] [--steps 400] [--block-size 16] [--rate 100000]
 
 1. End to end. A child process runs `--pods` vLLM `ZmqEventPublisher`s on loopback ports (vLLM's own
    publisher, thread and encoding) and replays, as fast as they take them, event batches recorded from
@@ -11,6 +11,8 @@
    the last one applied, the same per second of the collector process's CPU time, and the lag of each
    batch behind its publisher (applied time - the batch's ts, stamped when the publisher took it).
    At the end it checks that every pod's index equals the block pool that produced its events.
+   It runs twice: with the publishers taking batches as fast as they can (the throughput), and paced
+   at `--rate` block events per second, the goal (the lag at that rate).
 2. Per batch, in this process, side by side: decoding with `fleet.decode.BatchDecoder` (types, bounds,
    both encodings) against msgspec decoding straight into vLLM's own `KVEventBatch` classes (what
    vLLM's subscriber example does: the floor for a Python consumer), and applying to the index.
@@ -132,7 +134,7 @@ def run_publishers(args: argparse.Namespace) -> None:
 
     workloads = [record_workload(seed, args.steps, args.block_size) for seed in range(NUM_WORKLOADS)]
     publishers = []
-    for pod in range(args.pods):
+    for _ in range(args.pods):
         replay_port = free_port()
         publisher = ZmqEventPublisher(
             data_parallel_rank=0,
@@ -158,9 +160,14 @@ def run_publishers(args: argparse.Namespace) -> None:
     )
     sys.stdin.readline()  # "go"
     began = time.time()
+    sent = 0
     for step in range(args.steps):
         for pod, (publisher, _, _) in enumerate(publishers):
-            publisher.publish(KVEventBatch(ts=time.time(), events=workloads[pod % NUM_WORKLOADS][0][step]))
+            events = workloads[pod % NUM_WORKLOADS][0][step]
+            if args.rate:  # hold back until the rate allows this batch
+                sent += num_block_events(events)
+                time.sleep(max(0.0, began + sent / args.rate - time.time()))
+            publisher.publish(KVEventBatch(ts=time.time(), events=events))
     report({"began": began, "taken": time.time()})
     sys.stdin.readline()  # "exit": the parent is done (the replay sockets stay up until then)
     for publisher, _, _ in publishers:
@@ -217,7 +224,8 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-def bench_end_to_end(args: argparse.Namespace) -> None:
+def bench_end_to_end(args: argparse.Namespace, rate: int) -> None:
+    """One run: the child publishes as fast as its publishers take batches (rate 0), or at `rate`."""
     child = subprocess.Popen(
         [
             sys.executable,
@@ -226,6 +234,7 @@ def bench_end_to_end(args: argparse.Namespace) -> None:
             f"--pods={args.pods}",
             f"--steps={args.steps}",
             f"--block-size={args.block_size}",
+            f"--rate={rate}",
         ],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
@@ -276,23 +285,24 @@ def bench_end_to_end(args: argparse.Namespace) -> None:
         for source, pod in zip(sources, setup["pods"], strict=True)
         if {repr(key): n for key, n in index.copies(source.name).items()} != pod["cached"]
     ]
-    print(f"1. end to end: {args.pods} pods x {setup['batches_per_pod']} batches, {block_events:,} block events")
+    pace = f"paced at {rate:,} block events/s" if rate else "as fast as vLLM's publishers take them"
+    print(f"1. end to end, {pace}")
+    print(f"   {args.pods} pods x {setup['batches_per_pod']} batches, {block_events:,} block events")
     print(f"   vLLM's publishers took them in {publish_s:.2f} s ({block_events / publish_s:,.0f} block events/s)")
     print(f"   into the index in {wall_s:.2f} s: {block_events / wall_s:,.0f} block events/s (goal >= 100,000)")
     print(f"   collector CPU {cpu_s:.2f} s: {block_events / cpu_s:,.0f} block events per CPU second")
     print(
         f"   lag behind the publisher per batch: median {statistics.median(lag.lags_s) * 1e3:.1f} ms, "
         f"p99 {percentile(lag.lags_s, 0.99) * 1e3:.1f} ms, max {max(lag.lags_s) * 1e3:.1f} ms; "
-        f"the last batch applied {(lag.last_applied_at - published['taken']) * 1e3:.0f} ms after the last publish()"
+        f"the last applied {(lag.last_applied_at - published['taken']) * 1e3:.0f} ms after the last publish()"
     )
-    print(
-        f"   gaps {sum(s.num_gaps for s in stats.values())}, replayed "
-        f"{sum(s.num_replayed_batches for s in stats.values())}, lost {sum(s.num_lost_batches for s in stats.values())}, "
-        f"errors {sum(s.num_errors for s in stats.values())}"
-    )
-    print(
-        f"   index equals every pod's vLLM block pool: {'yes' if not mismatched else 'NO: ' + ', '.join(mismatched)}"
-    )
+    totals = {
+        name: sum(getattr(pod_stats, name) for pod_stats in stats.values())
+        for name in ("num_gaps", "num_replayed_batches", "num_lost_batches", "num_errors")
+    }
+    print("   " + ", ".join(f"{name.removeprefix('num_')} {n}" for name, n in totals.items()))
+    verdict = "yes" if not mismatched else "NO: " + ", ".join(mismatched)
+    print(f"   index equals every pod's vLLM block pool: {verdict}")
 
 
 def bench_per_batch(args: argparse.Namespace) -> None:
@@ -337,13 +347,15 @@ def main() -> None:
     parser.add_argument("--pods", type=int, default=16, help="simulated pods (vLLM publishers)")
     parser.add_argument("--steps", type=int, default=400, help="engine steps (batches) per pod")
     parser.add_argument("--block-size", type=int, default=16, help="tokens per block")
+    parser.add_argument("--rate", type=int, default=100_000, help="block events/s of the paced run")
     parser.add_argument("--publishers", action="store_true", help=argparse.SUPPRESS)  # the child process
     args = parser.parse_args()
     if args.publishers:
         run_publishers(args)
         return
     print(f"machine: {os.cpu_count()} cores, load average {os.getloadavg()[0]:.2f} (shared with other work)")
-    bench_end_to_end(args)
+    bench_end_to_end(args, rate=0)
+    bench_end_to_end(args, rate=args.rate)
     bench_per_batch(args)
     print(f"load average at the end {os.getloadavg()[0]:.2f}")
 

@@ -403,9 +403,13 @@ class FleetIndex:
         with self._lock:
             return self._summary(name, self._pods[name], now)
 
-    def _summary(self, name: str, pod: _Pod, now: float) -> PodSummary:
+    @staticmethod
+    def _seconds_silent(pod: _Pod, now: float) -> float:
         heard_at = pod.last_received_at if pod.last_received_at is not None else pod.opened_at
-        silent = max(0.0, now - heard_at)
+        return max(0.0, now - heard_at)
+
+    def _summary(self, name: str, pod: _Pod, now: float) -> PodSummary:
+        silent = self._seconds_silent(pod, now)
         groups = tuple(
             GroupSummary(medium, group_idx, len(group.blocks), group.num_copies)
             for (medium, group_idx), group in sorted(pod.groups.items())
@@ -480,7 +484,7 @@ class FleetIndex:
             for name, pod in self._pods.items():
                 group = pod.groups.get((medium, group_idx))
                 blocks, tokens = group.walk(prompt) if group is not None else (0, 0)
-                stale = self._summary(name, pod, now).stale
+                stale = self._seconds_silent(pod, now) > self.stale_after_s
                 matches.append(PodMatch(name, blocks, tokens, stale))
         matches.sort(key=lambda match: (-match.matched_tokens, match.pod))
         return RouteResult(len(token_ids), medium, group_idx, tuple(matches))

@@ -190,6 +190,7 @@ class VllmPod:
         pub_endpoint: str | None = None,
         replay_port: int | None = None,
         hwm: int = 100_000,
+        sliding_window_blocks: int | None = None,
     ) -> None:
         """Args:
         name: the pod's name.
@@ -198,27 +199,25 @@ class VllmPod:
         pub_endpoint: the PUB socket's bind address (default: an ephemeral loopback port).
         replay_port: the replay socket's loopback port (default: a free one).
         hwm: the PUB socket's high-water mark (vLLM's `hwm`): what a slow subscriber may lag by.
+        sliding_window_blocks: add a second KV group, sliding-window attention over this many blocks
+            (a hybrid model: group 0 full attention, group 1 the window).
         """
         import torch
         from vllm.distributed.kv_events import ZmqEventPublisher
         from vllm.utils.hashing import sha256
         from vllm.v1.core.kv_cache_manager import KVCacheManager
         from vllm.v1.core.kv_cache_utils import init_none_hash
-        from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+        from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, SlidingWindowSpec
 
         init_none_hash(sha256)
         self.name = name
         self.block_size = block_size
-        config = KVCacheConfig(
-            num_blocks=num_blocks,
-            kv_cache_tensors=[],
-            kv_cache_groups=[
-                KVCacheGroupSpec(
-                    ["layer"],
-                    FullAttentionSpec(block_size=block_size, num_kv_heads=1, head_size=1, dtype=torch.float32),
-                )
-            ],
-        )
+        shape = {"block_size": block_size, "num_kv_heads": 1, "head_size": 1, "dtype": torch.float32}
+        groups = [KVCacheGroupSpec(["full"], FullAttentionSpec(**shape))]
+        if sliding_window_blocks is not None:
+            window = SlidingWindowSpec(**shape, sliding_window=sliding_window_blocks * block_size)
+            groups.append(KVCacheGroupSpec(["window"], window))
+        config = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=groups)
         self.manager = KVCacheManager(
             config,
             max_model_len=4096,

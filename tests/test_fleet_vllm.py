@@ -116,6 +116,41 @@ def test_the_index_equals_vllms_block_pool_after_every_batch(vllm_pod):
     assert index.pod(vllm_pod.name).num_clears == 1
 
 
+def test_a_hybrid_models_two_kv_groups_are_indexed_apart():
+    """Full attention (group 0) and a 2-block sliding window (group 1) share vLLM's pool; a prefix hit
+    in the window group brings null blocks; evictions hit both groups."""
+    pod = VllmPod(num_blocks=40, sliding_window_blocks=2)
+    index = FleetIndex()
+    try:
+        with Collector([pod.source()], [index], FAST) as collector:
+            wait_until(lambda: collector.stats()[pod.name].num_connects == 1, "the SUB socket to connect")
+            time.sleep(0.2)
+
+            def step(name: str) -> None:
+                pod.publish()
+                wait_until(caught_up(index, pod), f"the index to apply {name!r}")
+                assert index.copies(pod.name) == pod.cached(), name
+                index.check_invariants()
+
+            a = pod.request(list(range(30)))
+            pod.allocate(a)
+            pod.decode(a, [30, 31])
+            step("prefill and decode a")
+            pod.free(a)
+            b = pod.request(list(range(24)) + [500] * 9)
+            pod.allocate(b)
+            step("prefix hit b")
+            pod.free(b)
+            c = pod.request(list(range(1000, 1070)))
+            pod.allocate(c)
+            step("evict for c")
+        summary = index.pod(pod.name)
+        assert {group.group_idx for group in summary.groups} == {0, 1}
+        assert summary.num_blocks_removed > 0 and summary.num_unknown_removals == 0
+    finally:
+        pod.close()
+
+
 def test_a_subscriber_that_joins_late_recovers_everything_through_the_replay_socket(vllm_pod):
     seen = run_scenario(vllm_pod, lambda step: None)
     assert vllm_pod.num_published == 7
