@@ -30,7 +30,10 @@ accepts only the first reply to a request and drops the rest, so the collector s
 (an empty delimiter frame) over a DEALER socket, a fresh one per replay. A replay that goes silent for
 `replay_idle_timeout_s` is abandoned and counted; the next one waits for a backoff that doubles up to
 `replay_backoff_max_s`. ZeroMQ itself reconnects a lost SUB connection, with the backoff set by
-`reconnect_ivl_ms` / `reconnect_ivl_max_ms`; a socket monitor counts connects and disconnects.
+`reconnect_ivl_ms` / `reconnect_ivl_max_ms`; a socket monitor counts connects and disconnects. ZeroMQ
+gives up after a protocol error, such as a frame over MAXMSGSIZE (set to twice
+`DecodeLimits.max_payload_bytes`, so no larger frame is ever read into memory): a connection down for
+`resubscribe_after_s` gets a new socket, and the wait doubles up to `resubscribe_max_s`.
 """
 
 from __future__ import annotations
@@ -70,6 +73,8 @@ class CollectorConfig:
     max_replay_batches: int = 1_000_000  # a replay is cut after this many batches
     reconnect_ivl_ms: int = 100  # ZeroMQ's first reconnect delay (ZMQ_RECONNECT_IVL)
     reconnect_ivl_max_ms: int = 5_000  # ZeroMQ's reconnect delay ceiling (ZMQ_RECONNECT_IVL_MAX)
+    resubscribe_after_s: float = 10.0  # a SUB connection down this long gets a new socket (doubling)
+    resubscribe_max_s: float = 300.0  # that wait's ceiling
     receive_hwm: int = 100_000  # messages the SUB socket buffers (ZMQ_RCVHWM)
     queue_size: int = 10_000  # batches between the pod threads and the dispatcher
     poll_interval_s: float = 0.1  # how often idle threads look at the stop flag
@@ -83,6 +88,8 @@ class CollectorConfig:
             "max_replay_batches": self.max_replay_batches,
             "reconnect_ivl_ms": self.reconnect_ivl_ms,
             "reconnect_ivl_max_ms": self.reconnect_ivl_max_ms,
+            "resubscribe_after_s": self.resubscribe_after_s,
+            "resubscribe_max_s": self.resubscribe_max_s,
             "receive_hwm": self.receive_hwm,
             "queue_size": self.queue_size,
             "poll_interval_s": self.poll_interval_s,
@@ -92,6 +99,8 @@ class CollectorConfig:
                 raise ValueError(f"CollectorConfig.{name} must be positive, got {value!r}")
         if self.replay_backoff_max_s < self.replay_backoff_s:
             raise ValueError("replay_backoff_max_s must be at least replay_backoff_s")
+        if self.resubscribe_max_s < self.resubscribe_after_s:
+            raise ValueError("resubscribe_max_s must be at least resubscribe_after_s")
 
 
 class LinkState(enum.Enum):
@@ -110,6 +119,7 @@ class PodStats:
     link: LinkState = LinkState.CONNECTING  # the SUB connection
     num_connects: int = 0  # TCP connections made (1 + reconnects)
     num_disconnects: int = 0  # TCP connections lost
+    num_resubscribes: int = 0  # new SUB sockets for a connection ZeroMQ gave up on
     num_batches: int = 0  # batches handed to the sinks, live and replayed
     num_replayed_batches: int = 0  # of which came through the replay socket
     num_block_events: int = 0  # blocks stored plus blocks removed in them
@@ -148,6 +158,29 @@ class _ReplayTimeout(Exception):
     pass
 
 
+class _Link:
+    """A pod's SUB socket, its monitor and their poller."""
+
+    def __init__(self, context: zmq.Context, source: PodSource, config: CollectorConfig, max_frame_bytes: int):
+        self.sub = context.socket(zmq.SUB)
+        self.sub.setsockopt(zmq.LINGER, 0)
+        self.sub.setsockopt(zmq.RCVHWM, config.receive_hwm)
+        self.sub.setsockopt(zmq.MAXMSGSIZE, max_frame_bytes)
+        self.sub.setsockopt(zmq.RECONNECT_IVL, config.reconnect_ivl_ms)
+        self.sub.setsockopt(zmq.RECONNECT_IVL_MAX, config.reconnect_ivl_max_ms)
+        self.sub.setsockopt(zmq.SUBSCRIBE, source.topic.encode())
+        self.monitor = self.sub.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
+        self.sub.connect(source.endpoint)
+        self.poller = zmq.Poller()
+        self.poller.register(self.sub, zmq.POLLIN)
+        self.poller.register(self.monitor, zmq.POLLIN)
+
+    def close(self) -> None:
+        self.sub.disable_monitor()
+        self.monitor.close(linger=0)
+        self.sub.close(linger=0)
+
+
 class _PodSubscriber:
     """One pod's SUB socket, sequence state and replays. Runs in its own thread."""
 
@@ -166,6 +199,9 @@ class _PodSubscriber:
         self._stop = stop
         self._decoder = BatchDecoder(config.limits)
         self._topic = source.topic.encode()
+        # ZeroMQ drops the connection on a larger frame before allocating it; up to this size a frame
+        # arrives, and one over max_payload_bytes is refused and counted (TOO_LARGE).
+        self._max_frame_bytes = 2 * config.limits.max_payload_bytes
         self._lock = threading.Lock()  # guards _stats against Collector.stats readers
         self._stats = PodStats(source.name)
         self._next_seq = 0  # the sequence number expected next
@@ -175,6 +211,8 @@ class _PodSubscriber:
         self._replay_backoff_s = config.replay_backoff_s
         self._no_replay_before = 0.0  # monotonic time the backoff ends
         self._quiet_since = 0.0  # monotonic time of the latest live message
+        self._down_since: float | None = None  # monotonic time the SUB connection was lost, if it is
+        self._resubscribe_after_s = config.resubscribe_after_s
         self._tail_unchecked = False  # whether live messages came since the last catch-up
 
     def stats(self) -> PodStats:
@@ -197,34 +235,29 @@ class _PodSubscriber:
 
     def run(self) -> None:
         config = self.config
-        sub = self._context.socket(zmq.SUB)
-        monitor = None
+        link = _Link(self._context, self.source, config, self._max_frame_bytes)
         try:
-            sub.setsockopt(zmq.LINGER, 0)
-            sub.setsockopt(zmq.RCVHWM, config.receive_hwm)
-            sub.setsockopt(zmq.RECONNECT_IVL, config.reconnect_ivl_ms)
-            sub.setsockopt(zmq.RECONNECT_IVL_MAX, config.reconnect_ivl_max_ms)
-            sub.setsockopt(zmq.SUBSCRIBE, self._topic)
-            monitor = sub.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
-            sub.connect(self.source.endpoint)
-            poller = zmq.Poller()
-            poller.register(sub, zmq.POLLIN)
-            poller.register(monitor, zmq.POLLIN)
             if self.source.replay_endpoint is not None:
                 self._catch_up()
             timeout_ms = max(1, int(config.poll_interval_s * 1000))
             while not self._stop.is_set():
-                ready = dict(poller.poll(timeout_ms))
-                if monitor in ready:
-                    self._on_monitor(monitor)
+                ready = dict(link.poller.poll(timeout_ms))
+                if link.monitor in ready:
+                    self._on_monitor(link.monitor)
+                if (
+                    self._down_since is not None
+                    and time.monotonic() - self._down_since > self._resubscribe_after_s
+                ):
+                    link = self._resubscribe(link)
+                    continue
                 quiet_s = time.monotonic() - self._quiet_since
                 if not ready and self._tail_unchecked and quiet_s > config.idle_replay_after_s:
                     self._tail_unchecked = False
                     self._catch_up()
-                if sub in ready:
+                if link.sub in ready:
                     for _ in range(_MAX_MESSAGES_PER_WAKE):
                         try:
-                            frames = sub.recv_multipart(zmq.NOBLOCK)
+                            frames = link.sub.recv_multipart(zmq.NOBLOCK)
                         except zmq.Again:
                             break
                         self._on_live(frames)
@@ -233,10 +266,17 @@ class _PodSubscriber:
         except _Stopped:
             pass
         finally:
-            if monitor is not None:
-                sub.disable_monitor()
-                monitor.close(linger=0)
-            sub.close(linger=0)
+            link.close()
+
+    def _resubscribe(self, link: _Link) -> _Link:
+        """A new SUB socket for a connection ZeroMQ gave up on (it does not reconnect after a protocol
+        error, such as a frame over MAXMSGSIZE); the wait for the next one doubles."""
+        logger.warning("pod %s: down for %.1f s, new SUB socket", self.source.name, self._resubscribe_after_s)
+        link.close()
+        self._add(num_resubscribes=1)
+        self._down_since = time.monotonic()
+        self._resubscribe_after_s = min(2 * self._resubscribe_after_s, self.config.resubscribe_max_s)
+        return _Link(self._context, self.source, self.config, self._max_frame_bytes)
 
     def _on_monitor(self, monitor: zmq.Socket) -> None:
         while True:
@@ -248,9 +288,12 @@ class _PodSubscriber:
                 if event["event"] == zmq.EVENT_CONNECTED:
                     self._stats.link = LinkState.CONNECTED
                     self._stats.num_connects += 1
+                    self._down_since = None
+                    self._resubscribe_after_s = self.config.resubscribe_after_s
                 elif event["event"] == zmq.EVENT_DISCONNECTED:
                     self._stats.link = LinkState.DISCONNECTED
                     self._stats.num_disconnects += 1
+                    self._down_since = time.monotonic()
 
     # --- sequence handling --------------------------------------------------------------------
 
@@ -365,6 +408,7 @@ class _PodSubscriber:
         sock = self._context.socket(zmq.DEALER)
         try:
             sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.MAXMSGSIZE, self._max_frame_bytes)
             sock.connect(self.source.replay_endpoint)
             sock.send_multipart([b"", start.to_bytes(8, "big")])
             timeout_ms = int(config.replay_idle_timeout_s * 1000)

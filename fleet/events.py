@@ -10,7 +10,9 @@ costs microseconds, where frozen dataclasses cost a microsecond per event); the 
 What the events mean (vLLM 0.33's `BlockPool`; SGLang's radix cache says the same per page):
   * `BlockStored`: blocks became full and entered the prefix cache, one hash per physical block,
     `token_ids` their tokens back to back. vLLM does not de-duplicate: the same hash can be stored by
-    several physical blocks at once, one `BlockStored` each.
+    several physical blocks at once, one `BlockStored` each. (One exception the feed cannot show: a
+    request sent with `kv_cache_report_mode="full"` makes vLLM also report the blocks it *hit* as
+    BlockStored; consumers then count copies no BlockRemoved will ever take away.)
   * `BlockRemoved`: cached blocks left the prefix cache (a free cached block was re-popped for reuse,
     or evicted explicitly), one hash per physical copy. A block whose reference count reaches zero
     stays cached and sends nothing.

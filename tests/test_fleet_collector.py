@@ -7,6 +7,7 @@ The feeds are raw ZeroMQ sockets on loopback speaking the wire format message by
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 
 import msgspec
 import pytest
@@ -113,7 +114,7 @@ def test_payloads_and_counts_over_the_limits_are_refused(feed):
     limits = DecodeLimits(
         max_payload_bytes=2_000, max_events_per_batch=3, max_blocks_per_event=4, max_block_size=8
     )
-    config = CollectorConfig(**{**FAST.__dict__, "limits": limits})
+    config = replace(FAST, limits=limits)
     collector, index = start(feed, config)
     try:
         feed.send(0, encode_batch([stored_map([1], [0] * 4)] * 4))  # 4 events
@@ -124,6 +125,23 @@ def test_payloads_and_counts_over_the_limits_are_refused(feed):
         wait_until(applied(index, 4), "the good batch")
         assert stats(collector).errors == {FeedErrorKind.OVER_LIMIT: 3, FeedErrorKind.TOO_LARGE: 1}
         assert index.copies("a") == {("GPU", 0, 9): 1}
+    finally:
+        collector.stop()
+
+
+def test_a_frame_far_over_the_bound_drops_the_connection_unread_and_the_collector_resubscribes(feed):
+    """ZeroMQ itself does not reconnect after that protocol error: the collector makes a new socket."""
+    config = replace(FAST, limits=DecodeLimits(max_payload_bytes=2_000), resubscribe_after_s=0.2)
+    collector, index = start(feed, config)
+    try:
+        feed.send(0, encode_batch(["x" * 50_000]))  # over 2 x max_payload_bytes: not even read
+        wait_until(lambda: stats(collector).num_connects >= 2, "a new SUB socket to connect")
+        time.sleep(0.2)
+        feed.send(1, encode_batch([stored_map([1], [1] * 4)]))
+        wait_until(applied(index, 1), "the next good batch")
+        pod_stats = stats(collector)
+        assert pod_stats.num_disconnects >= 1 and pod_stats.num_resubscribes >= 1
+        assert index.copies("a") == {("GPU", 0, 1): 1}
     finally:
         collector.stop()
 
@@ -260,7 +278,7 @@ def test_messages_under_another_topic_are_dropped(feed):
 
 
 def test_a_quiet_feed_is_asked_for_batches_it_lost_at_its_end(feed):
-    config = CollectorConfig(**{**FAST.__dict__, "idle_replay_after_s": 0.2})
+    config = replace(FAST, idle_replay_after_s=0.2)
     collector, index = start(feed, config)
     try:
         feed.send(0, encode_batch([stored_map([1], [1] * 4)]))
