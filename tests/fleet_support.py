@@ -30,6 +30,21 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
+def wait_port_free(port: int, timeout_s: float = 5.0) -> None:
+    """Wait until a loopback port can be bound again (ZeroMQ closes a socket's listener asynchronously)."""
+
+    def free() -> bool:
+        with socket.socket() as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as ZeroMQ binds
+            try:
+                probe.bind(("127.0.0.1", port))
+            except OSError:
+                return False
+            return True
+
+    wait_until(free, f"port {port} to be released", timeout_s)
+
+
 def wait_until(predicate: Callable[[], bool], what: str, timeout_s: float = 15.0) -> None:
     """Poll `predicate` until it holds; fail the test naming `what` if it does not in time."""
     deadline = time.monotonic() + timeout_s
@@ -207,7 +222,12 @@ class VllmPod:
         from vllm.utils.hashing import sha256
         from vllm.v1.core.kv_cache_manager import KVCacheManager
         from vllm.v1.core.kv_cache_utils import init_none_hash
-        from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, SlidingWindowSpec
+        from vllm.v1.kv_cache_interface import (
+            FullAttentionSpec,
+            KVCacheConfig,
+            KVCacheGroupSpec,
+            SlidingWindowSpec,
+        )
 
         init_none_hash(sha256)
         self.name = name

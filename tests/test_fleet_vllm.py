@@ -15,7 +15,7 @@ import pytest
 from fleet.collector import Collector, CollectorConfig
 from fleet.index import FleetIndex
 from fleet.source import PodSource
-from tests.fleet_support import TOPIC, StallingSink, VllmPod, free_port, wait_until
+from tests.fleet_support import TOPIC, StallingSink, VllmPod, free_port, wait_port_free, wait_until
 
 pytest.importorskip("vllm.v1.core.kv_cache_manager", reason="vLLM is installed by requirements-interop.txt")
 
@@ -216,7 +216,7 @@ def test_a_restarted_vllm_server_is_detected_and_its_new_cache_replaces_the_old(
             first.publish()
         wait_until(caught_up(index, first), "the first server's batches")
         first.close()
-
+        wait_port_free(first.replay_port)
         second = VllmPod(pub_endpoint=endpoint, replay_port=first.replay_port)
         try:
             wait_until(lambda: collector.stats()[first.name].num_connects == 2, "the SUB socket to reconnect")
