@@ -116,6 +116,7 @@ class PodStats:
     """What one pod's subscriber has seen. `Collector.stats` returns copies."""
 
     pod: str  # the pod's name
+    ready: bool = False  # the start-up replay is over (done, timed out, or none): live batches flow
     link: LinkState = LinkState.CONNECTING  # the SUB connection
     num_connects: int = 0  # TCP connections made (1 + reconnects)
     num_disconnects: int = 0  # TCP connections lost
@@ -239,6 +240,8 @@ class _PodSubscriber:
         try:
             if self.source.replay_endpoint is not None:
                 self._catch_up()
+            with self._lock:
+                self._stats.ready = True
             timeout_ms = max(1, int(config.poll_interval_s * 1000))
             while not self._stop.is_set():
                 ready = dict(link.poller.poll(timeout_ms))

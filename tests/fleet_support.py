@@ -126,7 +126,10 @@ class HandFeed:
         self.context = zmq.Context()
         self.port = free_port()
         self.replay_port = free_port()
-        self.pub = self.context.socket(zmq.PUB)
+        # An XPUB is a PUB that also hands up its subscribers' subscriptions: `wait_for_subscriber`
+        # knows when a message sent now reaches the collector.
+        self.pub = self.context.socket(zmq.XPUB)
+        self.pub.setsockopt(zmq.XPUB_VERBOSE, 1)
         self.pub.setsockopt(zmq.LINGER, 0)
         self.pub.bind(f"tcp://127.0.0.1:{self.port}")
         router = self.context.socket(zmq.ROUTER)
@@ -139,6 +142,14 @@ class HandFeed:
         """The PodSource a collector watches this feed with (without its replay socket if not `replay`)."""
         replay_endpoint = f"tcp://127.0.0.1:{self.replay_port}" if replay else None
         return PodSource(name, f"tcp://127.0.0.1:{self.port}", replay_endpoint, topic=self.topic.decode())
+
+    def wait_for_subscriber(self, timeout_s: float = 15.0) -> None:
+        """Block until a subscriber's subscription has reached the PUB socket."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.pub.poll(50) and self.pub.recv().startswith(b"\x01"):
+                return
+        raise AssertionError("no subscriber subscribed")
 
     def send(self, seq: int, payload: bytes, *, live: bool = True) -> None:
         """Offer (seq, payload) for replay and, if `live`, publish it (else it is "lost" on the way)."""

@@ -37,9 +37,9 @@ def start(feed: HandFeed, config: CollectorConfig = FAST, replay: bool = True) -
     index = FleetIndex()
     collector = Collector([feed.source(replay=replay)], [index], config)
     collector.start()
-    wait_until(lambda: collector.stats()["a"].num_connects == 1, "the SUB socket to connect")
+    feed.wait_for_subscriber()
+    wait_until(lambda: stats(collector).ready, "the start-up replay to be over")
     wait_until(lambda: "a" in index.pod_names(), "the pod to be opened")
-    time.sleep(0.2)  # the subscription reaches the PUB socket
     return collector, index
 
 
@@ -135,8 +135,7 @@ def test_a_frame_far_over_the_bound_drops_the_connection_unread_and_the_collecto
     collector, index = start(feed, config)
     try:
         feed.send(0, encode_batch(["x" * 50_000]))  # over 2 x max_payload_bytes: not even read
-        wait_until(lambda: stats(collector).num_connects >= 2, "a new SUB socket to connect")
-        time.sleep(0.2)
+        feed.wait_for_subscriber()  # the new SUB socket's
         feed.send(1, encode_batch([stored_map([1], [1] * 4)]))
         wait_until(applied(index, 1), "the next good batch")
         pod_stats = stats(collector)
@@ -182,6 +181,7 @@ def test_a_replay_socket_that_never_answers_times_out_and_the_collector_goes_on(
     collector, index = start(feed)
     try:
         wait_until(lambda: stats(collector).num_replay_timeouts == 1, "the start-up replay to time out")
+        time.sleep(0.05)  # past the backoff (at most 0.02 s in FAST) after a timed-out replay
         feed.send(0, encode_batch([stored_map([1], [1, 1, 1, 1])]))
         feed.send(1, encode_batch([stored_map([2], [2, 2, 2, 2], parent=1)]), live=False)
         feed.send(2, encode_batch([stored_map([3], [3, 3, 3, 3], parent=2)]))
@@ -195,6 +195,21 @@ def test_a_replay_socket_that_never_answers_times_out_and_the_collector_goes_on(
         assert index.copies("a") == {("GPU", 0, 1): 1}
         assert index.route([1] * 4 + [2] * 4).matches[0].matched_blocks == 1, "block 2 was lost"
         index.check_invariants()
+    finally:
+        collector.stop()
+        feed.close()
+
+
+def test_after_a_timed_out_replay_the_next_waits_for_the_backoff():
+    feed = HandFeed(replay_mode="silent")
+    collector, index = start(feed, replace(FAST, replay_backoff_s=30.0, replay_backoff_max_s=60.0))
+    try:
+        feed.send(0, encode_batch([stored_map([1], [1] * 4)]), live=False)
+        feed.send(1, encode_batch([stored_map([2], [2] * 4)]))
+        wait_until(applied(index, 1), "the batch after the gap")
+        pod_stats = stats(collector)
+        assert (pod_stats.num_replay_timeouts, pod_stats.num_replays_skipped) == (1, 1)
+        assert feed.num_replay_requests == 1, "no second request inside the backoff"
     finally:
         collector.stop()
         feed.close()
@@ -303,8 +318,7 @@ def test_a_sink_that_raises_is_counted_and_the_other_sinks_still_get_every_batch
     index = FleetIndex()
     collector = Collector([feed.source()], [Broken(), index], FAST)
     with collector:
-        wait_until(lambda: stats(collector).num_connects == 1, "the SUB socket to connect")
-        time.sleep(0.2)
+        feed.wait_for_subscriber()
         feed.send(0, encode_batch([stored_map([1], [1] * 4)]))
         wait_until(lambda: "a" in index.pod_names() and index.pod("a").last_seq == 0, "the batch")
     assert collector.num_sink_errors == 1
