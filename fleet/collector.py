@@ -1,8 +1,9 @@
 """The collector: one subscriber per pod, recovery of lost batches, and one dispatcher to the sinks.
 
-    pod "a"  SUB ──┐  decode, order, recover      ┌──> FleetIndex      (fleet.index)
-    pod "b"  SUB ──┼─ (one thread per pod) ─ queue ┼──> storage writer  (phase B)
-    pod "c"  SUB ──┘                     dispatcher└──> ...
+    pod "a" SUB -> thread a ─┐                                ┌─> FleetIndex       (fleet.index)
+    pod "b" SUB -> thread b ─┼─> bounded queue -> dispatcher ─┼─> storage writer   (phase B)
+    pod "c" SUB -> thread c ─┘                                └─> ...
+            (decode, order, recover by replay)          (calls every sink, in order)
 
 Each pod thread owns its sockets and its sequence state; the dispatcher thread is the only caller of
 the sinks (see `fleet.sinks`), so a sink needs no lock for the collector's sake. The queue between them
