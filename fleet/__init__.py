@@ -31,8 +31,8 @@ Seams for what comes next (phase B), so it plugs in without changing what is her
     own pace; a slow writer back-pressures the pod threads (bounded queue), and what the servers drop
     meanwhile comes back by replay.
   * `python -m cli fleet watch` builds `PodSource`s from `--pod NAME=tcp://HOST:PORT[,replay=...]
-    [,metrics=...]`, runs a `Collector` with the writer, and prints `Collector.stats()` (`PodStats`);
-    `fleet state` reads the database, not this package.
+    [,metrics=...]`, runs a `Collector` with the writer, and prints `Collector.stats()` (`PodStats`:
+    `ready` once a pod's start-up replay is over); `fleet state` reads the database, not this package.
   * Pages read `FleetIndex.pods()` / `blocks()` / `prefix_tree()` / `route(token_ids)` (thread-safe
     snapshots) for live views, `fleet.metrics.scrape` + `hit_rate_between` for each pod's metrics URL,
     and the database for history. Tokenizing a pasted prompt happens in the page; `route` takes ids.
