@@ -204,10 +204,16 @@ def simulate(
 
 def infinite_hit_blocks(trace: Trace) -> np.ndarray:
     """int64 per request: its leading blocks seen in any earlier request (the infinite cache's hits)."""
-    seen = bytearray(trace.unique_blocks)
-    ids, starts = trace.dense.ids.tolist(), trace.block_starts.tolist()
-    hits = np.empty(len(trace), dtype=np.int64)
-    for request in range(len(trace)):
+    return leading_seen_blocks(trace.dense.ids, trace.block_starts)
+
+
+def leading_seen_blocks(dense_ids: np.ndarray, block_starts: np.ndarray) -> np.ndarray:
+    """int64 per request: how many of its leading ids (dense, 0..n-1; request r owns
+    `dense_ids[block_starts[r]:block_starts[r + 1]]`) occur in an earlier request."""
+    seen = bytearray(int(dense_ids.max()) + 1 if len(dense_ids) else 0)
+    ids, starts = dense_ids.tolist(), block_starts.tolist()
+    hits = np.empty(len(starts) - 1, dtype=np.int64)
+    for request in range(len(starts) - 1):
         blocks = ids[starts[request] : starts[request + 1]]
         hit = 0
         for block in blocks:

@@ -1,0 +1,210 @@
+"""The "timed" mode: requests arrive at their timestamps and hold their blocks while they run.
+
+Where the sequential mode serves one request at a time, here the engine's own scheduler, KV cache
+manager and block pool (engine/scheduler.py, kv_coordinator.py, kv_cache_manager.py, block_pool.py) run
+the trace without the model. Each step is the engine's three lines with the forward replaced by a clock:
+
+    out = scheduler.schedule()                          # continuous batching, chunked prefill, preemption
+    clock += service.step_seconds(prefill, decode)      # what the forward would have taken
+    scheduler.postprocess(out, {request: OUTPUT_TOKEN}) # computed blocks enter the cache, requests finish
+
+So blocks of running requests cannot be evicted, a pool that is too small makes requests wait (and
+preempts the newest running request when a running one cannot grow), and every hit is what the
+engine's prefix lookup finds: full blocks only, at most `(prompt - 1) // block_size` of them (the last
+token is always computed), under the engine's eviction policy.
+
+Tokens. A trace has no tokens, only block ids; request r's prompt is built so that equal ids give equal
+tokens at equal positions: full block `d` (a dense id) holds `[d] * block_size`, a hash-id trace's
+partial last block of `t` tokens `[d] * t`, and an own workload's tail past its last full block (whose
+tokens the trace does not keep) `TAIL_TOKEN`s. Generated tokens are `OUTPUT_TOKEN`. Chain keys are
+then the engine's own, computed by its KV cache manager.
+
+The service model (`ServiceModel`) charges a step `prefill / prefill_tokens_per_s + decode /
+decode_tokens_per_s`; its defaults were measured on the engine (see `ServiceModel`). Arrival times are
+the trace's; the clock is virtual (the engine's wall-clock stamps on requests are not used).
+
+A request whose prompt and output cannot fit in the whole pool is rejected, as the engine rejects it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from analysis.trace import PartialBlocks, Trace
+from engine.block_pool import BlockPool
+from engine.config import MAX_NEW_TOKENS, EngineConfig
+from engine.errors import require
+from engine.events import EventLog
+from engine.eviction import EvictionPolicy
+from engine.kv_cache_manager import KVCacheManager
+from engine.kv_coordinator import KVCoordinator
+from engine.kv_groups import FULL, KVGroupSpec, WindowPolicy
+from engine.namespace import CacheNamespace
+from engine.request import Request, RequestStatus, SamplingParams
+from engine.scheduler import Scheduler
+
+OUTPUT_TOKEN = 2**32 - 1  # every generated token (no prompt block holds it: dense ids are far smaller)
+TAIL_TOKEN = 2**32 - 2  # an own workload's prompt tokens past its last full block (unknown to the trace)
+PROGRESS_EVERY_STEPS = 256  # steps between progress callbacks
+
+
+@dataclass(frozen=True)
+class ServiceModel:
+    """How long the engine takes for a step, and how it batches (the engine's scheduler limits).
+
+    The rate defaults were measured on this project's engine with SmolLM2-135M-Instruct, fp32, on the
+    2-core CPU machine the project is developed on (`python -m cli analyze --measure-service`, which
+    runs benchmarks/service_rates.py's measurement): prefill of one 1,024-token prompt, and the decode
+    tokens per second of 8 requests decoding together. Set them to your hardware's numbers.
+    """
+
+    prefill_tokens_per_s: float = 1650.0  # prompt tokens computed per second
+    decode_tokens_per_s: float = 60.0  # generated tokens per second, summed over the batch
+    max_num_batched_tokens: int = 2048  # the engine's per-step token budget (EngineConfig's default)
+    max_num_seqs: int = 64  # most requests running at once (EngineConfig's default)
+
+    def __post_init__(self) -> None:
+        if not (self.prefill_tokens_per_s > 0 and self.decode_tokens_per_s > 0):
+            raise ValueError("service rates must be positive tokens per second")
+        EngineConfig(max_num_batched_tokens=self.max_num_batched_tokens, max_num_seqs=self.max_num_seqs)  # bounds
+
+    def step_seconds(self, prefill_tokens: int, decode_tokens: int) -> float:
+        """Seconds one step computing these tokens takes."""
+        return prefill_tokens / self.prefill_tokens_per_s + decode_tokens / self.decode_tokens_per_s
+
+
+@dataclass(frozen=True, eq=False)
+class TimedRun:
+    """What the engine's scheduler and pool did with a trace at one pool size."""
+
+    capacity_blocks: int  # the pool's size in blocks
+    hit_blocks: np.ndarray  # int64 per request: the blocks its first admission hit (0 if rejected)
+    queueing_s: np.ndarray  # float64 per request: first scheduled - arrival (NaN if rejected)
+    rejected: np.ndarray  # bool per request: too large for the whole pool (never ran)
+    peak_blocks_in_use: int  # most blocks referenced by running requests at once
+    preemptions: int  # running requests that lost their blocks to let another grow
+    steps: int  # scheduler steps
+    makespan_s: float  # virtual time when the last request finished
+
+    def queueing_percentiles(self, percentiles: tuple[float, ...] = (50, 90, 99)) -> dict[str, float]:
+        """Queueing delay percentiles over the requests that ran, and the maximum, in seconds."""
+        ran = self.queueing_s[~self.rejected]
+        if not len(ran):
+            return {f"p{p:g}": 0.0 for p in percentiles} | {"max": 0.0}
+        values = np.percentile(ran, percentiles)
+        return {f"p{p:g}": float(v) for p, v in zip(percentiles, values)} | {"max": float(ran.max())}
+
+
+def namespace_for(block_size: int) -> CacheNamespace:
+    """The namespace of the model-free engine (one for every timed run: no hit crosses runs)."""
+    return CacheNamespace("timed-analysis", "none", "none", block_size, ("full",))
+
+
+def prompt_tokens(trace: Trace, request: int) -> list[int]:
+    """Request `request`'s synthetic prompt (see the module docstring)."""
+    size = trace.block_size
+    blocks = trace.dense.ids[trace.block_starts[request] : trace.block_starts[request + 1]]
+    length = int(trace.input_lengths[request])
+    full = length // size
+    tokens = np.repeat(blocks[:full], size).tolist()
+    tail = length - full * size
+    if tail:
+        last = int(blocks[-1]) if trace.partial_blocks is PartialBlocks.CACHED else TAIL_TOKEN
+        tokens += [last] * tail
+    return tokens
+
+
+def run_timed(
+    trace: Trace,
+    capacity_blocks: int,
+    policy: EvictionPolicy,
+    service: ServiceModel = ServiceModel(),
+    on_requests: Callable[[int], None] | None = None,
+) -> TimedRun:
+    """Serve `trace` through the engine's scheduler over a pool of `capacity_blocks` blocks.
+
+    Args:
+        trace: the requests, with their arrival times.
+        capacity_blocks: the pool's size (>= 1).
+        policy: a fresh engine eviction policy for the pool.
+        service: step times and batching limits.
+        on_requests: called with the number of requests finished (or rejected) so far, now and then.
+
+    Raises:
+        ValueError: a capacity below 1.
+    """
+    if capacity_blocks < 1:
+        raise ValueError(f"a block pool holds at least 1 block, got {capacity_blocks}")
+    clock = [0.0]  # the virtual time, read by the pool's stamps
+    log = EventLog(clock=lambda: clock[0], recording=False)
+    size = trace.block_size
+    pool = BlockPool(capacity_blocks, size, log, eviction=policy)
+    manager = KVCacheManager(pool, namespace_for(size), log)
+    kv = KVCoordinator((KVGroupSpec(FULL, None, (0,)),), (manager,), WindowPolicy(), log)
+    config = EngineConfig(max_num_batched_tokens=service.max_num_batched_tokens, max_num_seqs=service.max_num_seqs)
+    scheduler = Scheduler(config, kv, log, eos_token_ids=())
+
+    count = len(trace)
+    arrivals = trace.arrival_s.tolist()
+    outputs = np.clip(trace.output_lengths, 1, MAX_NEW_TOKENS).tolist()
+    hits = np.zeros(count, dtype=np.int64)
+    queueing = np.full(count, np.nan)
+    rejected = np.zeros(count, dtype=bool)
+    requests: dict[str, int] = {}  # request id -> its index in the trace
+    started: set[str] = set()
+    arrived = done = steps = peak = 0
+    while done < count:
+        while arrived < count and arrivals[arrived] <= clock[0]:
+            request = Request(str(arrived), tuple(prompt_tokens(trace, arrived)), SamplingParams(outputs[arrived]))
+            if -(-(request.num_prompt_tokens + outputs[arrived]) // size) > capacity_blocks:
+                rejected[arrived] = True  # as Engine.submit: it could never fit in the pool
+                done += 1
+            else:
+                requests[request.request_id] = arrived
+                scheduler.add(request)
+            arrived += 1
+        if not scheduler.has_work:
+            if arrived < count:
+                clock[0] = max(clock[0], arrivals[arrived])
+            continue
+        out = scheduler.schedule()
+        prefill = decode = 0
+        for chunk in out.chunks:
+            rid = chunk.request.request_id
+            if rid not in started:
+                started.add(rid)
+                index = requests[rid]
+                queueing[index] = clock[0] - arrivals[index]
+                hits[index] = chunk.request.cached_tokens // size
+            if chunk.request.prefilling:
+                prefill += len(chunk.token_ids)
+            else:
+                decode += len(chunk.token_ids)
+        peak = max(peak, capacity_blocks - pool.num_allocatable)
+        if out.chunks:
+            clock[0] += service.step_seconds(prefill, decode)
+        elif arrived < count:  # nothing fits until an arrival changes the picture (or a request waits for one)
+            clock[0] = max(clock[0], arrivals[arrived])
+        sampled = {chunk.request.request_id: OUTPUT_TOKEN for chunk in out.chunks if chunk.reaches_end}
+        for request in scheduler.postprocess(out, sampled):
+            if request.status is RequestStatus.FINISHED:
+                done += 1
+        steps += 1
+        if on_requests is not None and steps % PROGRESS_EVERY_STEPS == 0:
+            on_requests(done)
+        require(out.chunks or arrived < count or bool(scheduler.running), "the scheduler is stuck")
+    if on_requests is not None:
+        on_requests(count)
+    return TimedRun(
+        capacity_blocks=capacity_blocks,
+        hit_blocks=hits,
+        queueing_s=queueing,
+        rejected=rejected,
+        peak_blocks_in_use=peak,
+        preemptions=scheduler.num_preemptions,
+        steps=steps,
+        makespan_s=clock[0],
+    )
