@@ -12,7 +12,7 @@ from analysis.errors import NoVictimError
 from analysis.policies import EvictionPolicy
 from analysis.trace import PartialBlocks, Trace, TraceFormat, TraceRequest
 
-DATA = Path(__file__).resolve().parent / "traces"
+DATA = Path(__file__).resolve().parent.parent / "analysis" / "samples"  # shipped with their licence note
 CONVERSATION_SAMPLE = DATA / "mooncake_conversation_sample.jsonl"
 SYNTHETIC_SAMPLE = DATA / "mooncake_synthetic_sample.jsonl"
 BAILIAN_SAMPLE = DATA / "bailian_sample.jsonl"
