@@ -98,6 +98,17 @@ class TimedRun:
         return {f"p{p:g}": float(v) for p, v in zip(percentiles, values)} | {"max": float(ran.max())}
 
 
+class VirtualClock:
+    """The timed mode's time: seconds since the trace's start, advanced by the service model, read by the
+    pool's stamps (it is the event log's clock)."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
 def namespace_for(block_size: int) -> CacheNamespace:
     """The namespace of the model-free engine (one for every timed run: no hit crosses runs)."""
     return CacheNamespace("timed-analysis", "none", "none", block_size, ("full",))
@@ -138,8 +149,8 @@ def run_timed(
     """
     if capacity_blocks < 1:
         raise ValueError(f"a block pool holds at least 1 block, got {capacity_blocks}")
-    clock = [0.0]  # the virtual time, read by the pool's stamps
-    log = EventLog(clock=lambda: clock[0], recording=False)
+    clock = VirtualClock()
+    log = EventLog(clock=clock, recording=False)
     size = trace.block_size
     pool = BlockPool(capacity_blocks, size, log, eviction=policy)
     manager = KVCacheManager(pool, namespace_for(size), log)
@@ -157,7 +168,7 @@ def run_timed(
     started: set[str] = set()
     arrived = done = steps = peak = 0
     while done < count:
-        while arrived < count and arrivals[arrived] <= clock[0]:
+        while arrived < count and arrivals[arrived] <= clock.now:
             request = Request(str(arrived), tuple(prompt_tokens(trace, arrived)), SamplingParams(outputs[arrived]))
             if -(-(request.num_prompt_tokens + outputs[arrived]) // size) > capacity_blocks:
                 rejected[arrived] = True  # as Engine.submit: it could never fit in the pool
@@ -168,7 +179,7 @@ def run_timed(
             arrived += 1
         if not scheduler.has_work:
             if arrived < count:
-                clock[0] = max(clock[0], arrivals[arrived])
+                clock.now = max(clock.now, arrivals[arrived])
             continue
         out = scheduler.schedule()
         prefill = decode = 0
@@ -177,7 +188,7 @@ def run_timed(
             if rid not in started:
                 started.add(rid)
                 index = requests[rid]
-                queueing[index] = clock[0] - arrivals[index]
+                queueing[index] = clock.now - arrivals[index]
                 hits[index] = chunk.request.cached_tokens // size
             if chunk.request.prefilling:
                 prefill += len(chunk.token_ids)
@@ -185,9 +196,9 @@ def run_timed(
                 decode += len(chunk.token_ids)
         peak = max(peak, capacity_blocks - pool.num_allocatable)
         if out.chunks:
-            clock[0] += service.step_seconds(prefill, decode)
+            clock.now += service.step_seconds(prefill, decode)
         elif arrived < count:  # nothing fits until an arrival changes the picture (or a request waits for one)
-            clock[0] = max(clock[0], arrivals[arrived])
+            clock.now = max(clock.now, arrivals[arrived])
         sampled = {chunk.request.request_id: OUTPUT_TOKEN for chunk in out.chunks if chunk.reaches_end}
         for request in scheduler.postprocess(out, sampled):
             if request.status is RequestStatus.FINISHED:
@@ -206,5 +217,5 @@ def run_timed(
         peak_blocks_in_use=peak,
         preemptions=scheduler.num_preemptions,
         steps=steps,
-        makespan_s=clock[0],
+        makespan_s=clock.now,
     )
