@@ -55,14 +55,16 @@ PROGRESS_EVERY_STEPS = 256  # steps between progress callbacks
 class ServiceModel:
     """How long the engine takes for a step, and how it batches (the engine's scheduler limits).
 
-    The rate defaults were measured on this project's engine with SmolLM2-135M-Instruct, fp32, on the
-    2-core CPU machine the project is developed on (`python -m cli analyze --measure-service`, which
-    runs benchmarks/service_rates.py's measurement): prefill of one 1,024-token prompt, and the decode
-    tokens per second of 8 requests decoding together. Set them to your hardware's numbers.
+    The rate defaults were measured on this project's engine by benchmarks/service_rates.py, SmolLM2-135M-
+    Instruct in fp32 on the shared 2-core CPU machine the project is developed on: the prefill of one
+    1,024-token prompt, 139 tokens/s, and the generated tokens per second of 8 requests decoding together,
+    16.8 (OMP_NUM_THREADS=1, load average about 10; with torch's two threads under that load, 53 and
+    1.9). An idle machine is several times faster (tests' reference: a plain forward over 1,056 tokens in
+    about 2.3 s). Set them to your hardware's numbers (`analyze --prefill-tokens-per-s ...`).
     """
 
-    prefill_tokens_per_s: float = 1650.0  # prompt tokens computed per second
-    decode_tokens_per_s: float = 60.0  # generated tokens per second, summed over the batch
+    prefill_tokens_per_s: float = 139.0  # prompt tokens computed per second
+    decode_tokens_per_s: float = 16.8  # generated tokens per second, summed over the batch
     max_num_batched_tokens: int = 2048  # the engine's per-step token budget (EngineConfig's default)
     max_num_seqs: int = 64  # most requests running at once (EngineConfig's default)
 

@@ -25,7 +25,7 @@
 Timings are wall-clock on a machine shared with other work (2 cores): compare the ratios within one run.
 Trace loading is timed on its own, outside every figure above.
 
-Run: `.venv/bin/python benchmarks/analyzer.py [--traces DIR] [--quick] [--sensitivity]`. The traces
+Run: `.venv/bin/python benchmarks/analyzer.py [--traces DIR] [--quick] [--sensitivity] [--pool-only]`. The traces
 default to `../shared/traces` next to the repository (or next to its parent, for a worktree in a
 subfolder); without them the script says so and exits 0.
 `--quick` re-simulates 10 capacities instead of 100 and skips section 5.
@@ -246,6 +246,7 @@ def main() -> None:
     parser.add_argument("--traces", type=Path, default=default_traces, help="folder with the Mooncake traces")
     parser.add_argument("--quick", action="store_true", help="10 simulated capacities, no 16-token section")
     parser.add_argument("--sensitivity", action="store_true", help="also scan reuse-LRU's parameters")
+    parser.add_argument("--pool-only", action="store_true", help="section 6 alone: the real block pool's speed")
     args = parser.parse_args()
     paths = {name: args.traces / f"{name}_trace.jsonl" for name in TRACES}
     missing = [str(path) for path in paths.values() if not path.is_file()]
@@ -263,6 +264,13 @@ def main() -> None:
     for name, trace in traces.items():
         keys[name], keys_s[name] = timed(lambda: prefix_keys(trace))
     conversation = traces["conversation"]
+    if args.pool_only:
+        pool_throughput(conversation, "the conversation trace, 512-token blocks", keys["conversation"], keys_s["conversation"])
+        split = conversation.split(16)
+        split_keys, split_keys_s = timed(lambda: prefix_keys(split))
+        pool_throughput(split, "the conversation trace, 16-token blocks", split_keys, split_keys_s)
+        print(f"  {calibration()}")
+        return
     curve_against_simulation(
         conversation, 10 if args.quick else CURVE_POINTS, "conversation, 512-token blocks", keys["conversation"]
     )

@@ -6,7 +6,8 @@
            steps after their prefill, over those steps' time (every request decodes one token a step).
 
 These are the defaults of `analysis.timed.ServiceModel` (SmolLM2-135M-Instruct, fp32, CPU). The machine
-is shared with other work (2 cores): run it on an idle machine for the numbers to put there.
+is shared with other work (2 cores); under load, torch's two threads contend with the other processes
+and one thread (OMP_NUM_THREADS=1) measured faster. Run it on an idle machine for the numbers to use.
 
 Run: `.venv/bin/python benchmarks/service_rates.py [--model smollm2] [--data-dir DIR]`.
 """

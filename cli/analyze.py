@@ -59,17 +59,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Analyse `args.trace`; returns the exit status (see the module docstring)."""
-    from analysis.errors import TraceError  # numpy loads here, not for `python -m cli --help`
-
     started = time.perf_counter()
     try:
         trace = load(args)
         config = analysis_config(args, trace)
         report = analyse(trace, config)
-    except (TraceError, UsageError) as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
-    except ValueError as error:  # a bound of a config (AnalysisConfig, ServiceModel, EngineConfig)
+    except ValueError as error:  # TraceError, UsageError, or a bound of AnalysisConfig, ServiceModel, EngineConfig
         print(f"error: {error}", file=sys.stderr)
         return 2
     except OSError as error:
@@ -184,11 +179,8 @@ def analysis_config(args: argparse.Namespace, trace):
     else:
         blocks = log_spaced_capacities(max(trace.unique_blocks, 1), DEFAULT_POINTS)
         capacities = tuple(block * trace.block_size for block in blocks)
-    defaults = ServiceModel()
-    service = ServiceModel(
-        prefill_tokens_per_s=args.prefill_tokens_per_s or defaults.prefill_tokens_per_s,
-        decode_tokens_per_s=args.decode_tokens_per_s or defaults.decode_tokens_per_s,
-    )
+    rates = {"prefill_tokens_per_s": args.prefill_tokens_per_s, "decode_tokens_per_s": args.decode_tokens_per_s}
+    service = ServiceModel(**{name: rate for name, rate in rates.items() if rate is not None})
     return AnalysisConfig(capacities, policies, args.top_prefixes, mode, service, args.cost_per_hour)
 
 

@@ -143,6 +143,12 @@ c[4].metric(
 )  # fmt: skip
 
 st.subheader("Miss ratio by cache size")
+if trace.block_size != console.config.block_size:
+    st.caption(
+        f"This trace's blocks hold {trace.block_size} tokens, the engine's {console.config.block_size}: prefixes are "
+        f"reused in whole blocks, so set the block size above to {console.config.block_size} (if it divides "
+        f"{trace.block_size}) to compare like with like."
+    )
 st.plotly_chart(
     miss_ratio_curves(result.lru, points, analysis.max_hit_ratio, result.engine_capacity_tokens),
     key="planner_chart",

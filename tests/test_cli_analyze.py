@@ -112,6 +112,7 @@ def test_bad_traces_exit_2_with_the_line_number(tmp_path, capsys, lines, message
         (["--block-size", "100"], "error: block size 100 does not divide 512"),
         (["--runs", "x"], "error: --model is for run-trace files and --runs for the history"),
         (["--prefill-tokens-per-s", "-5"], "error: service rates must be positive"),
+        (["--decode-tokens-per-s", "0"], "error: service rates must be positive"),
     ],
 )  # fmt: skip
 def test_bad_options_exit_2_with_a_clear_message(capsys, options, message):
