@@ -151,73 +151,96 @@ def run_timed(
     """
     if capacity_blocks < 1:
         raise ValueError(f"a block pool holds at least 1 block, got {capacity_blocks}")
-    clock = VirtualClock()
-    log = EventLog(clock=clock, recording=False)
-    size = trace.block_size
-    pool = BlockPool(capacity_blocks, size, log, eviction=policy)
-    manager = KVCacheManager(pool, namespace_for(size), log)
-    kv = KVCoordinator((KVGroupSpec(FULL, None, (0,)),), (manager,), WindowPolicy(), log)
-    config = EngineConfig(max_num_batched_tokens=service.max_num_batched_tokens, max_num_seqs=service.max_num_seqs)
-    scheduler = Scheduler(config, kv, log, eos_token_ids=())
+    server = _ModelFreeServer(trace, capacity_blocks, policy, service)
+    steps = 0
+    while server.done < len(trace):
+        server.admit_arrivals()
+        if server.scheduler.has_work:
+            server.step()
+            steps += 1
+            if on_requests is not None and steps % PROGRESS_EVERY_STEPS == 0:
+                on_requests(server.done)
+        else:
+            server.wait_for_next_arrival()
+    if on_requests is not None:
+        on_requests(len(trace))
+    return TimedRun(
+        capacity_blocks=capacity_blocks,
+        hit_blocks=server.hits,
+        queueing_s=server.queueing,
+        rejected=server.rejected,
+        peak_blocks_in_use=server.peak,
+        preemptions=server.scheduler.num_preemptions,
+        steps=steps,
+        makespan_s=server.clock.now,
+    )
 
-    count = len(trace)
-    arrivals = trace.arrival_s.tolist()
-    outputs = np.clip(trace.output_lengths, 1, MAX_NEW_TOKENS).tolist()
-    hits = np.zeros(count, dtype=np.int64)
-    queueing = np.full(count, np.nan)
-    rejected = np.zeros(count, dtype=bool)
-    requests: dict[str, int] = {}  # request id -> its index in the trace
-    started: set[str] = set()
-    arrived = done = steps = peak = 0
-    while done < count:
-        while arrived < count and arrivals[arrived] <= clock.now:
-            request = Request(str(arrived), tuple(prompt_tokens(trace, arrived)), SamplingParams(outputs[arrived]))
-            if -(-(request.num_prompt_tokens + outputs[arrived]) // size) > capacity_blocks:
-                rejected[arrived] = True  # as Engine.submit: it could never fit in the pool
-                done += 1
+
+class _ModelFreeServer:
+    """The engine's scheduler, KV coordinator, KV cache manager and pool over one trace, with a clock for
+    a model. Per request (by its index in the trace) it records the hit, queueing delay and rejection."""
+
+    def __init__(self, trace: Trace, capacity_blocks: int, policy: EvictionPolicy, service: ServiceModel) -> None:
+        self.trace = trace
+        self.service = service
+        self.capacity_blocks = capacity_blocks
+        self.clock = VirtualClock()
+        log = EventLog(clock=self.clock, recording=False)
+        self.pool = BlockPool(capacity_blocks, trace.block_size, log, eviction=policy)
+        manager = KVCacheManager(self.pool, namespace_for(trace.block_size), log)
+        kv = KVCoordinator((KVGroupSpec(FULL, None, (0,)),), (manager,), WindowPolicy(), log)
+        config = EngineConfig(max_num_batched_tokens=service.max_num_batched_tokens, max_num_seqs=service.max_num_seqs)
+        self.scheduler = Scheduler(config, kv, log, eos_token_ids=())
+        count = len(trace)
+        self.arrivals = trace.arrival_s.tolist()
+        self.outputs = np.clip(trace.output_lengths, 1, MAX_NEW_TOKENS).tolist()
+        self.hits = np.zeros(count, dtype=np.int64)  # blocks hit at the first admission
+        self.queueing = np.full(count, np.nan)  # first scheduled - arrival
+        self.rejected = np.zeros(count, dtype=bool)  # too large for the whole pool
+        self.arrived = 0  # requests handed to the scheduler (or rejected) so far, in arrival order
+        self.done = 0  # requests finished or rejected
+        self.peak = 0  # most blocks referenced at once
+        self._started: set[int] = set()  # requests admitted at least once
+
+    def admit_arrivals(self) -> None:
+        """Hand the scheduler every request that has arrived by now; reject those that can never fit."""
+        size = self.trace.block_size
+        while self.arrived < len(self.trace) and self.arrivals[self.arrived] <= self.clock.now:
+            index, output = self.arrived, self.outputs[self.arrived]
+            request = Request(str(index), tuple(prompt_tokens(self.trace, index)), SamplingParams(output))
+            if -(-(request.num_prompt_tokens + output) // size) > self.capacity_blocks:
+                self.rejected[index] = True  # as Engine.submit: it could never fit in the pool
+                self.done += 1
             else:
-                requests[request.request_id] = arrived
-                scheduler.add(request)
-            arrived += 1
-        if not scheduler.has_work:
-            if arrived < count:
-                clock.now = max(clock.now, arrivals[arrived])
-            continue
-        out = scheduler.schedule()
+                self.scheduler.add(request)
+            self.arrived += 1
+
+    def wait_for_next_arrival(self) -> None:
+        if self.arrived < len(self.trace):
+            self.clock.now = max(self.clock.now, self.arrivals[self.arrived])
+
+    def step(self) -> None:
+        """One engine step without the model: schedule, charge the step's time, postprocess."""
+        out = self.scheduler.schedule()
         prefill = decode = 0
         for chunk in out.chunks:
-            rid = chunk.request.request_id
-            if rid not in started:
-                started.add(rid)
-                index = requests[rid]
-                queueing[index] = clock.now - arrivals[index]
-                hits[index] = chunk.request.cached_tokens // size
-            if chunk.request.prefilling:
+            request = chunk.request
+            index = int(request.request_id)
+            if index not in self._started:
+                self._started.add(index)
+                self.queueing[index] = self.clock.now - self.arrivals[index]
+                self.hits[index] = request.cached_tokens // self.trace.block_size
+            if request.prefilling:
                 prefill += len(chunk.token_ids)
             else:
                 decode += len(chunk.token_ids)
-        peak = max(peak, capacity_blocks - pool.num_allocatable)
+        self.peak = max(self.peak, self.capacity_blocks - self.pool.num_allocatable)
         if out.chunks:
-            clock.now += service.step_seconds(prefill, decode)
-        elif arrived < count:  # nothing fits until an arrival changes the picture (or a request waits for one)
-            clock.now = max(clock.now, arrivals[arrived])
+            self.clock.now += self.service.step_seconds(prefill, decode)
+        else:  # the waiting head cannot start while it waits on another request: only an arrival helps
+            require(self.arrived < len(self.trace) or bool(self.scheduler.running), "the scheduler is stuck")
+            self.wait_for_next_arrival()
         sampled = {chunk.request.request_id: OUTPUT_TOKEN for chunk in out.chunks if chunk.reaches_end}
-        for request in scheduler.postprocess(out, sampled):
+        for request in self.scheduler.postprocess(out, sampled):
             if request.status is RequestStatus.FINISHED:
-                done += 1
-        steps += 1
-        if on_requests is not None and steps % PROGRESS_EVERY_STEPS == 0:
-            on_requests(done)
-        require(out.chunks or arrived < count or bool(scheduler.running), "the scheduler is stuck")
-    if on_requests is not None:
-        on_requests(count)
-    return TimedRun(
-        capacity_blocks=capacity_blocks,
-        hit_blocks=hits,
-        queueing_s=queueing,
-        rejected=rejected,
-        peak_blocks_in_use=peak,
-        preemptions=scheduler.num_preemptions,
-        steps=steps,
-        makespan_s=clock.now,
-    )
+                self.done += 1

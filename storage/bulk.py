@@ -47,18 +47,13 @@ def upsert_views(connection: Connection, run_id: str, views: list[RequestView]) 
     if connection.dialect.name == "sqlite":
         bulk_sqlite.upsert_views(connection, run_id, views)
         return
-    # Rows of finished requests carry the prompt's keys, the others not: one statement per column set.
-    by_columns: dict[tuple[str, ...], list[dict[str, Any]]] = {}
-    for view in views:
-        row = request_row(run_id, view)
-        by_columns.setdefault(tuple(row), []).append(row)
-    for rows in by_columns.values():
-        if connection.dialect.name == "postgresql":
-            bulk_postgres.upsert_rows(connection, rows)
-            continue
-        keys = [tuple(row[name] for name in REQUEST_KEY) for row in rows]
-        connection.execute(REQUESTS.delete().where(tuple_(*(REQUESTS.c[name] for name in REQUEST_KEY)).in_(keys)))
-        connection.execute(insert(REQUESTS), rows)
+    rows = [request_row(run_id, view) for view in views]
+    if connection.dialect.name == "postgresql":
+        bulk_postgres.upsert_rows(connection, rows)
+        return
+    keys = [tuple(row[name] for name in REQUEST_KEY) for row in rows]
+    connection.execute(REQUESTS.delete().where(tuple_(*(REQUESTS.c[name] for name in REQUEST_KEY)).in_(keys)))
+    connection.execute(insert(REQUESTS), rows)
 
 
 def _executemany(connection: Connection, table: Table, columns: Sequence[str], rows: list[tuple[Any, ...]]) -> None:

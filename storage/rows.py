@@ -168,13 +168,12 @@ def decode_events(encoded: EncodedEvents) -> list[Event]:
 def request_row(run_id: str, view: RequestView) -> dict[str, Any]:
     """The `requests` row for one request view (the columns of VIEW_COLUMNS, KEY_FIELDS and its run).
 
-    A view of a request that has not finished has no keys: its row leaves the stored ones as they are.
+    The keys are None until the request finishes, and set from then on in every view of it.
     """
     row = dict(zip(VIEW_COLUMNS, view_values(view)))
     row["run_id"] = run_id
     row["output_token_ids"] = list(row["output_token_ids"])
-    if view.block_keys is not None:
-        row.update(zip(KEY_FIELDS, key_values(view)))
+    row.update(zip(KEY_FIELDS, key_values(view)))
     return row
 
 
