@@ -5,21 +5,26 @@ cache's `infinite_hit_blocks`), so they serve any policy, capacity or mode alike
 
 A request's prompt tokens split into
 
-    hit | capacity | compulsory | partial
-        k          k_inf        n          (block counts; tokens are min(blocks * block_size, input_length))
+    hit | pinned | capacity | namespace | compulsory | partial
+        k        k_ref      k_inf       k_any        n          (block counts; tokens are
+                                                                  min(blocks * block_size, input_length))
 
   * hit: its first `k` blocks were cached;
-  * capacity: blocks `k..k_inf-1` had all been seen before (an infinite cache would have hit them), but
-    this cache had evicted them or a block before them;
+  * pinned (timed mode): blocks `k..k_ref-1` were hit by the same pool serving one request at a time
+    (`k_ref`, the sequential reference) but missed here: running requests held the room they needed;
+  * capacity: blocks up to `k_inf - 1` had all been seen before (an infinite cache would have hit
+    them), but this cache had evicted them or a block before them;
+  * namespace (own workloads, whose blocks carry content ids): blocks up to `k_any - 1` hold tokens
+    seen before at the same positions, but under another model revision, dtype or tenant salt, so no
+    key matched (block sizes never mix in one trace: the readers take one);
   * compulsory: from the first block whose prefix was never seen before (no cache of any size holds
     it). In a trace whose ids always follow the same parent, as prefix hashes do, that block is the
     first one whose id is new;
   * partial: past the last full block, in a workload that caches full blocks only (never cacheable;
-    zero in hash-id traces, whose last block is cached).
+    zero in hash-id traces, whose last block is cached); in the timed mode also the block of the last
+    prompt token when it is full (the engine computes that token again, for its logits).
 
-The slots `pinned` (timed mode: no room while running requests held the pool) and `namespace` (the
-same tokens cached under another model revision, dtype, block size or tenant salt) are filled by the
-modes and workloads that can tell; they are zero here.
+`k_inf` and `k_any` are the trace's `HitBounds`, computed once per trace.
 """
 
 from __future__ import annotations
@@ -28,8 +33,37 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from analysis.sequential import infinite_hit_blocks, leading_seen_blocks
 from analysis.trace import Trace
 from engine.errors import InvariantError
+
+
+@dataclass(frozen=True, eq=False)
+class HitBounds:
+    """Per request, the leading blocks no cache of any size could hit beyond (see the module docstring)."""
+
+    hittable: np.ndarray  # int64: blocks a lookup may hit at all (all of them; the engine: not the last token's)
+    infinite: np.ndarray  # int64: leading blocks seen before under the same namespace (the infinite cache)
+    any_namespace: np.ndarray  # int64: leading blocks whose tokens were seen before under any namespace
+
+
+def hit_bounds(trace: Trace, *, engine_cap: bool = False) -> HitBounds:
+    """The trace's bounds; `any_namespace` equals `infinite` for a trace without content ids.
+
+    Args:
+        trace: the requests.
+        engine_cap: bound every hit by the engine's lookup cap, `(input_length - 1) // block_size` blocks
+            (the last token is always computed, for its logits): the timed mode's hits are the engine's.
+    """
+    hittable = trace.blocks_per_request
+    if engine_cap:
+        hittable = np.minimum(hittable, (trace.input_lengths - 1) // trace.block_size)
+    infinite = np.minimum(infinite_hit_blocks(trace), hittable)
+    if trace.content_ids is None:
+        return HitBounds(hittable, infinite, infinite)
+    _, dense_content = np.unique(trace.content_ids, return_inverse=True)
+    any_namespace = leading_seen_blocks(dense_content.astype(np.int64), trace.block_starts)
+    return HitBounds(hittable, infinite, np.maximum(np.minimum(any_namespace, hittable), infinite))
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,23 +108,37 @@ class PrefixSavings:
     tokens_saved: int  # prompt tokens those requests did not recompute
 
 
-def miss_breakdown(trace: Trace, hit_blocks: np.ndarray, infinite_blocks: np.ndarray) -> MissBreakdown:
-    """Missed tokens by reason, for per-request `hit_blocks` against the infinite cache's.
+def miss_breakdown(
+    trace: Trace, hit_blocks: np.ndarray, bounds: HitBounds, reference_blocks: np.ndarray | None = None
+) -> MissBreakdown:
+    """Missed tokens by reason, for per-request `hit_blocks` within the trace's `bounds`.
+
+    Args:
+        trace: the requests.
+        hit_blocks: int64 per request: leading blocks hit.
+        bounds: `hit_bounds(trace)`.
+        reference_blocks: timed mode: the sequential reference's hits at the same pool size; what it
+            hit and this run did not is `pinned`. None: no reference (pinned is 0).
 
     Raises:
         InvariantError: a request hit more blocks than the infinite cache (a simulation bug).
     """
-    if np.any(hit_blocks > infinite_blocks):
+    if np.any(hit_blocks > bounds.infinite):
         raise InvariantError("a cache hit more leading blocks than the infinite cache")
     hit = trace.hit_tokens(hit_blocks)
-    reusable = trace.hit_tokens(infinite_blocks)
-    cacheable = trace.hit_tokens(trace.blocks_per_request)
+    reusable = trace.hit_tokens(bounds.infinite)
+    seen = trace.hit_tokens(bounds.any_namespace)
+    cacheable = trace.hit_tokens(bounds.hittable)
+    pinned = 0
+    if reference_blocks is not None:
+        reference = trace.hit_tokens(np.minimum(reference_blocks, bounds.infinite))
+        pinned = int(np.maximum(reference - hit, 0).sum())
     return MissBreakdown(
-        compulsory=int((cacheable - reusable).sum()),
-        capacity=int((reusable - hit).sum()),
+        compulsory=int((cacheable - seen).sum()),
+        capacity=int((reusable - hit).sum()) - pinned,
         partial=int((trace.input_lengths - cacheable).sum()),
-        pinned=0,
-        namespace=0,
+        pinned=pinned,
+        namespace=int((seen - reusable).sum()),
     )
 
 

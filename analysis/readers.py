@@ -50,7 +50,7 @@ def detect_format(line: bytes, number: int = 1) -> TraceFormat:
     Raises:
         TraceError: the line is not a JSON object, or matches no format.
     """
-    record = _parse_object(line, number)
+    record = parse_object(line, number)
     if "chat_id" in record:
         return TraceFormat.BAILIAN
     if "hash_ids" in record:
@@ -69,7 +69,7 @@ def read_requests(file: BinaryIO, trace_format: TraceFormat | None = None) -> It
         TraceError: a line is too long, not a JSON object, or not a valid request of the format; or the
             format cannot be detected.
     """
-    lines = _numbered_lines(file)
+    lines = numbered_lines(file)
     first = next(lines, None)
     if first is None:
         return
@@ -85,7 +85,7 @@ def load_trace(source: str | Path | BinaryIO, trace_format: TraceFormat | None =
     if isinstance(source, (str, Path)):
         with open(source, "rb") as file:
             return load_trace(file, trace_format)
-    lines = _numbered_lines(source)
+    lines = numbered_lines(source)
     first = next(lines, None)
     if first is None:
         raise TraceError("the trace is empty (no requests)")
@@ -96,7 +96,7 @@ def load_trace(source: str | Path | BinaryIO, trace_format: TraceFormat | None =
 def _parse_lines(lines: Iterable[tuple[int, bytes]], trace_format: TraceFormat) -> Iterator[TraceRequest]:
     parse = _PARSERS[trace_format]
     for number, line in lines:
-        request = parse(_parse_object(line, number), number)
+        request = parse(parse_object(line, number), number)
         try:
             check_request(request, PartialBlocks.CACHED)
         except TraceError as error:
@@ -104,7 +104,7 @@ def _parse_lines(lines: Iterable[tuple[int, bytes]], trace_format: TraceFormat) 
         yield request
 
 
-def _numbered_lines(file: BinaryIO) -> Iterator[tuple[int, bytes]]:
+def numbered_lines(file: BinaryIO) -> Iterator[tuple[int, bytes]]:
     """(1-based number, content without the newline) of every non-blank line."""
     number = 0
     while True:
@@ -119,7 +119,8 @@ def _numbered_lines(file: BinaryIO) -> Iterator[tuple[int, bytes]]:
             yield number, line
 
 
-def _parse_object(line: bytes, number: int) -> dict[str, Any]:
+def parse_object(line: bytes, number: int) -> dict[str, Any]:
+    """Line `number` as a JSON object. Raises TraceError (naming the line) for anything else."""
     try:
         record = orjson.loads(line)
     except orjson.JSONDecodeError as error:

@@ -1,9 +1,12 @@
 """An `Analysis` as the JSON object `python -m cli analyze --json` prints.
 
-    {"format", "requests", "references", "input_tokens", "block_size", "unique_blocks",
+    {"format", "mode", "requests", "references", "input_tokens", "block_size", "unique_blocks",
      "max_hit_ratio", "max_hit_tokens",
      "curve": [{"policy", "capacity_tokens", "capacity_blocks", "hit_ratio", "hit_tokens",
-                "misses": {reason: tokens}, "by_type": [...], "top_prefixes": [...]}, ...],
+                "misses": {reason: tokens}, "by_type": [...], "top_prefixes": [...],
+                "savings": {"prefill_s", "prefill_s_per_trace_hour", "cost_per_trace_hour"},
+                "timed": null | {"queueing_s": {"p50", "p90", "p99", "max"}, "peak_blocks_in_use",
+                                 "preemptions", "rejected", "makespan_s", "steps"}}, ...],
      "misses": {"compulsory", "partial", "namespace"},   # tokens every cache misses, whatever its size
      "by_type": [{"type", "requests", "input_tokens", "hit_tokens", "hit_ratio"}, ...],  # infinite cache
      "top_prefixes": [{"first_block", "last_block", "depth", "requests", "tokens_saved"}, ...],  # infinite
@@ -11,13 +14,15 @@
 
 Each point's "misses" has every reason ("compulsory", "capacity", "partial", "pinned", "namespace"),
 summing to `input_tokens - hit_tokens`. "by_type" lists are empty for traces without request types.
+"savings" prices the hit tokens with the service model's prefill rate; its per-hour values are null
+for a trace without a time span, the cost null unless a cost per engine hour was given.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from analysis.analyzer import Analysis
+from analysis.analyzer import Analysis, Savings, TimedStats
 from analysis.breakdown import MissBreakdown, PrefixSavings, TypeHits
 
 
@@ -27,6 +32,7 @@ def to_json(analysis: Analysis) -> dict[str, Any]:
     unavoidable = analysis.unavoidable
     return {
         "format": trace.format.value,
+        "mode": analysis.mode.value,
         "requests": len(trace),
         "references": trace.num_references,
         "input_tokens": trace.input_tokens,
@@ -44,6 +50,8 @@ def to_json(analysis: Analysis) -> dict[str, Any]:
                 "misses": _misses(point.misses),
                 "by_type": [_type_hits(hits) for hits in point.by_type],
                 "top_prefixes": [_prefix(prefix) for prefix in point.top_prefixes],
+                "savings": _savings(point.savings),
+                "timed": None if point.timed is None else _timed(point.timed),
             }
             for point in analysis.curve
         ],
@@ -55,6 +63,25 @@ def to_json(analysis: Analysis) -> dict[str, Any]:
         "by_type": [_type_hits(hits) for hits in analysis.max_by_type],
         "top_prefixes": [_prefix(prefix) for prefix in analysis.max_top_prefixes],
         "seconds": analysis.seconds,
+    }
+
+
+def _savings(savings: Savings) -> dict[str, float | None]:
+    return {
+        "prefill_s": savings.prefill_s,
+        "prefill_s_per_trace_hour": savings.prefill_s_per_trace_hour,
+        "cost_per_trace_hour": savings.cost_per_trace_hour,
+    }
+
+
+def _timed(timed: TimedStats) -> dict[str, Any]:
+    return {
+        "queueing_s": dict(timed.queueing_s),
+        "peak_blocks_in_use": timed.peak_blocks_in_use,
+        "preemptions": timed.preemptions,
+        "rejected": timed.rejected,
+        "makespan_s": timed.makespan_s,
+        "steps": timed.steps,
     }
 
 

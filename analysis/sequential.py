@@ -16,6 +16,9 @@ order) and its blocks past the capacity are computed but not kept (`bypass`). Th
 every policy and is the one the one-pass LRU curve (`analysis.stack_distance`) implies. Capacity 0
 caches nothing.
 
+The policies the engine ships (LRU, reuse-LRU) run through the engine's own block pool
+(`analysis.pool_replay.PoolCache`, the same rule); the others through `SequentialCache` here.
+
 The infinite cache keeps every block it has seen: its hits are the workload's maximum.
 """
 
@@ -28,9 +31,11 @@ from typing import Protocol
 import numpy as np
 
 from analysis.belady import BeladyPolicy
-from analysis.policies import EvictionPolicy, FifoPolicy, LfuPolicy, LruPolicy, Policy, ReuseLruPolicy
+from analysis.policies import EvictionPolicy, FifoPolicy, LfuPolicy, Policy
+from analysis.pool_replay import PoolCache
 from analysis.trace import Trace
 from engine.errors import InvariantError
+from engine.eviction import make_eviction_policy
 
 PROGRESS_EVERY = 1024  # requests between progress callbacks
 
@@ -108,26 +113,23 @@ class SequentialCache:
         self.policy.check_invariants()
 
 
-def make_policy(policy: Policy, capacity_blocks: int, trace: Trace | None = None) -> EvictionPolicy:
-    """A fresh policy object for a cache of `capacity_blocks` blocks.
+def make_policy(policy: Policy, trace: Trace | None = None) -> EvictionPolicy:
+    """A fresh simulator policy object (for the policies the engine does not ship: FIFO, LFU, OPT).
 
     Args:
         policy: which one.
-        capacity_blocks: the cache's size (reuse-LRU scales its credit and history with it).
         trace: the trace to be simulated; only OPT needs it (it reads the future), and its keys must
             then be the trace's dense block ids.
 
     Raises:
-        ValueError: OPT without a trace.
+        ValueError: OPT without a trace, or a policy of the engine's block pool (`Policy.in_block_pool`).
     """
-    if policy is Policy.LRU:
-        return LruPolicy()
+    if policy.in_block_pool is not None:
+        raise ValueError(f"{policy.value} is the engine's own policy: it runs through the block pool (PoolCache)")
     if policy is Policy.FIFO:
         return FifoPolicy()
     if policy is Policy.LFU:
         return LfuPolicy()
-    if policy is Policy.REUSE_LRU:
-        return ReuseLruPolicy(capacity_blocks)
     if policy is Policy.OPT:
         if trace is None:
             raise ValueError("OPT needs the trace it will be run on (it reads the future)")
@@ -168,8 +170,10 @@ def simulate(
     *,
     record_evictions: bool = False,
     on_requests: Callable[[int], None] | None = None,
+    pool_keys: list[bytes] | None = None,
 ) -> PolicyRun:
-    """Run `trace` through a sequential cache of `capacity_blocks` blocks under `policy`.
+    """Run `trace` through a sequential cache of `capacity_blocks` blocks under `policy`: the engine's
+    block pool for its own policies, a `SequentialCache` for the others.
 
     Args:
         trace: the requests.
@@ -177,9 +181,22 @@ def simulate(
         capacity_blocks: the cache's size in blocks (>= 0).
         record_evictions: keep the evicted block ids, in order, in the result (for small traces).
         on_requests: as for `replay`.
+        pool_keys: `pool_replay.prefix_keys(trace)`, for a caller that runs the pool on one trace several
+            times (they cost a hash per distinct block); computed here when needed and not given.
+
+    Raises:
+        TraceError: a pool policy on a trace whose ids change parents (see `pool_replay.prefix_keys`).
     """
-    policy_object = make_policy(policy, capacity_blocks, trace)
-    cache = SequentialCache(capacity_blocks, policy_object, record_evictions=record_evictions)
+    pool_policy = policy.in_block_pool
+    cache: SequentialCache | PoolCache
+    if capacity_blocks == 0:  # caches nothing, whatever the policy (a block pool has at least one block)
+        cache = SequentialCache(0, FifoPolicy(), record_evictions=record_evictions)
+    elif pool_policy is not None:
+        engine_policy = make_eviction_policy(pool_policy, capacity_blocks)
+        cache = PoolCache(trace, capacity_blocks, engine_policy, keys=pool_keys, record_evictions=record_evictions)
+    else:
+        policy_object = make_policy(policy, trace)
+        cache = SequentialCache(capacity_blocks, policy_object, record_evictions=record_evictions)
     hits = replay(trace, cache, on_requests)
     evictions = None if cache.evictions is None else tuple(trace.dense.unique[cache.evictions].tolist())
     return PolicyRun(policy, capacity_blocks, hits, evictions)
@@ -187,10 +204,16 @@ def simulate(
 
 def infinite_hit_blocks(trace: Trace) -> np.ndarray:
     """int64 per request: its leading blocks seen in any earlier request (the infinite cache's hits)."""
-    seen = bytearray(trace.unique_blocks)
-    ids, starts = trace.dense.ids.tolist(), trace.block_starts.tolist()
-    hits = np.empty(len(trace), dtype=np.int64)
-    for request in range(len(trace)):
+    return leading_seen_blocks(trace.dense.ids, trace.block_starts)
+
+
+def leading_seen_blocks(dense_ids: np.ndarray, block_starts: np.ndarray) -> np.ndarray:
+    """int64 per request: how many of its leading ids (dense, 0..n-1; request r owns
+    `dense_ids[block_starts[r]:block_starts[r + 1]]`) occur in an earlier request."""
+    seen = bytearray(int(dense_ids.max()) + 1 if len(dense_ids) else 0)
+    ids, starts = dense_ids.tolist(), block_starts.tolist()
+    hits = np.empty(len(starts) - 1, dtype=np.int64)
+    for request in range(len(starts) - 1):
         blocks = ids[starts[request] : starts[request + 1]]
         hit = 0
         for block in blocks:

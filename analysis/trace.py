@@ -17,7 +17,10 @@ Invariants (checked when a trace is built; the arrays are read-only afterwards):
     possibly partial block is cached like the others (`PartialBlocks.CACHED`: hash-id traces, whose last
     id is one block), `input_length // block_size` when only full blocks are (`PartialBlocks.DROPPED`:
     token workloads, as in the engine, where the tokens past the last full block have no key);
-  * no id repeats within a request (a prefix cannot contain itself).
+  * no id repeats within a request (a prefix cannot contain itself);
+  * `content_ids`, where known (own workloads), has one id per block id: the block's namespace-free
+    identity (equal tokens at equal positions), so the analyzer can tell a block that misses only
+    because it was cached under another model, dtype or salt.
 """
 
 from __future__ import annotations
@@ -36,15 +39,29 @@ MAX_BLOCK_ID = 2**63 - 1  # ids live in int64 columns
 
 
 class TraceFormat(Enum):
-    """A trace file format (one reader each, see `analysis.readers`)."""
+    """A trace format (one reader each: `analysis.readers` for hash-id files, `analysis.own_workloads`
+    for this project's own workloads)."""
 
     MOONCAKE = "mooncake"  # FAST'25 Mooncake traces: `timestamp` in ms, 512-token blocks
     BAILIAN = "bailian"  # ATC'25 Qwen-Bailian traces: `timestamp` in s, 16-token blocks, chat metadata
+    RUN_TRACE = "run-trace"  # a `python -m cli run-trace` workload file: tokens, text or chat
+    HISTORY = "history"  # the requests a console or run-trace recorded in a history database
 
     @property
     def block_size(self) -> int:
-        """Tokens per hash id in this format."""
+        """Tokens per hash id in this format (hash-id formats only: own workloads take the engine's).
+
+        Raises:
+            ValueError: an own-workload format, whose block size is the engine's.
+        """
+        if self not in _FORMAT_BLOCK_SIZES:
+            raise ValueError(f"{self.value} workloads have the engine's block size, not a format's")
         return _FORMAT_BLOCK_SIZES[self]
+
+    @property
+    def token_workload(self) -> bool:
+        """Whether its requests are tokens keyed as the engine keys them (only full blocks are cached)."""
+        return self not in _FORMAT_BLOCK_SIZES
 
 
 _FORMAT_BLOCK_SIZES = {TraceFormat.MOONCAKE: 512, TraceFormat.BAILIAN: 16}
@@ -70,6 +87,7 @@ class TraceRequest:
     turn: int | None = None  # the request's turn in its conversation (Bailian); None where unknown
     chat_id: int | None = None  # the request's own id (Bailian); None where the format has none
     parent_chat_id: int | None = None  # the previous turn's chat_id (Bailian); None for a first turn
+    content_ids: tuple[int, ...] | None = None  # namespace-free ids of the same blocks (own workloads)
 
 
 def expected_blocks(input_length: int, block_size: int, partial: PartialBlocks) -> int:
@@ -102,6 +120,11 @@ def check_request(request: TraceRequest, partial: PartialBlocks) -> None:
             raise TraceError(f"block ids must be integers in [0, 2**63), got {block_id!r}")
     if len(set(request.block_ids)) != len(request.block_ids):
         raise TraceError("hash_ids repeats a block id (a prefix block occurs once in a request)")
+    if request.content_ids is not None:
+        if len(request.content_ids) != len(request.block_ids):
+            raise TraceError(f"{len(request.content_ids)} content ids for {len(request.block_ids)} blocks")
+        if not all(type(i) is int and 0 <= i <= MAX_BLOCK_ID for i in request.content_ids):
+            raise TraceError("content ids must be integers in [0, 2**63)")
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,6 +150,7 @@ class Trace:
     type_names: tuple[str, ...]  # the distinct request types, in first-seen order (empty if none)
     type_codes: np.ndarray | None  # int32 per request: index into type_names, -1 untyped; None if none typed
     turns: np.ndarray | None  # int64 per request: conversation turn, -1 unknown; None if no turns known
+    content_ids: np.ndarray | None = None  # int64 per reference: namespace-free block ids; None if unknown
 
     @classmethod
     def from_requests(
@@ -139,10 +163,11 @@ class Trace:
 
         Raises:
             TraceError: a request breaks the module's invariants ("request N: ..."), requests disagree on
-                the block size, or there are none.
+                the block size or on whether content ids are known, or there are none.
         """
         arrival, inputs, outputs, starts, ids = array("d"), array("q"), array("q"), array("q", [0]), array("q")
-        type_codes, turns = array("i"), array("q")
+        type_codes, turns, content = array("i"), array("q"), array("q")
+        with_content = None  # whether the requests carry content ids (all of them or none)
         type_index: dict[str, int] = {}
         any_turn = False
         block_size = None
@@ -155,6 +180,12 @@ class Trace:
                 block_size = request.block_size
             elif request.block_size != block_size:
                 raise TraceError(f"request {number}: block size {request.block_size}, earlier ones {block_size}")
+            if with_content is None:
+                with_content = request.content_ids is not None
+            elif with_content != (request.content_ids is not None):
+                raise TraceError(f"request {number}: content ids are known for some requests only")
+            if request.content_ids is not None:
+                content.extend(request.content_ids)
             arrival.append(request.arrival_s)
             inputs.append(request.input_length)
             outputs.append(request.output_length)
@@ -176,6 +207,7 @@ class Trace:
             np.frombuffer(ids, np.int64),
             np.frombuffer(type_codes, np.int32) if type_index else None,
             np.frombuffer(turns, np.int64) if any_turn else None,
+            np.frombuffer(content, np.int64) if with_content else None,
         )
         ordered = columns.in_arrival_order()
         return cls._from_columns(trace_format, block_size, partial_blocks, ordered, tuple(type_index))
@@ -186,7 +218,7 @@ class Trace:
     ) -> Trace:
         for column in (columns.arrival, columns.inputs, columns.outputs, columns.starts, columns.ids):
             column.flags.writeable = False
-        for column in (columns.type_codes, columns.turns):
+        for column in (columns.type_codes, columns.turns, columns.content_ids):
             if column is not None:
                 column.flags.writeable = False
         return cls(
@@ -201,6 +233,7 @@ class Trace:
             type_names,
             columns.type_codes,
             columns.turns,
+            columns.content_ids,
         )
 
     def __len__(self) -> int:
@@ -241,6 +274,26 @@ class Trace:
         """int64 per request: the prompt tokens covered by its first `hit_blocks[r]` blocks."""
         return np.minimum(np.asarray(hit_blocks, np.int64) * self.block_size, self.input_lengths)
 
+    def full_blocks_only(self) -> Trace:
+        """The same requests with ids for their full blocks only (`PartialBlocks.DROPPED`), as the engine
+        keys them: a hash-id trace's partial last id is left out; a trace that drops them is itself."""
+        if self.partial_blocks is PartialBlocks.DROPPED:
+            return self
+        keep = self.input_lengths // self.block_size
+        position = np.arange(self.num_references, dtype=np.int64) - self.block_starts[self.request_of_reference]
+        kept = position < keep[self.request_of_reference]
+        columns = _Columns(
+            self.arrival_s.copy(),
+            self.input_lengths.copy(),
+            self.output_lengths.copy(),
+            np.concatenate(([0], np.cumsum(keep))).astype(np.int64),
+            self.block_ids[kept],
+            None if self.type_codes is None else self.type_codes.copy(),
+            None if self.turns is None else self.turns.copy(),
+            None,  # hash-id traces have no content ids
+        )
+        return Trace._from_columns(self.format, self.block_size, PartialBlocks.DROPPED, columns, self.type_names)
+
     def split(self, block_size: int) -> Trace:
         """The same trace at a smaller block size: each block becomes `self.block_size // block_size` blocks.
 
@@ -277,6 +330,7 @@ class Trace:
             child_ids,
             None if self.type_codes is None else self.type_codes.copy(),
             None if self.turns is None else self.turns.copy(),
+            None,  # a splittable trace is a hash-id trace: no content ids
         )
         return Trace._from_columns(self.format, block_size, self.partial_blocks, columns, self.type_names)
 
@@ -292,6 +346,7 @@ class _Columns:
     ids: np.ndarray  # int64 per reference
     type_codes: np.ndarray | None  # int32 per request, or None
     turns: np.ndarray | None  # int64 per request, or None
+    content_ids: np.ndarray | None  # int64 per reference, or None
 
     def in_arrival_order(self) -> _Columns:
         """These columns with requests stably sorted by arrival time (a copy only when out of order)."""
@@ -301,7 +356,8 @@ class _Columns:
         counts = np.diff(self.starts)[order]
         first = self.starts[:-1][order]
         offsets = np.repeat(first - (np.cumsum(counts) - counts), counts)
-        ids = self.ids[np.arange(int(counts.sum()), dtype=np.int64) + offsets]
+        positions = np.arange(int(counts.sum()), dtype=np.int64) + offsets
+        ids = self.ids[positions]
         return _Columns(
             self.arrival[order],
             self.inputs[order],
@@ -310,4 +366,5 @@ class _Columns:
             ids,
             None if self.type_codes is None else self.type_codes[order],
             None if self.turns is None else self.turns[order],
+            None if self.content_ids is None else self.content_ids[positions],
         )

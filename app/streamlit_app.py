@@ -32,6 +32,7 @@ navigation = st.navigation(
             st.Page(PAGES / "replay.py", title="Replay", icon=":material/replay:"),
         ],
         "History": [st.Page(PAGES / "evictions.py", title="Evictions", icon=":material/delete_sweep:")],
+        "Plan": [st.Page(PAGES / "capacity_planner.py", title="Capacity planner", icon=":material/insights:")],
         "Admin": [st.Page(PAGES / "settings.py", title="Settings", icon=":material/settings:")],
     }
 )

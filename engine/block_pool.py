@@ -1,4 +1,4 @@
-"""Physical KV blocks: reference counts, the prefix index and least-recently-used eviction.
+"""Physical KV blocks: reference counts, the prefix index and eviction (least recently used by default).
 
 Pure Python: no torch, no I/O. The pool only does bookkeeping; the KV tensors live in the model runner
 and are addressed by block id.
@@ -6,19 +6,21 @@ and are addressed by block id.
 Every block is in exactly one of three states (`BlockState`):
 
     free        ref_count == 0, no key         -> in the free queue, handed out first by `allocate_blocks`
-    evictable   ref_count == 0, key in index   -> in the LRU queue, kept for prefix hits, evicted LRU-first
-    referenced  ref_count  > 0                 -> in no queue, held by block tables, never handed out
+    evictable   ref_count == 0, key in index   -> held by the eviction policy, kept for prefix hits
+    referenced  ref_count  > 0                 -> in neither, held by block tables, never handed out
 
 The free queue is a FIFO of unkeyed blocks: blocks join at the tail and leave from the head, nothing else.
-The LRU queue holds the evictable blocks, least recently used first, in a doubly linked list threaded
-through the blocks themselves (`Block.lru_prev` / `lru_next`, vLLM's design): a release appends at the
-tail, an eviction pops the head, and a prefix hit or an out-of-turn eviction unlinks a block from the
-middle, each in O(1). A block is in the LRU queue exactly while it is evictable.
+The eviction policy (engine/eviction.py) holds the evictable blocks and names the victim when a block
+is needed and none is free. The default, LRU, keeps them least recently used first in a doubly linked
+list threaded through the blocks themselves (`Block.lru_prev` / `lru_next`, vLLM's design): a release
+appends at the tail, an eviction pops the head, and a prefix hit or an out-of-turn eviction unlinks a
+block from the middle, each in O(1). The pool tells the policy when blocks become evictable, stop being
+evictable, enter the index and leave it; nothing else.
 
 Invariants (checked by `check_invariants`):
-  * the free queue, the LRU queue and the referenced blocks are disjoint and cover the pool: the free
-    queue holds exactly the free blocks, the LRU queue exactly the evictable ones, each once;
-  * the LRU queue's links agree in both directions, and blocks outside it carry no LRU links;
+  * the free queue, the policy's evictable blocks and the referenced blocks are disjoint and cover the
+    pool: the free queue holds exactly the free blocks, the policy exactly the evictable ones, each once;
+  * the policy's queues' links agree in both directions, and blocks outside them carry no LRU links;
   * `index[key]` is a full block whose `key` is `key`, whose key is the chained hash of its
     `parent_key` and its token ids;
   * the index is a tree: an indexed block's `parent_key` is a registered namespace root, or the key
@@ -44,6 +46,7 @@ import xxhash
 
 from engine.errors import require
 from engine.events import EventKind, EventLog, EvictReason
+from engine.eviction import EvictionPolicy, EvictionPolicyName, LruPolicy
 
 
 class NoFreeBlocksError(RuntimeError):
@@ -95,76 +98,8 @@ class Block:
     prev_sibling: Block | None = field(default=None, repr=False)
 
 
-class LRUQueue:
-    """Blocks in a doubly linked list through their own `lru_prev` / `lru_next` links, head first.
-
-    O(1) `append` at the tail, `popleft` at the head and `remove` from anywhere; `extend` appends a run
-    of blocks in one pass. A block is in at most one queue; one that is in none has both links None.
-    """
-
-    def __init__(self) -> None:
-        self.head: Block | None = None  # least recently used
-        self.tail: Block | None = None  # most recently used
-        self._len = 0
-
-    def __len__(self) -> int:
-        return self._len
-
-    def __iter__(self) -> Iterator[Block]:
-        block = self.head
-        while block is not None:
-            yield block
-            block = block.lru_next
-
-    def append(self, block: Block) -> None:
-        block.lru_prev, block.lru_next = self.tail, None
-        if self.tail is None:
-            self.head = block
-        else:
-            self.tail.lru_next = block
-        self.tail = block
-        self._len += 1
-
-    def extend(self, blocks: Sequence[Block]) -> None:
-        """Append `blocks`, in order (none of them may be in a queue)."""
-        tail = self.tail
-        for block in blocks:
-            block.lru_prev = tail
-            if tail is None:
-                self.head = block
-            else:
-                tail.lru_next = block
-            tail = block
-        self.tail = tail
-        self._len += len(blocks)
-
-    def popleft(self) -> Block:
-        """Take the head out. Raises IndexError when the queue is empty."""
-        if self.head is None:
-            raise IndexError("pop from an empty LRU queue")
-        block = self.head
-        self.remove(block)
-        return block
-
-    def remove(self, block: Block) -> None:
-        """Unlink `block`. Raises ValueError when it is in no queue."""
-        before, after = block.lru_prev, block.lru_next
-        if before is None and self.head is not block:
-            raise ValueError(f"block {block.block_id} is not in the LRU queue")
-        if before is None:
-            self.head = after
-        else:
-            before.lru_next = after
-        if after is None:
-            self.tail = before
-        else:
-            after.lru_prev = before
-        block.lru_prev = block.lru_next = None
-        self._len -= 1
-
-
 class BlockPool:
-    """A fixed pool of blocks with a prefix index and LRU eviction of unreferenced cached blocks."""
+    """A fixed pool of blocks with a prefix index and policy-ordered eviction of unreferenced cached blocks."""
 
     def __init__(
         self,
@@ -174,9 +109,14 @@ class BlockPool:
         *,
         group: str = "full",
         chained: bool = True,
+        eviction: EvictionPolicy | None = None,
     ) -> None:
+        """`eviction` orders the evictable blocks: a fresh policy of this pool's own (engine/eviction.py's
+        `make_eviction_policy`); None gives LRU."""
         if num_blocks < 1 or block_size < 1:
             raise ValueError("num_blocks and block_size must be positive")
+        if eviction is not None and len(eviction):
+            raise ValueError("an eviction policy serves one pool: pass a fresh one")
         self.block_size = block_size
         self.group = group  # the KV group these blocks serve ("full" or "sliding")
         # A chained index is a tree (see module docstring). A sliding-window group's index is not: its
@@ -187,7 +127,7 @@ class BlockPool:
         self._log = log
         self._clock = log.clock  # one time source for block stamps and events
         self._free: deque[Block] = deque(self.blocks)  # the free blocks, handed out from the left
-        self._lru = LRUQueue()  # the evictable blocks, least recently used first
+        self._evictable: EvictionPolicy = LruPolicy() if eviction is None else eviction  # the evictable blocks
         self._index: dict[bytes, Block] = {}  # key -> cached block
         self._roots: dict[bytes, str] = {}  # namespace root key -> the namespace text it hashes
         self.num_evictions = 0
@@ -203,12 +143,12 @@ class BlockPool:
 
     @property
     def num_evictable(self) -> int:
-        return len(self._lru)
+        return len(self._evictable)
 
     @property
     def num_allocatable(self) -> int:
         """Blocks `allocate_blocks` can hand out now: free ones plus evictable cached ones."""
-        return len(self._free) + len(self._lru)
+        return len(self._free) + len(self._evictable)
 
     @property
     def num_cached(self) -> int:
@@ -234,7 +174,7 @@ class BlockPool:
     def allocate_blocks(
         self, num: int, request_id: str, start_pos: int, token_ids: list[int] | None = None
     ) -> list[Block]:
-        """Hand out `num` blocks with one reference each: free blocks first, then evicting LRU-first.
+        """Hand out `num` blocks with one reference each: free blocks first, then the policy's victims.
 
         Args:
             num: how many blocks.
@@ -255,7 +195,7 @@ class BlockPool:
             if self._free:
                 block = self._free.popleft()
             else:
-                block = self._lru.popleft()
+                block = self._evictable.pop_victim()
                 self._uncache(block, EvictReason.LRU, request_id)
             block.ref_count = 1
             block.token_ids = [] if token_ids is None else token_ids[i * bs : (i + 1) * bs]
@@ -264,7 +204,7 @@ class BlockPool:
             block.last_used = now
             block.hit_count = 0
             blocks.append(block)
-        if blocks:
+        if blocks and self._log.recording:
             ids = [block.block_id for block in blocks]
             detail = {"block_ids": ids, "group": self.group}
             self._log.emit(EventKind.ALLOCATE, detail, request_id=request_id, block_id=ids[0], at=now)
@@ -272,7 +212,7 @@ class BlockPool:
 
     def touch_blocks(self, blocks: Sequence[Block]) -> None:
         """Take one more reference on each block, cached or already referenced (a prefix hit): stamps its
-        use and counts the hit. Cached unreferenced blocks leave the LRU queue. The caller emits the HIT
+        use and counts the hit. Cached unreferenced blocks stop being evictable. The caller emits the HIT
         event.
 
         Raises:
@@ -284,7 +224,7 @@ class BlockPool:
         now = self._clock()
         for block in blocks:
             if block.ref_count == 0:
-                self._lru.remove(block)
+                self._evictable.remove(block)
             block.ref_count += 1
             block.hit_count += 1
             block.last_used = now
@@ -292,7 +232,7 @@ class BlockPool:
     @staticmethod
     def share_held_blocks(blocks: Iterable[Block]) -> None:
         """Take one more reference on blocks a fork's parent table holds. They are referenced, so outside
-        the LRU queue, and a fork is not a prefix hit: only the reference count changes. The caller emits
+        the evictable set, and a fork is not a prefix hit: only the reference count changes. The caller emits
         the FORK event."""
         for block in blocks:
             block.ref_count += 1
@@ -300,7 +240,8 @@ class BlockPool:
     def free_blocks(self, blocks: Sequence[Block], request_id: str) -> None:
         """Drop one reference on each block, in order; one RELEASE event for the call.
 
-        At zero a keyed block joins the LRU tail (evictable); an unkeyed one joins the free queue. `blocks`
+        At zero a keyed block becomes evictable (released to the policy in this order); an unkeyed one
+        joins the free queue. `blocks`
         are distinct, consecutive entries of one block table, in either order, so only an end can be
         partially filled. Callers pass a table's blocks last-first, so a chain's tail is evicted before
         its head.
@@ -325,7 +266,10 @@ class BlockPool:
                     self._free.append(block)
                 else:
                     evictable.append(block)
-        self._lru.extend(evictable)
+        if evictable:
+            self._evictable.release(evictable)
+        if not self._log.recording:
+            return
         # Interior blocks of a table are full: only the two ends can hold fewer tokens.
         first, last = blocks[0], blocks[-1]
         tokens = len(first.token_ids)
@@ -386,6 +330,7 @@ class BlockPool:
         block.key = key
         block.parent_key = parent_key
         self._index[key] = block
+        self._evictable.cached(block)
         if self.chained and parent is not None:
             first = parent.first_child
             if first is not None:
@@ -402,7 +347,7 @@ class BlockPool:
         """
         if block.ref_count != 0 or block.key is None:
             raise RuntimeError(f"block {block.block_id} is not an evictable cached block")
-        self._lru.remove(block)
+        self._evictable.remove(block)
         self._uncache(block, reason, request_id)
         self._free.append(block)
 
@@ -413,8 +358,8 @@ class BlockPool:
             (dropped, still_cached): blocks evicted, and cached blocks kept because they are referenced.
         """
         dropped = 0
-        while self._lru:
-            block = self._lru.popleft()
+        while self._evictable:
+            block = self._evictable.pop_victim()
             dropped += 1 + self._uncache(block, EvictReason.RESET, None)
             self._free.append(block)
         return dropped, len(self._index)
@@ -422,8 +367,8 @@ class BlockPool:
     def _uncache(self, block: Block, reason: EvictReason, request_id: str | None) -> int:
         """Remove a block's key and its indexed descendants' keys. Returns how many descendants.
 
-        The block itself must already be out of the LRU queue; the caller decides where it goes.
-        Unreferenced descendants move from the LRU queue to the free queue.
+        The block itself must already be out of the evictable set; the caller decides where it goes.
+        Unreferenced descendants move from the evictable set to the free queue.
         """
         parent = block.parent
         if parent is not None:  # unlink it from its parent's child list
@@ -436,6 +381,8 @@ class BlockPool:
                 after.prev_sibling = before
             block.parent = block.prev_sibling = block.next_sibling = None
         self._drop_key(block, reason, request_id)
+        if block.first_child is None:
+            return 0  # a leaf (every LRU victim of a chain: tails go first)
         # The whole subtree leaves, so its links are cut wholesale, one child list at a time.
         removed = 0
         subtree = [block]
@@ -447,7 +394,7 @@ class BlockPool:
                 child.parent = child.prev_sibling = child.next_sibling = None
                 self._drop_key(child, EvictReason.PARENT_EVICTED, request_id)
                 if child.ref_count == 0:
-                    self._lru.remove(child)
+                    self._evictable.remove(child)
                     self._free.append(child)
                 subtree.append(child)
                 removed += 1
@@ -457,7 +404,13 @@ class BlockPool:
     def _drop_key(self, block: Block, reason: EvictReason, request_id: str | None) -> None:
         """Take one block's key out of the index and emit its EVICT event (links are the caller's)."""
         key = block.key
+        self._evictable.uncached(block)
         del self._index[key]  # type: ignore[arg-type]
+        self.num_evictions += 1
+        block.key = None
+        block.parent_key = None
+        if not self._log.recording:
+            return
         now = self._clock()
         detail = {
             "reason": reason.value,
@@ -472,9 +425,6 @@ class BlockPool:
         self._log.emit(
             EventKind.EVICT, detail, request_id=request_id, block_id=block.block_id, tokens=len(block.token_ids), at=now
         )
-        self.num_evictions += 1
-        block.key = None
-        block.parent_key = None
 
     # ------------------------------------------------------------------ inspection
     @staticmethod
@@ -483,9 +433,14 @@ class BlockPool:
             return BlockState.REFERENCED
         return BlockState.EVICTABLE if block.key is not None else BlockState.FREE
 
-    def evictable_in_lru_order(self) -> list[int]:
-        """Ids of the evictable blocks, least recently used first (the order of eviction)."""
-        return [block.block_id for block in self._lru]
+    @property
+    def eviction_policy(self) -> EvictionPolicyName:
+        """The policy that orders the evictable blocks."""
+        return self._evictable.name
+
+    def evictable_in_eviction_order(self) -> list[int]:
+        """Ids of the evictable blocks, the next victim first (least recently used first under LRU)."""
+        return [block.block_id for block in self._evictable.in_eviction_order()]
 
     def free_in_order(self) -> list[int]:
         """Ids of the free blocks in the order `allocate_blocks` hands them out."""
@@ -495,14 +450,16 @@ class BlockPool:
         """Raise InvariantError if any pool invariant (module docstring) is broken."""
         free = self.free_in_order()
         require(len(free) == len(set(free)), "a block is twice in the free queue")
-        self._check_lru_links()
-        evictable = self.evictable_in_lru_order()
-        require(len(evictable) == len(set(evictable)) == len(self._lru), "the LRU queue miscounts its blocks")
+        queued = [block.block_id for block in self._evictable.check_invariants(self._index)]
+        evictable = set(queued)
+        require(len(queued) == len(evictable) == len(self._evictable), "the policy miscounts its blocks")
         by_state: dict[BlockState, set[int]] = {state: set() for state in BlockState}
         for block in self.blocks:
             by_state[self.state_of(block)].add(block.block_id)
+            if block.block_id not in evictable:
+                require(block.lru_prev is None and block.lru_next is None, f"block {block.block_id}: stray LRU link")
         require(set(free) == by_state[BlockState.FREE], "the free queue is not the free blocks")
-        require(set(evictable) == by_state[BlockState.EVICTABLE], "the LRU queue is not the evictable blocks")
+        require(evictable == by_state[BlockState.EVICTABLE], "the policy does not hold exactly the evictable blocks")
         for block in self.blocks:
             require(block.ref_count >= 0, f"block {block.block_id}: negative reference count")
             require(len(block.token_ids) <= self.block_size, f"block {block.block_id} overflows")
@@ -526,20 +483,6 @@ class BlockPool:
                 require(block.start_pos == 0, "a root block must start at position 0")
                 require(block.parent is None, f"root block {block.block_id} has a parent link")
         self._check_child_lists()
-
-    def _check_lru_links(self) -> None:
-        """The LRU queue's links agree both ways, end at its head and tail, and link nothing else."""
-        linked: set[int] = set()
-        before, block = None, self._lru.head
-        while block is not None:
-            require(block.block_id not in linked, "the LRU queue loops")
-            require(block.lru_prev is before, f"block {block.block_id}: LRU links disagree")
-            linked.add(block.block_id)
-            before, block = block, block.lru_next
-        require(self._lru.tail is before, "the LRU queue's tail is not its last block")
-        for block in self.blocks:
-            if block.block_id not in linked:
-                require(block.lru_prev is None and block.lru_next is None, f"block {block.block_id}: stray LRU link")
 
     def _check_child_lists(self) -> None:
         """Every block's child list is doubly linked, holds exactly the indexed blocks whose parent it is,

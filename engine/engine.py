@@ -29,6 +29,7 @@ from engine.block_pool import BlockPool
 from engine.config import EngineConfig
 from engine.errors import require
 from engine.events import Event, EventKind, EventLog
+from engine.eviction import make_eviction_policy
 from engine.kv_cache_manager import KVCacheManager
 from engine.kv_coordinator import KVCoordinator
 from engine.kv_groups import WindowPolicy
@@ -91,7 +92,14 @@ class Engine:
         )
         managers = [
             KVCacheManager(
-                BlockPool(num_blocks, config.block_size, self.log, group=spec.name, chained=spec.window is None),
+                BlockPool(
+                    num_blocks,
+                    config.block_size,
+                    self.log,
+                    group=spec.name,
+                    chained=spec.window is None,
+                    eviction=make_eviction_policy(config.eviction_policy, num_blocks),
+                ),
                 self.namespace,
                 self.log,
                 window=spec.window,

@@ -34,7 +34,7 @@ class EventKind(str, enum.Enum):
 class EvictReason(str, enum.Enum):
     """Why a cached block lost its key."""
 
-    LRU = "lru"  # the allocator needed a block and this was the least recently used cached one
+    LRU = "lru"  # the allocator needed a block and this was the eviction policy's victim (LRU by default)
     RESET = "reset"  # an operator reset the prefix cache
     PARENT_EVICTED = "parent_evicted"  # its chain parent left the index, so its key can never match
     WINDOW = "window"  # sliding-layer state dropped outside the retained window
@@ -83,11 +83,16 @@ class EventLog:
 
     The block pool, the KV cache manager and the engine all append to one log; the engine drains it
     once per step with `take()`. Appending never blocks and never does I/O.
+
+    A log made with `recording=False` keeps nothing, and the block pool skips building the events it
+    would emit per block (ALLOCATE, RELEASE, EVICT): for replays that only count hits (the workload
+    analyzer), where building those events was most of the pool's time.
     """
 
-    def __init__(self, clock: Callable[[], float] = time.time) -> None:
+    def __init__(self, clock: Callable[[], float] = time.time, *, recording: bool = True) -> None:
         self.step = 0  # the engine step counter: the engine advances it at the start of every step
         self.clock = clock  # the time source of events and of the block pool's stamps
+        self.recording = recording  # False: emit keeps nothing (see the class docstring)
         self._events: list[Event] = []
 
     def emit(
@@ -103,6 +108,8 @@ class EventLog:
         """Append one event. `detail` holds the kind's fields (see the table above); the log keeps it.
         `at` is the event's time when the caller has just read `clock` for the same change (so a block's
         stamp and its event agree)."""
+        if not self.recording:
+            return
         now = self.clock() if at is None else at
         self._events.append(Event(kind, self.step, now, request_id, block_id, tokens, detail))
 

@@ -129,6 +129,10 @@ class KVCacheManager:
         table = self._tables[request_id]
         return table.block_ids, table.offset
 
+    def chain_keys(self, request_id: str) -> list[bytes]:
+        """A copy of the chain keys of the request's full blocks, logical block 0 first."""
+        return list(self._tables[request_id].keys)
+
     def num_tokens(self, request_id: str) -> int:
         """Slots filled in the request's table (0 when it has none)."""
         table = self._tables.get(request_id)
@@ -173,7 +177,7 @@ class KVCacheManager:
     # ------------------------------------------------------------------ allocation
     def can_allocate(self, num_new_tokens: int, hits: Sequence[Block] = ()) -> bool:
         """Whether `allocate` can give a new table these hits and `num_new_tokens` slots after them."""
-        # Hit blocks that sit in the LRU queue stop being allocatable once touched.
+        # Evictable hit blocks stop being allocatable once touched.
         num_evictable_hits = sum(1 for block in hits if block.ref_count == 0)
         return self.pool.can_allocate(-(-num_new_tokens // self.block_size) + num_evictable_hits)
 

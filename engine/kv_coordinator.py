@@ -18,6 +18,8 @@ from engine.block_pool import Block, NoFreeBlocksError
 from engine.errors import require
 from engine.events import EventKind, EventLog
 from engine.kv_cache_manager import BlockCopy, KVCacheManager, TableStart
+from engine.namespace import CONTENT_ROOT_KEY
+from engine.request import PromptKeys
 from engine.kv_groups import (
     FULL,
     SLIDING,
@@ -97,6 +99,16 @@ class KVCoordinator:
             m.pool.group: tuple(m.live_block_ids(request_id)[0]) if m.has_table(request_id) else ()
             for m in self.managers
         }
+
+    def prompt_keys(self, request_id: str, prompt_token_ids: Sequence[int]) -> PromptKeys:
+        """What the history keeps of a request's prompt (engine/request.py's `PromptKeys`): its table's
+        chain keys of the prompt's full blocks (every group chains the same keys), and their content keys.
+        Call while the request holds its tables and has computed its prompt."""
+        num = len(prompt_token_ids) // self.block_size
+        chain = self.managers[0].chain_keys(request_id)[:num]
+        require(len(chain) == num, f"{request_id}: the prompt's full blocks are not all keyed")
+        content = chain_keys_of(list(prompt_token_ids), CONTENT_ROOT_KEY, self.block_size, num)
+        return PromptKeys(b"".join(chain), b"".join(content))
 
     def group_tables(self, request_id: str) -> tuple[GroupTable, ...]:
         """Per group, the request's table as the runner reads it in this step (the lists are not copied)."""

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 from engine.config import MAX_NEW_TOKENS
 
@@ -46,6 +46,19 @@ class ReplayMode(enum.StrEnum):
     READY = "ready"  # the window state at the hit was cached: nothing replayed
     EXACT = "exact"  # replayed from the last point with cached window state: exact
     APPROXIMATE = "approximate"  # replayed a bounded suffix without its window state: approximate
+
+
+class PromptKeys(NamedTuple):
+    """The keys of a finished request's prompt that the history keeps, for the workload analyzer.
+
+    Both cover the prompt's full blocks, `num_prompt_tokens // block_size` keys of 16 bytes each,
+    concatenated: `chain` as the engine keyed them (its namespace and the request's salt at the root),
+    `content` chained from `engine.namespace.CONTENT_ROOT_KEY` instead, so the same tokens at the same
+    positions have the same content keys under every model, dtype and salt.
+    """
+
+    chain: bytes  # the table's chain keys of the prompt's full blocks
+    content: bytes  # the same blocks' namespace-free keys
 
 
 @dataclass(frozen=True)
@@ -87,6 +100,7 @@ class Request:
     preemptions: int = 0
     finish_reason: str | None = None
     final_block_tables: dict[str, tuple[int, ...]] = field(default_factory=dict)  # per KV group, as it finished
+    prompt_keys: PromptKeys | None = None  # set when it finishes
     # Sliding-window hit accounting (see engine/kv_groups.py): the hit position h is `cached_tokens`.
     window_start: int = 0  # s: valid window-state range [s, e) found at admission
     window_end: int = 0  # e
@@ -189,11 +203,14 @@ class Request:
         self.preemptions += 1
         self.prefilling = True
 
-    def finished(self, reason: str, block_tables: dict[str, tuple[int, ...]], now: float) -> None:
-        """It stopped generating; `block_tables` are its tables at that moment."""
+    def finished(
+        self, reason: str, block_tables: dict[str, tuple[int, ...]], now: float, *, prompt_keys: PromptKeys
+    ) -> None:
+        """It stopped generating; `block_tables` are its tables at that moment, `prompt_keys` its prompt's."""
         self.finish_reason = reason
         self.finish_time = now
         self.final_block_tables = block_tables
+        self.prompt_keys = prompt_keys
         self.status = RequestStatus.RETAINED if self.retain else RequestStatus.FINISHED
 
     def release_when_finished(self) -> None:

@@ -222,7 +222,9 @@ class Scheduler:
     def _finish(self, request: Request, reason: str, now: float) -> None:
         """Take a finished request out of the running set; free its blocks unless it is retained."""
         self.running.remove(request)
-        request.finished(reason, self.kv.block_ids(request.request_id), now)
+        rid = request.request_id
+        keys = self.kv.prompt_keys(rid, request.prompt_token_ids)
+        request.finished(reason, self.kv.block_ids(rid), now, prompt_keys=keys)
         if request.status is RequestStatus.FINISHED:
             self.kv.free(request.request_id)
         detail = {"reason": reason, "output_tokens": len(request.output_token_ids)}

@@ -51,6 +51,8 @@ class RequestView(NamedTuple):
     replay_mode: str  # a ReplayMode value
     replayed_tokens: int  # h - r
     replay_divergence: dict[str, float] | None  # engine/verify.py's Divergence, when verified
+    block_keys: bytes | None  # the prompt's full-block chain keys, 16 bytes each, once finished (PromptKeys)
+    content_keys: bytes | None  # the same blocks' namespace-free keys, once finished
 
     # The sliding-window vocabulary of engine/kv_groups.py (and of the stored request rows).
     @property
@@ -118,6 +120,8 @@ class RequestView(NamedTuple):
             replay_mode=request.replay_mode.value,
             replayed_tokens=request.replayed_tokens,
             replay_divergence=request.replay_divergence,
+            block_keys=None if request.prompt_keys is None else request.prompt_keys.chain,
+            content_keys=None if request.prompt_keys is None else request.prompt_keys.content,
         )
 
 

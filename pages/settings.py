@@ -14,6 +14,7 @@ from sqlalchemy import make_url
 from app.hosting import get_host
 from app.ui import fmt_duration, fmt_time
 from engine.config import DTYPES, MAX_BATCHED_TOKENS, MAX_BLOCK_SIZE, MAX_NUM_BLOCKS, EngineConfig
+from engine.eviction import EvictionPolicyName
 from engine.kv_memory import kv_bytes_per_block
 from engine.models import PRESETS, available_devices, resolve_device
 
@@ -67,8 +68,8 @@ st.table(
     pd.DataFrame(
         {
             "setting": [
-                "model", "weights revision", "device", "dtype", "pool", "KV pool memory", "max batched tokens",
-                "max running requests", "seed", "data directory", "run", "started",
+                "model", "weights revision", "device", "dtype", "pool", "eviction policy", "KV pool memory",
+                "max batched tokens", "max running requests", "seed", "data directory", "run", "started",
             ],
             "value": [
                 loaded.model_id,
@@ -77,6 +78,7 @@ st.table(
                 config.dtype,
                 f"{engine.num_blocks:,} blocks × {config.block_size} tokens"
                 + (f" per KV group ({', '.join(groups)})" if len(groups) > 1 else ""),
+                config.eviction_policy.value,
                 f"{pool_bytes(config.dtype, config.block_size, engine.num_blocks) / 2**20:,.1f} MiB",
                 f"{config.max_num_batched_tokens:,}",
                 f"{config.max_num_seqs:,}",
@@ -151,6 +153,11 @@ with st.form("settings_form"):
     num_blocks = c[1].number_input("Pool size (blocks)", 1, MAX_NUM_BLOCKS, engine.num_blocks, step=1, key="settings_num_blocks")
     block_size = c[1].number_input("Block size (tokens)", 1, MAX_BLOCK_SIZE, config.block_size, step=1, key="settings_block_size")
     dtype = c[2].selectbox("Dtype", DTYPES, index=DTYPES.index(config.dtype), key="settings_dtype")
+    policies = [policy.value for policy in EvictionPolicyName]
+    eviction = c[1].selectbox(
+        "Eviction policy", policies, index=policies.index(config.eviction_policy.value), key="settings_eviction",
+        help="lru: least recently used first; reuse-lru: blocks that were reused get more time (engine/eviction.py)",
+    )
     device = c[2].selectbox("Device", devices, index=devices.index(config.device) if config.device in devices else 0, key="settings_device")
     with st.expander("Scheduler"):
         c = st.columns(3)
@@ -185,6 +192,7 @@ if asked:
             dtype=dtype,
             block_size=int(block_size),
             num_blocks=int(num_blocks),
+            eviction_policy=EvictionPolicyName(eviction),
             kv_memory_mb=None,
             max_num_batched_tokens=int(max_batched),
             max_num_seqs=int(max_seqs),
@@ -212,7 +220,7 @@ if state.get("settings_confirm") == "restart" and "settings_pending" in state:
     needed = kv_bytes(new)
     st.warning(
         f"Restart the shared engine as **{new.model}**, {new.num_blocks:,} blocks × {new.block_size} tokens, "
-        f"{new.dtype} on {new.device}"
+        f"{new.dtype} on {new.device}, {new.eviction_policy.value} eviction"
         + (f" (about {needed / 2**20:,.0f} MiB of KV)" if needed is not None else "")
         + "? Every request and cached block is dropped for every operator."
     )

@@ -48,6 +48,7 @@ Console side (`db` is an Engine, Connection or Session; times are epoch seconds)
     queries.request_timeline(db, request_id, run_id=None) -> DataFrame of that request's events, in order
     queries.hit_rate_over_time(db, bucket_seconds=60.0, run_id=None, since=None, until=None) -> DataFrame
     queries.runs(db, limit=100), queries.recent_requests(db, run_id=None, limit=100), queries.prune_log(db)
+    queries.prompt_chains(db, run_ids=(), limit=1_000_000) -> DataFrame of finished requests' prompt keys
     queries.export_evictions_csv(db, filters) -> str
 
 EvictionFilters(since, until, reasons, request_id, run_id, key_prefix); the aggregates also take

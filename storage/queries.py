@@ -405,3 +405,39 @@ def export_evictions_csv(db: Readable, filters: EvictionFilters = EvictionFilter
         page = eviction_log(db, filters, chunk_rows, after=page.next_cursor)
         page.rows.to_csv(out, index=False, header=False)
     return out.getvalue()
+
+
+def prompt_chains(db: Readable, run_ids: Sequence[str] = (), limit: int = 1_000_000) -> pd.DataFrame:
+    """The finished requests whose prompt keys are stored (revision 0004), oldest arrival first, for the
+    workload analyzer: one row per request with `run_id`, `request_id`, `arrival_time`, `prompt_tokens`,
+    `output_tokens`, `block_keys`, `content_keys` (bytes, 16 per full block) and its run's `block_size`,
+    `model`, `weights_revision` and `dtype`.
+
+    Args:
+        db: the history.
+        run_ids: the runs to read; empty reads every run.
+        limit: at most this many requests (the oldest).
+    """
+    statement = (
+        select(
+            REQUESTS.c.run_id,
+            REQUESTS.c.request_id,
+            REQUESTS.c.arrival_time,
+            REQUESTS.c.prompt_tokens,
+            func.json_array_length(REQUESTS.c.output_token_ids).label("output_tokens"),
+            REQUESTS.c.block_keys,
+            REQUESTS.c.content_keys,
+            RUNS.c.block_size,
+            RUNS.c.model,
+            RUNS.c.weights_revision,
+            RUNS.c.dtype,
+        )
+        .join(RUNS, RUNS.c.id == REQUESTS.c.run_id)
+        .where(REQUESTS.c.block_keys.is_not(None))
+        .order_by(REQUESTS.c.arrival_time, REQUESTS.c.run_id, REQUESTS.c.request_id)
+        .limit(limit)
+    )
+    if run_ids:
+        statement = statement.where(REQUESTS.c.run_id.in_(list(run_ids)))
+    with _connection(db) as connection:
+        return _frame(connection, statement)

@@ -8,9 +8,11 @@ from pathlib import Path
 
 from hypothesis import strategies as st
 
+from analysis.errors import NoVictimError
+from analysis.policies import EvictionPolicy
 from analysis.trace import PartialBlocks, Trace, TraceFormat, TraceRequest
 
-DATA = Path(__file__).resolve().parent / "traces"
+DATA = Path(__file__).resolve().parent.parent / "analysis" / "samples"  # shipped with their licence note
 CONVERSATION_SAMPLE = DATA / "mooncake_conversation_sample.jsonl"
 SYNTHETIC_SAMPLE = DATA / "mooncake_synthetic_sample.jsonl"
 BAILIAN_SAMPLE = DATA / "bailian_sample.jsonl"
@@ -61,6 +63,43 @@ def any_chains(draw, max_requests: int = 12, max_len: int = 5, ids: int = 8) -> 
     return [
         draw(st.lists(st.integers(0, ids - 1), min_size=1, max_size=max_len, unique=True)) for _ in range(count)
     ]
+
+
+class NaiveLru(EvictionPolicy):
+    """A test oracle: LRU over any hashable keys, the victim recomputed from release stamps (O(n)).
+
+    The product's LRU is the engine's block pool, which keys a block by its whole prefix; this one
+    keys blocks by id alone, so the one-pass curve can be checked on traces whose ids change parents.
+    """
+
+    def __init__(self) -> None:
+        self.released: dict[int, int] = {}  # evictable key -> release stamp
+        self.clock = 0
+
+    def insert(self, key):
+        pass
+
+    def touch(self, key):
+        self.released.pop(key, None)
+
+    def release(self, key):
+        self.clock += 1
+        self.released[key] = self.clock
+
+    def victim(self):
+        if not self.released:
+            raise NoVictimError("no evictable block")
+        return min(self.released, key=self.released.__getitem__)
+
+    def remove(self, key):
+        del self.released[key]
+
+    @property
+    def num_evictable(self) -> int:
+        return len(self.released)
+
+    def check_invariants(self) -> None:
+        pass
 
 
 def best_hit_blocks(chains: list[list[int]], capacity: int) -> int:

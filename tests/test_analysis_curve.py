@@ -9,12 +9,21 @@ from hypothesis import given, settings, strategies as st
 from analysis.analyzer import log_spaced_capacities
 from analysis.policies import Policy
 from analysis.readers import load_trace
-from analysis.sequential import infinite_hit_blocks, simulate
+from analysis.sequential import SequentialCache, infinite_hit_blocks, replay, simulate
 from analysis.stack_distance import INFINITE_DEPTH, lru_curve
-from tests.analysis_support import BAILIAN_SAMPLE, CONVERSATION_SAMPLE, SYNTHETIC_SAMPLE, any_chains, trace_of
+from tests.analysis_support import (
+    BAILIAN_SAMPLE,
+    CONVERSATION_SAMPLE,
+    SYNTHETIC_SAMPLE,
+    NaiveLru,
+    any_chains,
+    prefix_chains,
+    trace_of,
+)
 
 
 def assert_curve_matches_simulation(trace, capacities):
+    """The curve against the LRU simulation, which is the engine's block pool (analysis/pool_replay.py)."""
     curve = lru_curve(trace)
     for capacity in capacities:
         simulated = simulate(trace, Policy.LRU, capacity).hit_blocks
@@ -22,20 +31,39 @@ def assert_curve_matches_simulation(trace, capacities):
         assert curve.hit_tokens(capacity) == trace.hit_tokens(simulated).sum(), capacity
 
 
+def oracle_hit_blocks(trace, capacity):
+    """LRU keyed by block id alone (tests/analysis_support.py), for traces the block pool refuses."""
+    return replay(trace, SequentialCache(capacity, NaiveLru())).tolist()
+
+
 def test_stack_depths_of_a_hand_made_trace():
     # r0 releases B then A (A on top); r1 [A, C]: A at depth 0, C new; r2 [B, A]: B is below C and A.
     trace = trace_of([[1, 2], [1, 3], [2, 1]])
     depths = lru_curve(trace).prefix_depths.tolist()
     assert depths == [INFINITE_DEPTH, INFINITE_DEPTH, 0, INFINITE_DEPTH, 2, 2]
-    assert_curve_matches_simulation(trace, range(0, 5))
+    curve = lru_curve(trace)
+    assert [curve.hit_blocks(capacity).tolist() for capacity in range(5)] == [
+        oracle_hit_blocks(trace, capacity) for capacity in range(5)
+    ]
+
+
+@settings(max_examples=200, deadline=None)
+@given(chains=prefix_chains(), data=st.data())
+def test_curve_equals_the_block_pool_at_every_capacity_on_random_prefix_traces(chains, data):
+    lengths = [len(chain) * 4 - data.draw(st.integers(0, 3)) for chain in chains]  # some tails partial
+    trace = trace_of(chains, lengths)
+    assert_curve_matches_simulation(trace, range(0, trace.unique_blocks + 2))
 
 
 @settings(max_examples=200, deadline=None)
 @given(chains=any_chains(), data=st.data())
-def test_curve_equals_simulation_at_every_capacity_on_random_traces(chains, data):
-    lengths = [len(chain) * 4 - data.draw(st.integers(0, 3)) for chain in chains]  # some tails partial
+def test_curve_equals_an_id_keyed_lru_on_traces_whose_ids_change_parents(chains, data):
+    """The pool keys blocks by prefix and refuses such traces; the curve keys them by id, as this oracle."""
+    lengths = [len(chain) * 4 - data.draw(st.integers(0, 3)) for chain in chains]
     trace = trace_of(chains, lengths)
-    assert_curve_matches_simulation(trace, range(0, trace.unique_blocks + 2))
+    curve = lru_curve(trace)
+    for capacity in range(0, trace.unique_blocks + 2):
+        assert curve.hit_blocks(capacity).tolist() == oracle_hit_blocks(trace, capacity)
 
 
 @pytest.mark.parametrize("sample", [CONVERSATION_SAMPLE, SYNTHETIC_SAMPLE, BAILIAN_SAMPLE])

@@ -1,10 +1,12 @@
-"""Property tests: every policy's invariants and order, and the simulation's bounds (OPT, infinite).
+"""Property tests: the simulator policies' invariants and order, and the simulation's bounds (OPT, infinite).
 
-Each online policy is driven by random pool-like events (insert, touch by several holders, release by
-the last, evict the victim, remove out of turn) next to a naive model that recomputes the victim from
-scratch; the policy's victim must be the model's. Simulations on random traces must keep the cache
-within capacity, never hit more than the infinite cache, and never beat OPT (on prefix-consistent
-traces, where OPT is the exhaustive optimum, which a brute force confirms).
+Each simulator policy (FIFO, LFU) is driven by random pool-like events (insert, touch by several
+holders, release by the last, evict the victim, remove out of turn) next to a naive model that
+recomputes the victim from scratch; the policy's victim must be the model's. The engine's own policies
+(LRU, reuse-LRU) have the same kind of machine over the real block pool (tests/test_block_pool_properties.py).
+Simulations on random traces must keep the cache within capacity, never hit more than the infinite
+cache, and never beat OPT (on prefix-consistent traces, where OPT is the exhaustive optimum, which a
+brute force confirms).
 """
 
 from __future__ import annotations
@@ -12,12 +14,15 @@ from __future__ import annotations
 from hypothesis import given, settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from analysis.policies import FifoPolicy, LfuPolicy, LruPolicy, Policy, ReuseLruPolicy
+from analysis.policies import FifoPolicy, LfuPolicy, Policy
+from analysis.pool_replay import PoolCache
 from analysis.sequential import SequentialCache, infinite_hit_blocks, make_policy, simulate
+from engine.eviction import make_eviction_policy
 from tests.analysis_support import BLOCK_SIZE, any_chains, best_hit_blocks, best_hit_tokens, prefix_chains, trace_of
 
 ONLINE = [policy for policy in Policy if policy.online]
-REUSE_CAPACITY, REUSE_CREDIT, REUSE_TIERS, REUSE_HISTORY = 3, 1.0, 2, 1  # small: credits and history matter
+SIMULATOR_POLICIES = [policy for policy in Policy if policy.in_block_pool is None]
+POOL_POLICIES = [policy for policy in Policy if policy.in_block_pool is not None]
 
 
 class NaiveModel:
@@ -30,13 +35,11 @@ class NaiveModel:
         self.inserted: dict[int, int] = {}  # cached key -> its insertion number
         self.released: dict[int, int] = {}  # evictable key -> the number of its last release
         self.uses: dict[int, int] = {}  # cached key -> uses as the policy counts them
-        self.history: dict[int, int] = {}  # evicted key -> its uses (reuse-LRU), oldest eviction first
 
     def insert(self, key: int) -> None:
         self.inserts += 1
         self.inserted[key] = self.inserts
-        remembered = self.history.pop(key, 0) if self.policy is Policy.REUSE_LRU else 0
-        self.uses[key] = remembered + 1
+        self.uses[key] = 1
 
     def touch(self, key: int) -> None:
         self.released.pop(key, None)
@@ -48,36 +51,18 @@ class NaiveModel:
 
     def remove(self, key: int) -> None:
         del self.released[key], self.inserted[key]
-        uses = self.uses.pop(key)
-        if self.policy is Policy.REUSE_LRU:
-            self.history[key] = uses
-            while len(self.history) > REUSE_HISTORY * REUSE_CAPACITY:
-                del self.history[next(iter(self.history))]
+        del self.uses[key]
 
     def victim(self) -> int:
         order = {
-            Policy.LRU: lambda key: self.released[key],
             Policy.FIFO: lambda key: self.inserted[key],
             Policy.LFU: lambda key: (self.uses[key], self.released[key]),
-            Policy.REUSE_LRU: self._due,
         }[self.policy]
         return min(self.released, key=order)
 
-    def _due(self, key: int) -> tuple[float, int]:
-        tier = min(self.uses[key] - 1, REUSE_TIERS)
-        return self.released[key] + tier * REUSE_CREDIT * REUSE_CAPACITY, tier
-
 
 def new_policy(policy: Policy):
-    if policy is Policy.LRU:
-        return LruPolicy()
-    if policy is Policy.FIFO:
-        return FifoPolicy()
-    if policy is Policy.LFU:
-        return LfuPolicy()
-    return ReuseLruPolicy(
-        REUSE_CAPACITY, credit_per_reuse=REUSE_CREDIT, max_tier=REUSE_TIERS, history_per_block=REUSE_HISTORY
-    )
+    return FifoPolicy() if policy is Policy.FIFO else LfuPolicy()
 
 
 class PolicyMachine(RuleBasedStateMachine):
@@ -151,19 +136,29 @@ def machine_for(policy: Policy):
 
 
 MACHINE_SETTINGS = settings(max_examples=100, stateful_step_count=50, deadline=None)
-TestLruMachine = machine_for(Policy.LRU).TestCase
 TestFifoMachine = machine_for(Policy.FIFO).TestCase
 TestLfuMachine = machine_for(Policy.LFU).TestCase
-TestReuseLruMachine = machine_for(Policy.REUSE_LRU).TestCase
-TestLruMachine.settings = TestFifoMachine.settings = MACHINE_SETTINGS
-TestLfuMachine.settings = TestReuseLruMachine.settings = MACHINE_SETTINGS
+TestFifoMachine.settings = TestLfuMachine.settings = MACHINE_SETTINGS
 
 
 @settings(max_examples=150, deadline=None)
-@given(chains=any_chains(), capacity=st.integers(0, 6), policy=st.sampled_from(list(Policy)))
-def test_every_policy_stays_within_capacity_and_below_the_infinite_cache(chains, capacity, policy):
+@given(chains=any_chains(), capacity=st.integers(0, 6), policy=st.sampled_from(SIMULATOR_POLICIES))
+def test_every_simulator_policy_stays_within_capacity_and_below_the_infinite_cache(chains, capacity, policy):
     trace = trace_of(chains)
-    cache = SequentialCache(capacity, make_policy(policy, capacity, trace))
+    cache = SequentialCache(capacity, make_policy(policy, trace))
+    infinite = infinite_hit_blocks(trace)
+    ids, starts = trace.dense.ids.tolist(), trace.block_starts.tolist()
+    for request in range(len(trace)):
+        hit = cache.serve(ids[starts[request] : starts[request + 1]])
+        cache.check_invariants()
+        assert hit <= infinite[request]
+
+
+@settings(max_examples=150, deadline=None)
+@given(chains=prefix_chains(), capacity=st.integers(1, 6), policy=st.sampled_from(POOL_POLICIES))
+def test_the_block_pool_stays_within_capacity_and_below_the_infinite_cache(chains, capacity, policy):
+    trace = trace_of(chains)
+    cache = PoolCache(trace, capacity, make_eviction_policy(policy.in_block_pool, capacity))
     infinite = infinite_hit_blocks(trace)
     ids, starts = trace.dense.ids.tolist(), trace.block_starts.tolist()
     for request in range(len(trace)):

@@ -126,7 +126,7 @@ def test_an_undetectable_format_asks_for_format():
 
 def test_an_unknown_format_name_lists_the_known_ones():
     assert parse_format("bailian") is TraceFormat.BAILIAN
-    with pytest.raises(TraceError, match="unknown trace format 'csv' \\(known: mooncake, bailian\\)"):
+    with pytest.raises(TraceError, match="unknown trace format 'csv' \\(known: mooncake, bailian, run-trace, history\\)"):
         parse_format("csv")
 
 

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from analysis.analyzer import AnalysisConfig, Progress, analyze, log_spaced_capacities
-from analysis.breakdown import MissBreakdown, PrefixSavings, TypeHits, miss_breakdown, top_prefixes
+from analysis.breakdown import MissBreakdown, PrefixSavings, TypeHits, hit_bounds, miss_breakdown, top_prefixes
 from analysis.policies import Policy
 from analysis.readers import load_trace
 from analysis.report import to_json
@@ -54,8 +54,8 @@ def test_misses_split_into_compulsory_and_capacity():
 def test_full_block_workloads_count_the_tail_as_partial():
     requests = [TraceRequest(float(i), 10, 1, (1, 2), 4) for i in range(2)]
     trace = Trace.from_requests(requests, TraceFormat.MOONCAKE, PartialBlocks.DROPPED)
-    infinite = infinite_hit_blocks(trace)
-    assert miss_breakdown(trace, infinite, infinite) == MissBreakdown(8, 0, 4, 0, 0)
+    bounds = hit_bounds(trace)
+    assert miss_breakdown(trace, bounds.infinite, bounds) == MissBreakdown(8, 0, 4, 0, 0)
 
 
 def test_top_prefixes_group_requests_by_their_exact_hit_chain():

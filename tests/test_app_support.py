@@ -23,7 +23,7 @@ from app.hosting import ConsoleHost, get_host
 ROOT = Path(__file__).resolve().parent.parent
 ENTRY = str(ROOT / "app" / "streamlit_app.py")
 TEST_DATA_DIR = Path(os.environ.get("PREFIX_CONSOLE_TEST_DATA_DIR", ROOT / "data" / "test-cache"))  # as tests/conftest.py
-PAGES = ("overview", "submit", "blocks", "prefix_tree", "replay", "evictions", "settings")
+PAGES = ("overview", "submit", "blocks", "prefix_tree", "replay", "evictions", "settings", "capacity_planner")
 TIMEOUT_S = 60
 
 

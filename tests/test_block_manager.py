@@ -100,13 +100,13 @@ def test_hit_shares_blocks_and_takes_them_out_of_the_lru():
     m = make_manager()
     prefill(m, "a", [1, 2, 3, 4, 5, 6, 7, 8, 9])
     m.free("a")
-    assert m.pool.evictable_in_lru_order() == [1, 0]  # released in reverse: tail first
+    assert m.pool.evictable_in_eviction_order() == [1, 0]  # released in reverse: tail first
     hits = prefill(m, "b", [1, 2, 3, 4, 5, 6, 7, 8, 10, 11])
     assert [b.block_id for b in hits] == [0, 1]
     assert m.block_ids("b") == [0, 1, 3]  # free blocks are used before evicting cached ones
     assert refs(m, 0, 1) == [1, 1]
     assert m.pool.blocks[0].hit_count == 1
-    assert m.pool.evictable_in_lru_order() == []
+    assert m.pool.evictable_in_eviction_order() == []
     m.check_invariants()
 
 
@@ -149,19 +149,19 @@ def test_lru_order_is_release_order_through_many_reuses():
     prefill(m, "hot", [9, 9, 9, 9, 0])  # block 2: hot prefix (1 and 3 are the partial tails)
     m.free("cold")
     m.free("hot")
-    assert m.pool.evictable_in_lru_order() == [0, 2]
+    assert m.pool.evictable_in_eviction_order() == [0, 2]
     for i in range(50):  # far more releases than the pool has blocks
         hits = prefill(m, f"h{i}", [9, 9, 9, 9, i])
         assert [b.block_id for b in hits] == [2]
         m.free(f"h{i}")
-        assert m.pool.evictable_in_lru_order() == [0, 2]
-        assert m.pool.num_evictable == len(m.pool.evictable_in_lru_order()) == 2  # no dead entries
+        assert m.pool.evictable_in_eviction_order() == [0, 2]
+        assert m.pool.num_evictable == len(m.pool.evictable_in_eviction_order()) == 2  # no dead entries
         m.check_invariants()
     m._log.take()
     prefill(m, "new", [5, 6, 7, 8, 5, 6, 7, 8, 5])  # 3 blocks: 2 free, then the coldest cached (0)
     evicted = [e.block_id for e in m._log.take() if e.kind == EventKind.EVICT]
     assert evicted == [0]
-    assert m.pool.evictable_in_lru_order() == [2]
+    assert m.pool.evictable_in_eviction_order() == [2]
     m.check_invariants()
 
 
@@ -170,10 +170,10 @@ def test_sharing_a_free_block_is_refused_and_changes_nothing():
     prefill(m, "a", [1, 2, 3, 4, 5, 6, 7, 8, 9])
     m.free("a")  # blocks 0 and 1 cached and evictable, block 2 (partial) free
     blocks = [m.pool.blocks[0], m.pool.blocks[1], m.pool.blocks[2]]
-    before = ([b.ref_count for b in m.pool.blocks], m.pool.evictable_in_lru_order(), m.pool.num_evictable)
+    before = ([b.ref_count for b in m.pool.blocks], m.pool.evictable_in_eviction_order(), m.pool.num_evictable)
     with pytest.raises(RuntimeError, match="block 2 is free"):
         m.pool.touch_blocks(blocks)
-    assert ([b.ref_count for b in m.pool.blocks], m.pool.evictable_in_lru_order(), m.pool.num_evictable) == before
+    assert ([b.ref_count for b in m.pool.blocks], m.pool.evictable_in_eviction_order(), m.pool.num_evictable) == before
     m.check_invariants()
 
 
@@ -182,20 +182,20 @@ def test_releasing_a_block_too_often_is_refused_and_changes_nothing():
     prefill(m, "a", [1, 2, 3, 4, 5, 6, 7, 8, 9])
     blocks = [m.pool.blocks[b] for b in m.block_ids("a")]
     m.free("a")
-    before = ([b.ref_count for b in m.pool.blocks], m.pool.evictable_in_lru_order(), m.pool.num_free)
+    before = ([b.ref_count for b in m.pool.blocks], m.pool.evictable_in_eviction_order(), m.pool.num_free)
     log_len = len(m._log)
     with pytest.raises(RuntimeError, match="released more often"):
         m.pool.free_blocks(blocks, "a")
-    assert ([b.ref_count for b in m.pool.blocks], m.pool.evictable_in_lru_order(), m.pool.num_free) == before
+    assert ([b.ref_count for b in m.pool.blocks], m.pool.evictable_in_eviction_order(), m.pool.num_free) == before
     assert len(m._log) == log_len
     m.check_invariants()
 
     prefill(m, "b", [1, 2, 3, 4, 20])  # block 0 referenced again, block 1 still cached, 2 free
     held = m.pool.blocks[m.block_ids("b")[0]]
-    before = ([b.ref_count for b in m.pool.blocks], m.pool.evictable_in_lru_order(), m.pool.num_free)
+    before = ([b.ref_count for b in m.pool.blocks], m.pool.evictable_in_eviction_order(), m.pool.num_free)
     with pytest.raises(RuntimeError, match="released more often"):
         m.pool.free_blocks([held, m.pool.blocks[1]], "b")  # the first would succeed, the second cannot
-    assert ([b.ref_count for b in m.pool.blocks], m.pool.evictable_in_lru_order(), m.pool.num_free) == before
+    assert ([b.ref_count for b in m.pool.blocks], m.pool.evictable_in_eviction_order(), m.pool.num_free) == before
     m.check_invariants()
 
     # Blocks that would stay referenced (shared by a fork) or go back to the free queue (the partial tail)
@@ -204,11 +204,11 @@ def test_releasing_a_block_too_often_is_refused_and_changes_nothing():
     tail, head = (m.pool.blocks[b] for b in m.block_ids("b")[::-1])
     assert (tail.ref_count, head.ref_count, tail.key, head.key is not None) == (2, 2, None, True)
     m.free("c")  # tail and head back to one reference each
-    before = ([(b.ref_count, m.pool.state_of(b)) for b in m.pool.blocks], m.pool.evictable_in_lru_order(),
+    before = ([(b.ref_count, m.pool.state_of(b)) for b in m.pool.blocks], m.pool.evictable_in_eviction_order(),
               m.pool.free_in_order())  # fmt: skip
     with pytest.raises(RuntimeError, match="released more often"):
         m.pool.free_blocks([tail, head, m.pool.blocks[1]], "b")
-    after = ([(b.ref_count, m.pool.state_of(b)) for b in m.pool.blocks], m.pool.evictable_in_lru_order(),
+    after = ([(b.ref_count, m.pool.state_of(b)) for b in m.pool.blocks], m.pool.evictable_in_eviction_order(),
              m.pool.free_in_order())  # fmt: skip
     assert after == before
     m.check_invariants()
@@ -327,7 +327,7 @@ def test_broken_invariants_raise_invariant_error_not_assertion_error():
         m.check_invariants()
     m.pool.blocks[0].ref_count -= 1
     m.free("a")
-    assert m.pool.evictable_in_lru_order() == [0]
+    assert m.pool.evictable_in_eviction_order() == [0]
     m.pool.blocks[0].lru_next = m.pool.blocks[3]  # a stray link out of the LRU queue
     with pytest.raises(InvariantError, match="LRU"):
         m.check_invariants()

@@ -11,6 +11,8 @@ import pytest
 
 from engine.config import EngineConfig
 from engine.engine import Engine, RequestRejected
+from engine.kv_groups import chain_keys_of
+from engine.namespace import CONTENT_ROOT_KEY
 from engine.request import SamplingParams
 from engine.snapshot import RequestView
 from tests.engine_reference import LogitSpy, assert_matches_reference
@@ -259,6 +261,8 @@ def test_a_request_view_carries_every_field_of_its_request_by_name(tmp_path):
         "max_new_tokens": 5,
         "block_tables": {"full": (3, 1, 2)},
         "output_token_ids": tuple(request.output_token_ids),
+        "block_keys": None,  # the prompt's keys (PromptKeys), once finished
+        "content_keys": None,
     }
     assert set(derived) < set(RequestView._fields)
     for name in RequestView._fields:
@@ -267,6 +271,24 @@ def test_a_request_view_carries_every_field_of_its_request_by_name(tmp_path):
     assert (view.parent_id, view.salt, view.hit_source, view.retain) == (parent, "tenant", "fork", False)
     assert view.prompt_token_ids == tuple(tokens(9, 3)) + engine.get(parent).output_token_ids + tuple(tokens(3, 4))
     assert view.arrival_time > 0 and view.first_scheduled_time is not None
+
+
+def test_a_finished_request_keeps_its_prompts_chain_and_content_keys(tmp_path):
+    """What the history stores for the workload analyzer: the chain keys the table computed for the
+    prompt's full blocks, and the same blocks chained from the namespace-free content root."""
+    engine, _ = make_engine(tmp_path)
+    bs = engine.config.block_size
+    prompt = tokens(3 * bs + bs // 2, 7)  # three full blocks and a partial one
+    salted = engine.submit(prompt, GREEDY, salt="tenant")
+    plain = engine.submit(prompt, GREEDY)
+    assert engine.get(salted).block_keys is None  # not finished yet
+    engine.run_until_idle()
+    root = engine.namespace.root_key("tenant")
+    expected = b"".join(chain_keys_of(prompt, root, bs, 3))
+    assert engine.get(salted).block_keys == expected and len(expected) == 3 * 16
+    assert engine.get(plain).block_keys != expected  # another salt, another chain
+    content = b"".join(chain_keys_of(prompt, CONTENT_ROOT_KEY, bs, 3))
+    assert engine.get(salted).content_keys == engine.get(plain).content_keys == content
 
 
 def test_background_thread_serves_submissions(tmp_path):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from engine.kv_groups import HitPlan
-from engine.request import HitSource, ReplayMode, Request, RequestStatus, SamplingParams
+from engine.request import HitSource, PromptKeys, ReplayMode, Request, RequestStatus, SamplingParams
 
 
 def plan(mode: ReplayMode, h: int, r: int) -> HitPlan:
@@ -30,11 +30,11 @@ def test_a_readmission_decides_afresh_whether_its_state_may_be_cached():
 
 def test_a_finished_request_is_retained_only_when_asked():
     kept = Request("a", (1, 2, 3), SamplingParams(), retain=True)
-    kept.finished("length", {"full": (4, 5)}, now=3.0)
+    kept.finished("length", {"full": (4, 5)}, now=3.0, prompt_keys=PromptKeys(b"", b""))
     assert (kept.status, kept.finish_reason, kept.final_block_tables) == (RequestStatus.RETAINED, "length", {"full": (4, 5)})
     dropped = Request("b", (1, 2, 3), SamplingParams(), retain=True)
     dropped.release_when_finished()
-    dropped.finished("eos", {}, now=3.0)
+    dropped.finished("eos", {}, now=3.0, prompt_keys=PromptKeys(b"", b""))
     assert dropped.status is RequestStatus.FINISHED
 
 

@@ -182,7 +182,7 @@ def test_cached_sliding_blocks_can_be_evicted_alone(tmp_path):
     full, sliding = engine.kv.full.pool, engine.kv.sliding.pool
     assert sliding.num_evictable > 0
     while sliding.num_evictable:
-        sliding.evict(sliding.blocks[sliding.evictable_in_lru_order()[0]], EvictReason.LRU)
+        sliding.evict(sliding.blocks[sliding.evictable_in_eviction_order()[0]], EvictReason.LRU)
     assert full.num_cached > 0 and sliding.num_cached == 0
     engine.check_invariants()
 
