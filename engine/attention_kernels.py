@@ -101,6 +101,8 @@ def merge_partials(
         [..., d] in out_a's dtype.
     """
     weight_b = torch.sigmoid(lse_b - lse_a).unsqueeze(-1)
+    if out_a.dtype == torch.float32 and out_b.dtype == torch.float32:
+        return torch.lerp(out_a, out_b, weight_b)
     return torch.lerp(out_a.float(), out_b.float(), weight_b).to(out_a.dtype)
 
 

@@ -126,7 +126,7 @@ class ModelRunner:
             for spec, count in zip(self.groups, counts)
         )
         self.num_heads = int(loaded.model.config.num_attention_heads)
-        self.cascade = cascade or (CPU_CASCADE if loaded.device.type == "cpu" else CUDA_CASCADE)
+        self.cascade = cascade if cascade is not None else CPU_CASCADE if loaded.device.type == "cpu" else CUDA_CASCADE
         self.kernels = choose_kernels(loaded.device, loaded.dtype, self.num_heads, loaded.num_kv_heads, loaded.head_dim)
         AttentionInterface.register(PAGED_ATTENTION, paged_attention)
         loaded.model.set_attn_implementation(PAGED_ATTENTION)

@@ -296,3 +296,59 @@ def test_forks_decoding_together_take_the_shared_path(make_model, monkeypatch):
     monkeypatch.setattr(model_runner, "plan_group", counting_plan)
     runner.execute([SeqChunk.of_table(tokens(1, rng), 16, parent + [20 + i]) for i in range(3)])
     assert merging_calls == [1]
+
+
+@pytest.mark.parametrize("override", [None, "hybrid:5"])
+def test_forks_and_prefix_hits_through_the_engine_match_the_reference(tmp_path, make_model, monkeypatch, override):
+    """The scheduler's real tables (forks after copy-on-write, prefix hits, a sliding group) take the shared path."""
+    import engine.model_runner as model_runner
+    from engine.config import EngineConfig
+    from engine.engine import Engine
+    from engine.request import SamplingParams
+    from tests.engine_reference import LogitSpy, assert_matches_reference
+
+    engine = Engine(EngineConfig(model="tiny-llama", device="cpu", block_size=4, num_blocks=96, data_dir=tmp_path,
+                                 attention_override=override))
+    engine.runner.cascade = ALWAYS_CASCADE
+    spy = LogitSpy(engine)
+    merging_calls = []
+
+    def counting_plan(*args):
+        calls = plan_group(*args)
+        merging_calls.append(sum(c.merges for c in calls))
+        return calls
+
+    monkeypatch.setattr(model_runner, "plan_group", counting_plan)
+    rng = random.Random(11)
+    greedy = SamplingParams(max_new_tokens=5, ignore_eos=True)
+    parent = engine.submit(tokens(30, rng), SamplingParams(max_new_tokens=1, ignore_eos=True), retain=True)
+    engine.run_until_idle()
+    children = [engine.fork(parent, tokens(n, rng), greedy) for n in (1, 3, 6)]
+    hits = [engine.submit(list(engine.get(parent).prompt_token_ids[:24]) + tokens(n, rng), greedy) for n in (2, 9)]
+    engine.run_until_idle()
+    assert sum(merging_calls) > 0
+    reference = make_model("tiny-llama", attention_override=override)
+    for rid in (parent, *children, *hits):
+        assert_matches_reference(engine, spy, reference, rid)
+    engine.check_invariants()
+
+
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-mistral"])
+def test_bf16_runner_stays_within_the_stated_tolerance_of_bf16_transformers(test_data_dir, name):
+    """bf16 keeps 8 bits of mantissa: logits within 0.05 of transformers in bf16 (benchmarks/cuda_check.py)."""
+    from engine.models import load_model
+
+    def load():
+        return load_model(name, dtype="bfloat16", device="cpu", data_dir=test_data_dir, seed=0)
+
+    runner, reference = ModelRunner(load(), NUM_BLOCKS, BLOCK_SIZE, cascade=ALWAYS_CASCADE), load()
+    assert runner.kv[0].dtype == torch.bfloat16
+    rng = random.Random(3)
+    prefix, parent = tokens(16, rng), [10, 11, 12, 13]
+    runner.execute([SeqChunk.of_table(prefix, 0, parent)])
+    suffixes = [tokens(n, rng) for n in (1, 1, 6)]
+    logits = runner.execute([SeqChunk.of_table(s, 16, parent + [20 + 2 * i, 21 + 2 * i]) for i, s in enumerate(suffixes)])
+    with torch.inference_mode():
+        for row, suffix in zip(logits, suffixes):
+            want = reference.model(input_ids=torch.tensor([prefix + suffix]), use_cache=False).logits[0, -1].float()
+            assert (row - want).abs().max().item() < 0.05
