@@ -154,7 +154,7 @@ def settings_for(dry_run: bool) -> Settings:
         tiny = dict(LLAMA_3_2_1B, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
                     num_key_value_heads=2, head_dim=32, vocab_size=1024, bos_token_id=1, eos_token_id=2)
         return Settings("cpu", ("float32", "bfloat16"), tiny, 128, 16, 6, (1, 2, 4, 8), (8,), 3)
-    return Settings("cuda", ("float32", "bfloat16"), LLAMA_3_2_1B, 4096, 32, 64, (1, 8, 64, 256), (64, 256), 5)
+    return Settings("cuda", ("float32", "bfloat16"), LLAMA_3_2_1B, 4096, 32, 64, (1, 8, 64, 256), (8, 64, 256), 5)
 
 
 TOLERANCES = {"float32": 1e-4, "bfloat16": 5e-2, "float16": 1e-2}

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import Enum
+from typing import NamedTuple
 
 import torch
 
@@ -117,9 +118,9 @@ def choose_kernels(device: torch.device, dtype: torch.dtype, num_heads: int, num
     else:
         return KernelChoice(Kernel.MATH, Kernel.MATH, (f"no fused kernel chosen for device {device.type}",))
     notes: list[str] = []
-    shape = (device, dtype, num_heads, num_kv_heads, head_dim)
-    unmasked = preferred[0] if _probe(preferred[0], False, *shape, notes) else Kernel.MATH
-    masked = preferred[1] if _probe(preferred[1], True, *shape, notes) else Kernel.MATH
+    shape = _ProbeShape(device, dtype, num_heads, num_kv_heads, head_dim)
+    unmasked = preferred[0] if _probe(preferred[0], False, shape, notes) else Kernel.MATH
+    masked = preferred[1] if _probe(preferred[1], True, shape, notes) else Kernel.MATH
     return KernelChoice(unmasked, masked, tuple(notes))
 
 
@@ -127,21 +128,23 @@ def choose_kernels(device: torch.device, dtype: torch.dtype, num_heads: int, num
 _PROBE_ATOL = {torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 5e-2}
 
 
-def _probe(
-    kernel: Kernel,
-    masked: bool,
-    device: torch.device,
-    dtype: torch.dtype,
-    num_heads: int,
-    num_kv_heads: int,
-    head_dim: int,
-    notes: list[str],
-) -> bool:
+class _ProbeShape(NamedTuple):
+    device: torch.device
+    dtype: torch.dtype
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+
+
+def _probe(kernel: Kernel, masked: bool, shape: _ProbeShape, notes: list[str]) -> bool:
     """Run `kernel` on the call shapes the runner makes (decode batch, causal block, shared prefix) and compare."""
+    device, dtype, num_heads, num_kv_heads, head_dim = shape
     generator = torch.Generator().manual_seed(0)
 
-    def rand(*shape: int) -> torch.Tensor:
-        return torch.randn(*shape, generator=generator).to(device=device, dtype=dtype)
+    def rand(batch: int, length: int, heads: int) -> torch.Tensor:
+        """[batch, heads, length, head_dim] as the runner passes it: a transposed view of rows of heads."""
+        values = torch.randn(batch, length, heads, head_dim, generator=generator)
+        return values.to(device=device, dtype=dtype).transpose(1, 2)
 
     cases = []
     if masked:  # a padded decode batch (odd key count) and a prefill chunk with partial causality
@@ -150,12 +153,12 @@ def _probe(
             visible[..., 0] = True
             bias = torch.zeros(visible.shape).masked_fill(~visible, float("-inf")).to(device=device, dtype=dtype)
             cases.append((batch, queries, keys, False, bias))
-    else:  # own tokens, causal; queries of several requests over one shared prefix
-        cases += [(2, 7, 7, True, None), (1, 9, 48, False, None)]
+    else:  # own tokens, causal; queries of several requests over one shared prefix; a lone decode
+        cases += [(2, 7, 7, True, None), (1, 9, 48, False, None), (1, 1, 30, False, None)]
     try:
         for batch, queries, keys, causal, bias in cases:
-            q = rand(batch, num_heads, queries, head_dim)
-            k, v = rand(batch, num_kv_heads, keys, head_dim), rand(batch, num_kv_heads, keys, head_dim)
+            q = rand(batch, queries, num_heads)
+            k, v = rand(batch, keys, num_kv_heads), rand(batch, keys, num_kv_heads)
             out, lse = attend(q, k, v, scale=head_dim**-0.5, causal=causal, bias=bias, kernel=kernel)
             want_out, want_lse = _math(q, k, v, head_dim**-0.5, causal, bias)
             error = max((out.float() - want_out.float()).abs().max().item(), (lse - want_lse).abs().max().item())
