@@ -14,9 +14,8 @@ import random
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
 
-from engine.attention_kernels import HeadLayout, Kernel, _math, attend, choose_kernels, merge_partials
+from engine.attention_kernels import HeadLayout, Kernel, attend, choose_kernels, merge_partials
 from engine.attention_plan import (
     ALWAYS_CASCADE,
     NO_CASCADE,
@@ -28,11 +27,18 @@ from engine.attention_plan import (
 )
 from engine.kv_coordinator import GroupSlots
 from engine.model_runner import ModelRunner, SeqChunk
+from tests.cascade_support import (  # noqa: F401  (runners is a fixture)
+    BLOCK_SIZE,
+    NUM_BLOCKS,
+    SCENARIO_MODELS,
+    run_scenario,
+    runners,
+    scenarios,
+    tokens,
+)
 
 ATOL_REFERENCE = 1e-4
 ATOL_PLAIN = 1e-5
-BLOCK_SIZE = 4
-NUM_BLOCKS = 128
 
 
 # ---------------------------------------------------------------------------------------------- kernels
@@ -86,11 +92,11 @@ def test_head_layout_for_cuda_kernels_preserves_results(queries, keys, causal, w
         visible = torch.rand(2, 1, queries, keys, generator=torch.Generator().manual_seed(4)) < 0.6
         visible[..., 0] = True
         bias = torch.zeros(visible.shape).masked_fill(~visible, float("-inf"))
-    want_out, want_lse = _math(q, k, v, 0.25, causal, bias)
+    want_out, want_lse = attend(q, k, v, scale=0.25, causal=causal, bias=bias, kernel=Kernel.MATH)
     layout = HeadLayout.of(q, k, causal, bias)
     hq, hk, hv, hbias = layout.apply(q, k, v, bias)
     assert hq.shape[1] == hk.shape[1] and layout.fold == (not causal and (bias is None or queries == 1))
-    out, lse = layout.restore(*_math(hq, hk, hv, 0.25, causal, hbias))
+    out, lse = layout.restore(*attend(hq, hk, hv, scale=0.25, causal=causal, bias=hbias, kernel=Kernel.MATH))
     assert (out - want_out).abs().max().item() < 1e-6
     assert (lse - want_lse).abs().max().item() < 1e-5
 
@@ -179,89 +185,7 @@ def test_with_a_window_only_blocks_inside_every_query_window_are_shared():
 
 
 # ---------------------------------------------------------------------------------------------- runner
-def tokens(n: int, rng: random.Random) -> list[int]:
-    return [rng.randrange(3, 512) for _ in range(n)]
-
-
-@st.composite
-def scenarios(draw):
-    """Families (a parent context and forks sharing 0..all of its full blocks), then one mixed step.
-
-    Blocks come from a fresh pool (consecutive ids: reads become views) or a shuffled one (gathers)."""
-    rng = random.Random(draw(st.integers(0, 2**32 - 1)))
-    free = list(range(NUM_BLOCKS))[::-1]  # popped from the end: consecutive blocks, as a fresh pool hands out
-    if draw(st.booleans()):
-        rng.shuffle(free)
-    families = []
-    for _ in range(draw(st.integers(1, 3))):
-        parent_len = draw(st.integers(1, 20))
-        parent = {"context": tokens(parent_len, rng), "table": [free.pop() for _ in range(-(-parent_len // BLOCK_SIZE))]}
-        forks = []
-        for _ in range(draw(st.integers(1, 4))):
-            depth = draw(st.integers(0, parent_len // BLOCK_SIZE))
-            own_len = draw(st.integers(0, 9))
-            context = parent["context"][: depth * BLOCK_SIZE] + tokens(own_len, rng)
-            if not context:
-                context = tokens(1, rng)
-            forks.append({"depth": depth, "context": context, "table": parent["table"][:depth]})
-        families.append((parent, forks))
-    sequences = []
-    for parent, forks in families:
-        for seq in [parent, *forks]:
-            new = draw(st.sampled_from([1, 1, 1, 2, 5]))
-            seq["new"] = tokens(new, rng)
-            total = len(seq["context"]) + new
-            while len(seq["table"]) * BLOCK_SIZE < total:
-                seq["table"].append(free.pop())
-            sequences.append(seq)
-    return families, sequences, draw(st.integers(0, 2))
-
-
-def run_scenario(runner: ModelRunner, families, sequences, sliding_offset: int) -> torch.Tensor:
-    """Prefill parents, then forks' own tokens, then one step of every sequence's new tokens."""
-
-    def chunk(token_ids, start, table, final):
-        groups = []
-        for spec in runner.groups:
-            first = 0
-            if spec.window is not None and final:  # a sliding table may start at the window, as the engine's do
-                first = min(sliding_offset, max(0, start - spec.window + 1) // BLOCK_SIZE)
-            groups.append(GroupSlots(table[first:], first, start))
-        return SeqChunk(token_ids, start, tuple(groups))
-
-    runner.execute([chunk(parent["context"], 0, parent["table"], False) for parent, _ in families])
-    owned = [
-        chunk(fork["context"][fork["depth"] * BLOCK_SIZE :], fork["depth"] * BLOCK_SIZE, fork["table"], False)
-        for _, forks in families
-        for fork in forks
-        if len(fork["context"]) > fork["depth"] * BLOCK_SIZE
-    ]
-    if owned:
-        runner.execute(owned)
-    return runner.execute([chunk(seq["new"], len(seq["context"]), seq["table"], True) for seq in sequences])
-
-
-@pytest.fixture(scope="module")
-def runners(test_data_dir):
-    """(plain, cascade, reference) per model, on the same seeded weights; each example rewrites what it reads."""
-    from engine.models import load_model
-
-    def load(name, override):
-        return load_model(name, dtype="float32", device="cpu", data_dir=test_data_dir, seed=0, attention_override=override)
-
-    built = {}
-    for name, override in [("tiny-llama", None), ("tiny-llama", "hybrid:5"), ("tiny-mistral", None)]:
-        built[name, override] = (
-            ModelRunner(load(name, override), NUM_BLOCKS, BLOCK_SIZE, cascade=NO_CASCADE),
-            ModelRunner(load(name, override), NUM_BLOCKS, BLOCK_SIZE, cascade=ALWAYS_CASCADE),
-            load(name, override),
-        )
-    return built
-
-
-@pytest.mark.parametrize(
-    ("name", "override"), [("tiny-llama", None), ("tiny-llama", "hybrid:5"), ("tiny-mistral", None)]
-)
+@pytest.mark.parametrize(("name", "override"), SCENARIO_MODELS)
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(scenario=scenarios())
 def test_cascade_matches_the_plain_path_and_the_reference(runners, name, override, scenario):
