@@ -110,98 +110,90 @@ class EvictionPolicy(ABC):
         than the cache). Online policies ignore it; the offline optimum counts it as a use."""
 
 
-class FifoPolicy(EvictionPolicy):
-    """First inserted first: a block's place is fixed when it enters the cache.
+class PriorityPolicy(EvictionPolicy):
+    """Evicts the evictable key of the lowest priority, ties to the least recently released.
 
-    Invariants: `_inserted` holds every cached key with a distinct insertion number; the evictable keys
-    are exactly the keys of `_evictable`, each with its insertion number as its priority.
+    A subclass says what a key's priority is when it enters the cache (`insert`) and how a reuse
+    changes it (`touch`); release, victim and remove are the same for all. The heap breaks equal
+    priorities by push order, and a key is pushed when released, so ties go to the least recently
+    released.
+
+    Invariants: `_priority` holds every cached key; the evictable keys are exactly the keys of
+    `_evictable`, each under its priority.
     """
 
     def __init__(self) -> None:
-        self._inserted: dict[Hashable, int] = {}  # cached key -> insertion number
-        self._evictable = KeyedHeap()  # evictable keys by insertion number
+        self._priority: dict[Hashable, int] = {}  # cached key -> its priority (lowest is evicted first)
+        self._evictable = KeyedHeap()  # evictable keys by priority, then release order
+
+    def _enter(self, key: Hashable, priority: int) -> None:
+        """Cache `key` under `priority` (the subclass's `insert`)."""
+        if key in self._priority:
+            raise ValueError(f"{key!r} is already cached")
+        self._priority[key] = priority
+
+    def release(self, key: Hashable) -> None:
+        self._evictable.push(key, self._priority[key])
+
+    def victim(self) -> Hashable:
+        if not self._evictable:
+            raise NoVictimError("no evictable block")
+        return self._evictable.peek()
+
+    def remove(self, key: Hashable) -> None:
+        if key not in self._evictable:
+            raise ValueError(f"{key!r} is not evictable")
+        self._evictable.remove(key)
+        del self._priority[key]
+
+    @property
+    def num_evictable(self) -> int:
+        return len(self._evictable)
+
+    def check_invariants(self) -> None:
+        self._evictable.check_invariants()
+        if not all(key in self._priority for key in self._evictable):
+            raise InvariantError("an evictable key is not cached")
+
+
+class FifoPolicy(PriorityPolicy):
+    """First inserted first: a key's priority is its insertion number, fixed when it enters the cache.
+
+    Invariant (beyond `PriorityPolicy`'s): cached keys have distinct insertion numbers.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
         self._inserts = 0  # insertion numbers handed out
 
     def insert(self, key: Hashable) -> None:
-        if key in self._inserted:
-            raise ValueError(f"{key!r} is already cached")
+        self._enter(key, self._inserts + 1)
         self._inserts += 1
-        self._inserted[key] = self._inserts
 
     def touch(self, key: Hashable) -> None:
         self._evictable.discard(key)
 
-    def release(self, key: Hashable) -> None:
-        self._evictable.push(key, self._inserted[key])
-
-    def victim(self) -> Hashable:
-        if not self._evictable:
-            raise NoVictimError("no evictable block")
-        return self._evictable.peek()
-
-    def remove(self, key: Hashable) -> None:
-        if key not in self._evictable:
-            raise ValueError(f"{key!r} is not evictable")
-        self._evictable.remove(key)
-        del self._inserted[key]
-
-    @property
-    def num_evictable(self) -> int:
-        return len(self._evictable)
-
     def check_invariants(self) -> None:
-        self._evictable.check_invariants()
-        if not all(key in self._inserted for key in self._evictable):
-            raise InvariantError("an evictable key is not cached")
-        if len(set(self._inserted.values())) != len(self._inserted):
+        super().check_invariants()
+        if len(set(self._priority.values())) != len(self._priority):
             raise InvariantError("two cached keys share an insertion number")
 
 
-class LfuPolicy(EvictionPolicy):
-    """Fewest uses first, ties to the least recently released.
+class LfuPolicy(PriorityPolicy):
+    """Fewest uses first, ties to the least recently released: a key's priority is its uses since it
+    entered the cache (one for the insertion, one more per touch); eviction forgets them.
 
-    Uses count from the block's insertion (one) plus one per touch; eviction forgets them. The heap
-    breaks equal priorities by push order, and a key is pushed when released, so ties go to the least
-    recently released.
-
-    Invariants: `_uses` holds every cached key with a count >= 1; the evictable keys are exactly the keys
-    of `_evictable`, each with its use count as its priority.
+    Invariant (beyond `PriorityPolicy`'s): every cached key has at least one use.
     """
 
-    def __init__(self) -> None:
-        self._uses: dict[Hashable, int] = {}  # cached key -> uses since it entered the cache
-        self._evictable = KeyedHeap()  # evictable keys by uses, then release order
-
     def insert(self, key: Hashable) -> None:
-        if key in self._uses:
-            raise ValueError(f"{key!r} is already cached")
-        self._uses[key] = 1
+        self._enter(key, 1)
 
     def touch(self, key: Hashable) -> None:
         self._evictable.discard(key)
-        self._uses[key] += 1
-
-    def release(self, key: Hashable) -> None:
-        self._evictable.push(key, self._uses[key])
-
-    def victim(self) -> Hashable:
-        if not self._evictable:
-            raise NoVictimError("no evictable block")
-        return self._evictable.peek()
-
-    def remove(self, key: Hashable) -> None:
-        if key not in self._evictable:
-            raise ValueError(f"{key!r} is not evictable")
-        self._evictable.remove(key)
-        del self._uses[key]
-
-    @property
-    def num_evictable(self) -> int:
-        return len(self._evictable)
+        self._priority[key] += 1
 
     def check_invariants(self) -> None:
-        self._evictable.check_invariants()
-        if not all(key in self._uses for key in self._evictable):
-            raise InvariantError("an evictable key is not cached")
-        if any(uses < 1 for uses in self._uses.values()):
+        super().check_invariants()
+        if any(uses < 1 for uses in self._priority.values()):
             raise InvariantError("a cached key has no use")

@@ -20,10 +20,11 @@ for a trace without a time span, the cost null unless a cost per engine hour was
 
 from __future__ import annotations
 
+from dataclasses import asdict
 from typing import Any
 
-from analysis.analyzer import Analysis, Savings, TimedStats
-from analysis.breakdown import MissBreakdown, PrefixSavings, TypeHits
+from analysis.analyzer import Analysis
+from analysis.breakdown import TypeHits
 
 
 def to_json(analysis: Analysis) -> dict[str, Any]:
@@ -47,11 +48,11 @@ def to_json(analysis: Analysis) -> dict[str, Any]:
                 "capacity_blocks": point.capacity_blocks,
                 "hit_ratio": point.hit_ratio,
                 "hit_tokens": point.hit_tokens,
-                "misses": _misses(point.misses),
+                "misses": asdict(point.misses),
                 "by_type": [_type_hits(hits) for hits in point.by_type],
-                "top_prefixes": [_prefix(prefix) for prefix in point.top_prefixes],
-                "savings": _savings(point.savings),
-                "timed": None if point.timed is None else _timed(point.timed),
+                "top_prefixes": [asdict(prefix) for prefix in point.top_prefixes],
+                "savings": asdict(point.savings),
+                "timed": None if point.timed is None else asdict(point.timed),
             }
             for point in analysis.curve
         ],
@@ -61,37 +62,8 @@ def to_json(analysis: Analysis) -> dict[str, Any]:
             "namespace": unavoidable.namespace,
         },
         "by_type": [_type_hits(hits) for hits in analysis.max_by_type],
-        "top_prefixes": [_prefix(prefix) for prefix in analysis.max_top_prefixes],
+        "top_prefixes": [asdict(prefix) for prefix in analysis.max_top_prefixes],
         "seconds": analysis.seconds,
-    }
-
-
-def _savings(savings: Savings) -> dict[str, float | None]:
-    return {
-        "prefill_s": savings.prefill_s,
-        "prefill_s_per_trace_hour": savings.prefill_s_per_trace_hour,
-        "cost_per_trace_hour": savings.cost_per_trace_hour,
-    }
-
-
-def _timed(timed: TimedStats) -> dict[str, Any]:
-    return {
-        "queueing_s": dict(timed.queueing_s),
-        "peak_blocks_in_use": timed.peak_blocks_in_use,
-        "preemptions": timed.preemptions,
-        "rejected": timed.rejected,
-        "makespan_s": timed.makespan_s,
-        "steps": timed.steps,
-    }
-
-
-def _misses(misses: MissBreakdown) -> dict[str, int]:
-    return {
-        "compulsory": misses.compulsory,
-        "capacity": misses.capacity,
-        "partial": misses.partial,
-        "pinned": misses.pinned,
-        "namespace": misses.namespace,
     }
 
 
@@ -102,14 +74,4 @@ def _type_hits(hits: TypeHits) -> dict[str, Any]:
         "input_tokens": hits.input_tokens,
         "hit_tokens": hits.hit_tokens,
         "hit_ratio": hits.hit_ratio,
-    }
-
-
-def _prefix(prefix: PrefixSavings) -> dict[str, int]:
-    return {
-        "first_block": prefix.first_block,
-        "last_block": prefix.last_block,
-        "depth": prefix.depth,
-        "requests": prefix.requests,
-        "tokens_saved": prefix.tokens_saved,
     }
