@@ -92,7 +92,7 @@ class Headline:
     """The Overview's numbers at one moment."""
 
     stats: PoolStats
-    tokens_saved: int  # prompt tokens not computed thanks to prefix hits and forks
+    tokens_saved: int  # prompt tokens not computed: prefix hits (replays excluded) and fork sharing
     seconds_per_token: float | None  # measured prefill cost
     evictions_per_min: float | None  # over the last minute of samples (None without history)
 
@@ -106,7 +106,7 @@ def headline(
 ) -> Headline:
     return Headline(
         stats=stats,
-        tokens_saved=stats.prefix_hit_tokens,
+        tokens_saved=stats.tokens_saved,
         seconds_per_token=prefill_seconds_per_token(requests),
         evictions_per_min=evictions_per_minute(samples, stats, now),
     )
@@ -135,7 +135,8 @@ def history_frame(samples: Sequence[tuple[float, PoolStats]]) -> pd.DataFrame:
         {
             "time": t,
             "KV usage": s.kv_usage,
-            "hit rate": s.hit_rate,
+            "prefix hit rate": s.prefix_hit_rate,
+            "fork sharing": s.fork_share_rate,
             "sharing ratio": s.sharing_ratio,
             "free": s.free_blocks,
             "cached (evictable)": s.evictable_blocks,
