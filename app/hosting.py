@@ -31,6 +31,7 @@ from pathlib import Path
 import streamlit as st
 from sqlalchemy import Engine as DbEngine
 
+from app.loading import ENV_MODEL, HOST_STARTED
 from engine.config import DEFAULT_MODEL, EngineConfig
 from engine.engine import Engine
 from engine.events import Event, EventKind
@@ -43,7 +44,6 @@ from storage.writer_process import WriterProcess
 
 logger = logging.getLogger(__name__)
 
-ENV_MODEL = "PREFIX_CONSOLE_MODEL"
 ENV_NUM_BLOCKS = "PREFIX_CONSOLE_NUM_BLOCKS"
 ENV_BLOCK_SIZE = "PREFIX_CONSOLE_BLOCK_SIZE"
 ENV_DEVICE = "PREFIX_CONSOLE_DEVICE"
@@ -218,6 +218,7 @@ class ConsoleHost:
 
     def _launch(self, config: EngineConfig, engine: Engine | None = None) -> Console:
         engine = engine or Engine(config)
+        engine.warm_up()  # the first request would otherwise pay a first forward's one-time costs
         started = time.time()
         run_id = self.writer.start_run(run_info(engine, started))
         console = Console(config=config, engine=engine, run_id=run_id, started_at=started)
@@ -248,6 +249,7 @@ def get_host() -> ConsoleHost:
     """The process-wide host (created on first use, shared by every session)."""
     host = ConsoleHost.from_env()
     atexit.register(_shutdown_at_exit, weakref.ref(host))  # on_release is not guaranteed at server shutdown
+    HOST_STARTED.set()
     return host
 
 
