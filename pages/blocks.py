@@ -43,9 +43,11 @@ def on_grid_select() -> None:
 
 
 def history_table(frame: pd.DataFrame) -> None:
-    """A block history's rows, every word of them (no cut-off detail column)."""
+    """A block history's rows, every word of them (no cut-off detail column); a `block` column when the
+    frame holds several blocks' rows."""
     table = pd.DataFrame(
         {
+            **({"block": frame["block"]} if "block" in frame else {}),
             "step": frame["step"],
             "time (UTC)": [fmt_clock(t) for t in frame["time"]],
             "event": frame["event"],
@@ -75,6 +77,9 @@ def stacked(timelines: dict[int, queries.BlockTimeline], key: str, titles: dict[
     titles = titles or {}
     figure = charts.block_timelines([(titles.get(b, f"block {b}"), t.rows) for b, t in shown])
     st.plotly_chart(figure, key=key, width="stretch")
+    with st.expander("Every change of these blocks, with the holders after it"):
+        rows = pd.concat([t.rows.assign(block=b) for b, t in shown]).sort_values(["event_id", "block"], kind="stable")
+        history_table(rows)
     if any(not t.complete for _, t in shown):
         st.caption("Part of this history was pruned: each block is drawn from its first stored allocation.")
 
@@ -152,6 +157,28 @@ highlight = c[2].selectbox(
     help="Outlines in blue the blocks its table holds",
 )
 interval = (REFRESH_S * 2 if num_blocks <= LARGE_POOL else REFRESH_S * 5) if live else None
+run_ids = read_history(lambda db: queries.runs(db, limit=50)["id"].tolist(), host.db) or []
+if console.run_id not in run_ids:
+    run_ids.insert(0, console.run_id)
+if state.get("blocks_run") not in run_ids:
+    state["blocks_run"] = console.run_id
+c = st.columns([2, 3])
+run_id = c[0].selectbox(
+    "History of run", run_ids, **kept("blocks_run", console.run_id),
+    format_func=lambda rid: f"{rid} (this engine)" if rid == console.run_id else rid,
+    help="Whose block lives to draw: earlier runs' histories stay in the database and read the same",
+)
+c[1].caption(
+    "A block's life: every change of its reference count, from the persisted events — allocated, shared "
+    "by a fork or a prefix hit, copied on write, released, cached, evicted. Where the count reaches 0 it "
+    "says so: *no holder left: safe to reuse*, or, for a block in the prefix index, *evictable from here on*."
+)
+
+
+@st.cache_data(ttl=SLOW_REFRESH_S, max_entries=256, show_spinner=False)
+def stored_life(_db, run: str, block_id: int, kv_group: str) -> queries.BlockTimeline:
+    """One block's timeline, read at most once per SLOW_REFRESH_S (the live grid redraws more often)."""
+    return queries.block_timelines(_db, run, [block_id], kv_group)[block_id]
 
 
 @st.fragment(run_every=interval)
@@ -177,6 +204,7 @@ def pool_view() -> None:
     )
     block_id = st.number_input("Block id", 0, num_blocks - 1, step=1, width=240, **kept("blocks_inspect_id", 0))
     inspect(blocks[int(block_id)], snapshot.time, statuses)
+    block_life(int(block_id))  # in this fragment, so a new selection redraws its life at once
 
 
 def inspect(block, now: float, statuses: dict[str, str]) -> None:
@@ -211,35 +239,12 @@ def inspect(block, now: float, statuses: dict[str, str]) -> None:
             )
 
 
-pool_view()
-
-# ---------------------------------------------------------------- one block's life
-st.subheader("A block's life")
-run_ids = read_history(lambda db: queries.runs(db, limit=50)["id"].tolist(), host.db) or []
-if console.run_id not in run_ids:
-    run_ids.insert(0, console.run_id)
-if state.get("blocks_run") not in run_ids:
-    state["blocks_run"] = console.run_id
-c = st.columns([2, 3])
-run_id = c[0].selectbox(
-    "Run", run_ids, **kept("blocks_run", console.run_id),
-    format_func=lambda rid: f"{rid} (this engine)" if rid == console.run_id else rid,
-    help="Earlier runs' histories stay in the database: their blocks' lives read the same",
-)
-c[1].caption(
-    "Every change of the block's reference count, from the persisted events: allocated, shared by a fork or "
-    "a prefix hit, copied on write, released, cached, evicted. Where the count reaches 0 it says so: "
-    "*no holder left: safe to reuse*, or, for a block in the prefix index, *evictable from here on*."
-)
-
-
-@st.fragment(run_every=SLOW_REFRESH_S if live else None)
-def block_life() -> None:
-    block_id = int(state.get("blocks_inspect_id", 0))
-    timelines = read_history(queries.block_timelines, host.db, run_id, [block_id], group)
-    if timelines is None:
+def block_life(block_id: int) -> None:
+    """The selected block's life in the chosen run: the step chart, then every row of it."""
+    st.markdown(f"##### Block {block_id}'s life" + ("" if run_id == console.run_id else f" in run {run_id}"))
+    timeline = read_history(stored_life, host.db, run_id, block_id, group)
+    if timeline is None:
         return
-    timeline = timelines[block_id]
     if timeline.rows.empty:
         st.caption(f"Block {block_id} has no stored events in this run yet.")
         return
@@ -256,7 +261,7 @@ def block_life() -> None:
         st.caption("Older events of this run were pruned: the block is drawn from its first stored allocation.")
 
 
-block_life()
+pool_view()
 
 # ---------------------------------------------------------------- a request's blocks over time
 st.subheader("A request's blocks over time")

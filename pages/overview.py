@@ -149,7 +149,11 @@ def history_charts() -> None:
 
 history_charts()
 
-st.subheader("Prefix hit rate over time (history database)")
+st.subheader("Reuse over time (history database)")
+st.caption(
+    "Per bucket of first-schedule time, from the stored request records: prefix-cache hits (vLLM's metric, "
+    "in tokens not computed) and fork sharing, each on its own."
+)
 scope = st.radio("Runs", ["This run", "All runs"], horizontal=True, **kept("overview_hit_scope", "This run"))
 bucket = st.select_slider("Bucket", options=[10, 60, 300, 3600], format_func=fmt_duration, **kept("overview_bucket", 60))
 
@@ -164,7 +168,10 @@ def stored_hit_rate() -> None:
         st.info("No scheduled requests recorded yet.")
         return
     frame["time"] = pd.to_datetime(frame["bucket_start"], unit="s", utc=True)
-    st.plotly_chart(charts.rate_bars(frame, "time", "hit_rate", f"Hit rate per {fmt_duration(bucket)} bucket", float(bucket)))
+    left, right = st.columns(2)
+    width = fmt_duration(bucket)
+    left.plotly_chart(charts.rate_bars(frame, "time", "hit_rate", f"Prefix-cache hit rate per {width} bucket", float(bucket)))
+    right.plotly_chart(charts.rate_bars(frame, "time", "fork_share", f"Fork sharing per {width} bucket", float(bucket)))
 
 
 stored_hit_rate()

@@ -229,22 +229,21 @@ else:
     )
     st.markdown("**The children's sampling** (their own: the submit section's settings are not used)")
     c = st.columns([1, 1, 1, 2])
-    c[0].number_input("Child max new tokens", 1, MAX_NEW_TOKENS, step=1, **kept("submit_fork_max_new", 16))
+    c[0].number_input("New tokens per child", 1, MAX_NEW_TOKENS, step=1, **kept("submit_fork_max_new", 16))
     c[1].number_input("Child temperature", 0.0, 10.0, step=0.1, **kept("submit_fork_temperature", 0.0), help="0 is greedy")
-    c[2].checkbox("Children ignore EOS", **kept("submit_fork_ignore_eos", False))
+    c[2].checkbox("Children skip EOS", **kept("submit_fork_ignore_eos", False), help="Always generate every new token")
     retain_children = c[3].checkbox(
         "Retain children", **kept("submit_fork_retain", False),
         help="Retained children keep their blocks after they finish (to inspect or fork again) until released",
     )
     num_children = sum(1 for line in suffix_text.splitlines() if line.strip())
-    what = f"{num_children} child" if num_children == 1 else f"{num_children or 'the'} children"
     kept_or_not = "retained" if retain_children else "not retained"
-    st.button(f"Fork {what} ({kept_or_not})", key="submit_fork_go", on_click=fork_children)
+    st.button(f"Fork children ({num_children}, {kept_or_not})", key="submit_fork_go", on_click=fork_children)
     st.caption(
         "Retained: they keep their blocks until you release them."
         if retain_children
         else "Not retained: each child frees its blocks as soon as it finishes, so its private blocks vanish "
-        "from the Blocks page within seconds. Tick *Retain children* to keep them."
+        "from the Blocks page within seconds. Tick the box above to keep them."
     )
     show_outcome("submit_fork_outcome")
 
@@ -319,21 +318,21 @@ release_box()
 st.subheader("Requests")
 
 
-REQUEST_TABLE_COLUMNS = {  # compact headers and widths: every column fits a 1,400 px window
-    "request": st.column_config.TextColumn("request", width="small"),
-    "parent": st.column_config.TextColumn("parent", width="small"),
-    "status": st.column_config.TextColumn("status", width="small"),
-    "retain": st.column_config.CheckboxColumn("kept", width="small", help="Retained: keeps its blocks after it finishes"),
-    "prompt tokens": st.column_config.NumberColumn("prompt", width="small", help="Prompt tokens (a fork's inherited context included)"),
-    "output tokens": st.column_config.NumberColumn("output", width="small"),
-    "hit position": st.column_config.NumberColumn("hit", width="small", help="Hit position h: tokens reused at its first schedule"),
-    "computed tokens": st.column_config.NumberColumn("computed", width="small", help="Prefill tokens run through the model"),
-    "hit source": st.column_config.TextColumn("source", width="small", help="prefix (index hit), fork, or none"),
-    "cow copies": st.column_config.NumberColumn("CoW", width="small", help="Copy-on-write copies its writes made"),
-    "preemptions": st.column_config.NumberColumn("preempt", width="small"),
-    "TTFT ms": st.column_config.NumberColumn("TTFT ms", width="small", format="%.0f"),
-    "finish": st.column_config.TextColumn("finish", width="small"),
-    "blocks": st.column_config.NumberColumn("blocks", width="small", help="Blocks it holds (or ended with)"),
+REQUEST_TABLE_COLUMNS = {  # compact headers and pixel widths: all 14 columns fit a 1,400 px window
+    "request": st.column_config.TextColumn("request", width=96),
+    "parent": st.column_config.TextColumn("parent", width=80),
+    "status": st.column_config.TextColumn("status", width=72),
+    "retain": st.column_config.CheckboxColumn("kept", width=44, help="Retained: keeps its blocks after it finishes"),
+    "prompt tokens": st.column_config.NumberColumn("prompt", width=58, help="Prompt tokens (a fork's inherited context included)"),
+    "output tokens": st.column_config.NumberColumn("output", width=56),
+    "hit position": st.column_config.NumberColumn("hit", width=44, help="Hit position h: tokens reused at its first schedule"),
+    "computed tokens": st.column_config.NumberColumn("computed", width=70, help="Prefill tokens run through the model"),
+    "hit source": st.column_config.TextColumn("source", width=58, help="prefix (index hit), fork, or none"),
+    "cow copies": st.column_config.NumberColumn("CoW", width=44, help="Copy-on-write copies its writes made"),
+    "preemptions": st.column_config.NumberColumn("preempt", width=60),
+    "TTFT ms": st.column_config.NumberColumn("TTFT ms", width=64, format="%.0f"),
+    "finish": st.column_config.TextColumn("finish", width=56),
+    "blocks": st.column_config.NumberColumn("blocks", width=52, help="Blocks it holds (or ended with)"),
 }
 
 
