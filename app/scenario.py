@@ -56,7 +56,7 @@ class ScenarioRun:
     tag: str  # unique per run: names its requests and its cache namespace
     parent: str
     children: tuple[str, str]
-    full_block: int | None = None  # F
+    full_block: int | None = None  # F (in the engine's first KV group, the full one when it has one)
     tail_block: int | None = None  # T, the parent's half-full tail
     copies: tuple[int, ...] = ()  # the children's copies of T, child A's first
     steps: list[Step] = field(default_factory=list)

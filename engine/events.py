@@ -77,6 +77,11 @@ class Event(NamedTuple):
 #   REPLAY: h, s, e, r, mode (ReplayMode value), replayed_tokens; a verification adds verified and the
 #           Divergence fields (engine/verify.py).
 #   WINDOW_RELEASE: num_blocks, block_ids, group.
+#
+# Every change of a block's reference count is named by exactly one event's block_ids: ALLOCATE sets it
+# to 1, HIT and FORK add one, RELEASE drops one (a COW is the ALLOCATE of its copy and the RELEASE of
+# its source, which it names). storage/block_history.py rebuilds a block's life from these alone;
+# tests/test_block_history.py replays the pools' own events against their counts.
 
 
 class EventLog:

@@ -7,7 +7,7 @@ import pandas as pd
 import streamlit as st
 
 from app import charts
-from app.frames import HOLDING, align_tables, block_category, block_counts, holders_text
+from app.frames import HOLDING, align_tables, block_category, block_counts
 from app.hosting import get_host
 from app.prompting import decode, token_pieces
 from app.scenario import ScenarioError, ScenarioRun, SharingScenario
@@ -108,7 +108,7 @@ with st.container(border=True):
         """Redraw the scenario's timeline and sentences (after each of its actions, and on later reruns)."""
         with scenario_slot.container():
             timelines = read_history(
-                queries.block_timelines, host.db, console.run_id, run.blocks, "full", run.request_ids
+                queries.block_timelines, host.db, console.run_id, run.blocks, groups[0], run.request_ids
             ) or {}
             titles = {}
             if run.full_block is not None:
@@ -131,7 +131,7 @@ with st.container(border=True):
             st.error(f"The scenario stopped: {exc}. Everything it created was released.")
     elif state.get("blocks_scenario") is not None:
         run = state["blocks_scenario"]
-        if engine.requests() and any(v.request_id == run.parent for v in engine.requests()):
+        if any(v.request_id == run.parent for v in engine.requests()):
             show_scenario(run)
         else:
             state["blocks_scenario"] = None  # the engine was restarted: its blocks are another run's
@@ -217,12 +217,12 @@ def inspect(block, now: float, statuses: dict[str, str]) -> None:
     if block.state == "free":
         st.markdown("Free: no holder and no key. It holds nothing; its slots are rewritten before anyone reads them.")
         return
+    holders = ", ".join(f"`{h}` ({statuses.get(h, 'gone')})" for h in block.holders) or "none"
     st.markdown(
         f"positions **{block.start_pos}–{block.start_pos + max(block.num_tokens, 1) - 1}** · "
         f"last used {fmt_time(block.last_used) if block.last_used else '—'}  \n"
-        f"holders: {', '.join(f'`{h}`' for h in block.holders) or 'none'}"
-        + (f" ({holders_text(block.holders, statuses)})" if block.holders else "")
-        + f"  \nkey `{block.key or '— (not in the prefix index)'}`  \nparent key `{block.parent_key or '—'}`"
+        f"holders: {holders}  \nkey `{block.key or '— (not in the prefix index)'}`  \n"
+        f"parent key `{block.parent_key or '—'}`"
     )
     if block.num_tokens:
         with st.expander("Decoded tokens"):

@@ -97,8 +97,9 @@ def tree() -> None:
         "Prefix ending at block",
         list(by_key),
         **kept("tree_pick", ranked[0].key),
+        # Stable labels (no hit count): Streamlit keeps a selectbox's value as its label.
         format_func=lambda k: f"#{by_key[k].block.block_id} · positions up to "
-        f"{by_key[k].block.start_pos + by_key[k].block.num_tokens} · hits {by_key[k].block.hit_count}",
+        f"{by_key[k].block.start_pos + by_key[k].block.num_tokens}",
     )
     chain = prefix_chain(blocks, key)
     st.table(

@@ -38,10 +38,6 @@ def apply_preset() -> None:
     state["submit_text"] = preset.text
 
 
-def request_label(request_id: str, statuses: dict[str, str]) -> str:
-    return f"{request_id} · {statuses.get(request_id, 'gone')}"
-
-
 st.title("Submit & fork")
 
 # ---------------------------------------------------------------- prompt editor
@@ -85,7 +81,7 @@ with right:
             "Compare with",
             list(targets),
             **kept("submit_compare", "(nothing)"),
-            format_func=lambda t: f"{t} ({statuses[t]}: prompt + output)" if t in statuses else t,
+            format_func=lambda t: f"{t} (prompt + output)" if t in statuses else t,  # no status: it changes
         )
         other = targets.get(other_label)
         if other is not None:
@@ -191,25 +187,23 @@ def show_outcome(key: str) -> None:
 def fork_parent_picker() -> None:
     """The parent box, redrawn every second so each request's status is the current one."""
     live = sorted(engine.requests(), key=lambda r: -r.arrival_time)
-    statuses = {r.request_id: r.status for r in live}
     holding = [r.request_id for r in live if r.status in HOLDING]
     options = holding + [r.request_id for r in live if r.status not in HOLDING]
     if state.get("submit_fork_parent") not in options:
         state["submit_fork_parent"] = options[0]
+    # Plain ids: Streamlit keeps a selectbox's value as its formatted label, so a label that changes
+    # (a status in it) would turn the kept value into a stale label the next run cannot map back.
     parent = st.selectbox(
-        "Parent (running or retained requests hold KV to share)",
-        options,
-        **kept("submit_fork_parent", options[0]),
-        format_func=lambda rid: request_label(rid, statuses),
+        "Parent (running or retained requests hold KV to share)", options, **kept("submit_fork_parent", options[0])
     )
     view = next(r for r in live if r.request_id == parent)
-    if view.status in HOLDING:
+    if view.status in HOLDING:  # the status lives here, redrawn every second, never in the box's labels
         st.caption(
-            f"{parent} is {view.status} and holds {view.num_computed_tokens} tokens in "
-            f"{len(view.block_table)} blocks: every child shares them and computes only what follows."
+            f"**{parent}** · `{view.status}`: holds {view.num_computed_tokens} tokens in "
+            f"{len(view.block_table)} blocks; every child shares them and computes only what follows."
         )
     else:
-        st.caption(f"{parent} is {view.status}: it holds no KV to share. Pick a running or retained request.")
+        st.caption(f"**{parent}** · `{view.status}`: it holds no KV to share. Pick a running or retained request.")
 
 
 views = sorted(engine.requests(), key=lambda r: -r.arrival_time)

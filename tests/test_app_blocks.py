@@ -77,7 +77,7 @@ def test_inspecting_a_shared_block_shows_its_reference_count_and_holders(console
     no_exceptions(at)
     values = {m.label: m.value for m in at.metric}
     assert (values["Reference count"], values["Tokens"]) == ("3", "16/16")
-    assert f"holders: `{parent}`, `{a}`, `{b}`" in texts(at)
+    assert f"holders: `{parent}` (retained), `{a}` (retained), `{b}` (retained)" in texts(at)
 
 
 def test_the_grid_names_each_blocks_holders_and_outlines_a_highlighted_request(console_env):
@@ -205,7 +205,7 @@ def test_a_hybrid_model_shows_each_kv_group_pool(console_env):
     no_exceptions(at)
     sliding = console.engine.get(rid).block_tables["sliding"]
     at.number_input(key="blocks_inspect_id").set_value(sliding[-1]).run()
-    assert "holders: `req-0`" in texts(at) and texts(at) != full_legend
+    assert "holders: `req-0` (retained)" in texts(at) and texts(at) != full_legend
     assert at.table[0].value["blocks"].tolist() == [len(sliding)]
     overview = open_page("overview", at)
     assert overview.table[0].value["KV group"].tolist() == ["full", "sliding"]

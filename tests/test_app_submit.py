@@ -98,6 +98,17 @@ def test_fork_makes_one_child_per_suffix_line_in_one_action(console_env):
     assert at.multiselect(key="submit_watch").value == ["req-1", "req-2", "req-3"]
 
 
+def test_the_parent_box_labels_are_request_ids_and_the_live_status_is_beside_them(console_env):
+    """Regression: the parent box's labels carried the status ("req-0 · waiting"). Streamlit's frontend
+    sends a selectbox's value back as its label, so once req-0 finished the box still said "waiting" and
+    the fork failed: "unknown parent request 'req-0 · waiting'" (tests/test_browser.py hit it under load)."""
+    at, engine = page_with_retained_request()
+    assert at.selectbox(key="submit_fork_parent").options == ["req-0"]  # labels that never change
+    assert "**req-0** · `retained`: holds" in texts(at)
+    compare = at.selectbox(key="submit_compare").options
+    assert "req-0 (prompt + output)" in compare and not any("retained" in label for label in compare)
+
+
 def test_bad_inputs_show_an_error_and_change_nothing(console_env):
     console_env(num_blocks=8)
     at = open_page("submit")
