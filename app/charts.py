@@ -400,6 +400,8 @@ def block_timelines(blocks: Sequence[tuple[str, pd.DataFrame]], height_px: int =
                                    bgcolor="rgba(255,255,255,0.85)", row=row, col=1)  # fmt: skip
         fig.update_yaxes(range=[-0.3, top + 1.2], dtick=1, title_text="refs", row=row, col=1)
     fig.update_xaxes(title_text="engine step", dtick=1, row=n, col=1)
+    if x_of:  # room right of the last event for its marker's words
+        fig.update_xaxes(range=[min(x_of.values()) - 0.5, max(x_of.values()) + 0.9])
     fig.update_layout(
         height=90 + height_px * n,
         margin={"l": 10, "r": 10, "t": 40, "b": 40},

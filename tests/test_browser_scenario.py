@@ -67,4 +67,7 @@ def play_scenario(page, url: str, expect) -> None:
     assert words_in_row(1) == [SAFE]  # the parent's old tail: safe to reuse once the parent let go
     assert words_in_row(0) == [EVICTABLE]  # the shared full block is cached: evictable, not free
     assert words_in_row(2) == [SAFE] and words_in_row(3) == [SAFE]  # each child's copy
-    page.screenshot(path=str(ARTIFACTS / "browser-scenario.png"), full_page=True)
+    page.set_viewport_size({"width": 1400, "height": 2400})  # Streamlit scrolls inside: all of it in view
+    page.wait_for_timeout(500)
+    scenario = main.locator("[data-testid='stVerticalBlock']").filter(has_text="Guided scenario").last
+    scenario.screenshot(path=str(ARTIFACTS / "browser-scenario.png"))  # the timeline and its sentences
