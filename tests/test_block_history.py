@@ -130,6 +130,29 @@ def test_each_childs_copy_is_its_own_from_the_copy_to_its_release():
     assert rows(copies[3])[-1] == ("release", "b", 0, (), SAFE_TO_REUSE)
 
 
+def test_a_cached_block_is_shared_by_a_prefix_hit_then_evicted_with_its_reason_and_freed():
+    log = EventLog()
+    m = KVCacheManager(BlockPool(2, 4, log), CacheNamespace("m", "r", "float32", 4, ("full",)), log)
+    m.allocate("p", [1, 2, 3, 4, 5])
+    m.cache_full_blocks("p")
+    m.free("p")
+    m.allocate("h", [9], hits=m.find_prefix_hit([1, 2, 3, 4, 9], None))
+    m.free("h")
+    m.allocate("q", [7] * 7)  # needs both blocks: the cached one is evicted
+    life = replay(stored(log.take()), [0])[0]
+    assert [(r.event, r.request_id, r.ref_count, r.state, r.marker) for r in life.rows] == [
+        ("allocate", "p", 1, "referenced", ""),
+        ("cache", "p", 1, "referenced", ""),
+        ("release", "p", 0, "evictable", EVICTABLE_FROM_HERE),
+        ("hit", "h", 1, "referenced", ""),
+        ("release", "h", 0, "evictable", EVICTABLE_FROM_HERE),
+        ("evict", "q", 0, "free", ""),
+        ("allocate", "q", 1, "referenced", ""),
+    ]
+    assert life.rows[3].change == "shared by a prefix hit of h"
+    assert life.rows[5].change == "evicted (lru): left the prefix index"
+
+
 def test_a_history_that_starts_mid_life_is_shown_from_the_next_allocation_and_flagged():
     events = exercise()
     late = [e for e in events if e.id > 2]  # the parent's allocation was pruned
