@@ -70,6 +70,11 @@ def summary_record(engine: Engine) -> dict[str, Any]:
             "preemptions": stats.preemptions,
             "prefix_hit_tokens": stats.prefix_hit_tokens,
             "prefix_query_tokens": stats.prefix_query_tokens,
+            "fork_shared_tokens": stats.fork_shared_tokens,
+            "fork_query_tokens": stats.fork_query_tokens,
+            "preempted_hit_tokens": stats.preempted_hit_tokens,
+            "preempted_query_tokens": stats.preempted_query_tokens,
+            "tokens_saved": stats.tokens_saved,
             "invariants_ok": invariants_ok,
         }
     }

@@ -5,7 +5,8 @@ and are addressed by block id.
 
 Every block is in exactly one of three states (`BlockState`):
 
-    free        ref_count == 0, no key         -> in the free queue, handed out first by `allocate_blocks`
+    free        ref_count == 0, no key         -> in the free queue, handed out first by `allocate_blocks`;
+                                                  holds no tokens
     evictable   ref_count == 0, key in index   -> held by the eviction policy, kept for prefix hits
     referenced  ref_count  > 0                 -> in neither, held by block tables, never handed out
 
@@ -254,6 +255,11 @@ class BlockPool:
                 raise RuntimeError(f"block {block.block_id} released more often than referenced; nothing released")
         if not blocks:
             return
+        # Interior blocks of a table are full: only the two ends can hold fewer tokens.
+        first, last = blocks[0], blocks[-1]
+        tokens = len(first.token_ids)
+        if last is not first:
+            tokens += (len(blocks) - 2) * self.block_size + len(last.token_ids)
         now = self._clock()
         evictable = []
         freed = 0
@@ -263,18 +269,13 @@ class BlockPool:
             if block.ref_count == 0:
                 freed += 1
                 if block.key is None:
-                    self._free.append(block)
+                    self._to_free(block)
                 else:
                     evictable.append(block)
         if evictable:
             self._evictable.release(evictable)
         if not self._log.recording:
             return
-        # Interior blocks of a table are full: only the two ends can hold fewer tokens.
-        first, last = blocks[0], blocks[-1]
-        tokens = len(first.token_ids)
-        if last is not first:
-            tokens += (len(blocks) - 2) * self.block_size + len(last.token_ids)
         ids = [block.block_id for block in blocks]
         detail = {"block_ids": ids, "freed": freed, "group": self.group}
         self._log.emit(EventKind.RELEASE, detail, request_id=request_id, block_id=ids[0], tokens=tokens, at=now)
@@ -349,7 +350,7 @@ class BlockPool:
             raise RuntimeError(f"block {block.block_id} is not an evictable cached block")
         self._evictable.remove(block)
         self._uncache(block, reason, request_id)
-        self._free.append(block)
+        self._to_free(block)
 
     def reset(self) -> tuple[int, int]:
         """Evict every unreferenced cached block.
@@ -361,7 +362,7 @@ class BlockPool:
         while self._evictable:
             block = self._evictable.pop_victim()
             dropped += 1 + self._uncache(block, EvictReason.RESET, None)
-            self._free.append(block)
+            self._to_free(block)
         return dropped, len(self._index)
 
     def _uncache(self, block: Block, reason: EvictReason, request_id: str | None) -> int:
@@ -395,11 +396,17 @@ class BlockPool:
                 self._drop_key(child, EvictReason.PARENT_EVICTED, request_id)
                 if child.ref_count == 0:
                     self._evictable.remove(child)
-                    self._free.append(child)
+                    self._to_free(child)
                 subtree.append(child)
                 removed += 1
                 child = following
         return removed
+
+    def _to_free(self, block: Block) -> None:
+        """Put an unreferenced, unkeyed block at the free queue's tail. It forgets its tokens: a free
+        block holds nothing anyone may read (its KV slots are rewritten before they are read again)."""
+        block.token_ids = []
+        self._free.append(block)
 
     def _drop_key(self, block: Block, reason: EvictReason, request_id: str | None) -> None:
         """Take one block's key out of the index and emit its EVICT event (links are the caller's)."""
@@ -463,6 +470,8 @@ class BlockPool:
         for block in self.blocks:
             require(block.ref_count >= 0, f"block {block.block_id}: negative reference count")
             require(len(block.token_ids) <= self.block_size, f"block {block.block_id} overflows")
+            if block.block_id in by_state[BlockState.FREE]:
+                require(not block.token_ids, f"free block {block.block_id} still holds tokens")
             if block.key is not None:
                 require(self._index.get(block.key) is block, f"block {block.block_id} key not indexed")
         for key, block in self._index.items():

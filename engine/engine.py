@@ -45,6 +45,7 @@ from engine.verify import ReplayVerifier
 logger = logging.getLogger(__name__)
 
 DEFAULT_NUM_BLOCKS = 1024
+WARM_UP_TOKENS = 256  # prefill length of `Engine.warm_up`: about a typical prompt
 MAX_REQUEST_ID_LEN = 128
 Listener = Callable[[list[Event], list[RequestView]], None]
 
@@ -185,8 +186,47 @@ class Engine:
         Raises:
             ValueError: unknown parent, a parent that holds no KV (waiting, finished without retain,
                 released), or an empty or invalid suffix; nothing changes.
+            RequestRejected: the child can never fit in the pool; it is recorded as rejected.
+        """
+        ids = None if request_id is None else [request_id]
+        return self.fork_many(parent_id, [suffix_token_ids], sampling, request_ids=ids, retain=retain)[0]
+
+    def fork_many(
+        self,
+        parent_id: str,
+        suffixes: list[list[int]],
+        sampling: SamplingParams | None = None,
+        *,
+        request_ids: list[str] | None = None,
+        retain: bool = False,
+    ) -> list[str]:
+        """Queue one child per suffix (as `fork` does), all within one hold of the engine lock.
+
+        No step runs between the children, so they all share the parent's blocks before any of them
+        writes: a shared partial tail reaches reference count 1 + len(suffixes), and each child's
+        copy-on-write comes in a later step. Every child is checked before any is created.
+
+        Args:
+            parent_id: a running or retained request.
+            suffixes: one child's suffix tokens each.
+            sampling: how every child samples (default `SamplingParams()`).
+            request_ids: the children's ids, one per suffix; None lets the engine assign them.
+            retain: whether the children keep their blocks after finishing.
+
+        Returns:
+            The children's ids, in the order of `suffixes`.
+
+        Raises:
+            ValueError: as `fork`, for any child, or `request_ids` that do not pair up with the suffixes
+                or repeat; nothing changes.
+            RequestRejected: a child can never fit in the pool; it is recorded as rejected and no child
+                is created.
         """
         sampling = sampling or SamplingParams()
+        if request_ids is not None and len(request_ids) != len(suffixes):
+            raise ValueError(f"{len(request_ids)} request ids for {len(suffixes)} suffixes")
+        if not suffixes:
+            raise ValueError("give at least one fork suffix")
         with self._lock:
             parent = self._requests.get(parent_id)
             if parent is None:
@@ -196,26 +236,32 @@ class Engine:
                     f"cannot fork {parent_id!r}: it is {parent.status.value}; only running or retained requests "
                     "hold KV to share"
                 )
-            rid = self._claim_id(request_id)
-            suffix = self._check_tokens(suffix_token_ids, "fork suffix")
-            context = parent.all_token_ids + suffix
-            self._check_length(len(context), sampling)
-            child = Request(
-                rid,
-                context,
-                sampling,
-                parent_id=parent_id,
-                retain=retain,
-                salt=parent.salt,
-                hit_source=HitSource.FORK,
-                arrival_time=time.time(),
-                cacheable=parent.cacheable,
-            )
-            if self._blocks_for(len(context), sampling) > self.num_blocks:
-                self._enqueue(child)  # records the rejection and raises
-            child.seeded_by_fork(self.kv.fork(parent_id, rid), self.kv.ready_mode)
-            self._enqueue(child)
-            return rid
+            children: list[Request] = []
+            for i, suffix_token_ids in enumerate(suffixes):
+                wanted = None if request_ids is None else request_ids[i]
+                rid = self._claim_id(wanted, taken={c.request_id for c in children})
+                suffix = self._check_tokens(suffix_token_ids, "fork suffix")
+                context = parent.all_token_ids + suffix
+                self._check_length(len(context), sampling)
+                child = Request(
+                    rid,
+                    context,
+                    sampling,
+                    parent_id=parent_id,
+                    retain=retain,
+                    salt=parent.salt,
+                    hit_source=HitSource.FORK,
+                    arrival_time=time.time(),
+                    cacheable=parent.cacheable,
+                )
+                children.append(child)
+            for child in children:
+                if self._blocks_for(child.num_prompt_tokens, sampling) > self.num_blocks:
+                    self._enqueue(child)  # records the rejection and raises
+            for child in children:
+                child.seeded_by_fork(self.kv.fork(parent_id, child.request_id), self.kv.ready_mode)
+                self._enqueue(child)
+            return [child.request_id for child in children]
 
     def release(self, request_id: str) -> None:
         """Release a retained request's blocks (or make a running retained request free them at the end).
@@ -230,7 +276,7 @@ class Engine:
             if request.status is RequestStatus.RETAINED:
                 self.kv.free(request_id)
                 request.released()
-                self._publish([], [request])
+                self._publish(self.log.take(), [request])  # its RELEASE events leave now, not with the next step
             elif request.status in (RequestStatus.RUNNING, RequestStatus.WAITING) and request.retain:
                 request.release_when_finished()
             else:
@@ -242,6 +288,28 @@ class Engine:
             dropped, kept = self.kv.reset_prefix_cache()
             self._publish(self.log.take(), [])
             return ResetResult(dropped, kept)
+
+    def warm_up(self, num_tokens: int = WARM_UP_TOKENS) -> None:
+        """Run the model on throwaway tokens, a prefill of `num_tokens` and then a one-token decode, so
+        that the first request does not pay a first forward's one-time costs (kernel and thread-pool
+        start-up, the allocator growing to a forward's working set).
+
+        Both forwards write their K/V only to the runner's scratch slots and read blocks no request
+        holds: no block, table, request, counter or event changes, and no later output differs.
+
+        Raises:
+            RuntimeError: requests are queued or hold blocks (warm up right after construction).
+        """
+        with self._lock:
+            if self.scheduler.has_work or any(m.pool.num_free < m.pool.num_blocks for m in self.kv.managers):
+                raise RuntimeError("warm up an engine before it serves requests")
+            bs = self.config.block_size
+            num_tokens = max(1, min(num_tokens, self.num_blocks * bs - 1, self.max_model_len - 1))
+            blocks = list(range(min(self.num_blocks, -(-(num_tokens + 1) // bs))))
+            tokens = [i % self.vocab_size for i in range(num_tokens + 1)]
+            for start, end in ((0, num_tokens), (num_tokens, num_tokens + 1)):
+                groups = tuple(GroupSlots(blocks, 0, end) for _ in self.kv.managers)  # write_from = end: scratch only
+                self.runner.execute([SeqChunk(tokens[start:end], start, groups)])
 
     # ------------------------------------------------------------------ the loop
     def step(self) -> list[RequestView]:
@@ -378,14 +446,16 @@ class Engine:
         for listener in self._listeners:
             listener(events, views)
 
-    def _claim_id(self, request_id: str | None) -> str:
+    def _claim_id(self, request_id: str | None, taken: set[str] | frozenset[str] = frozenset()) -> str:
+        """A free request id: `request_id` checked, or the next "req-N"; `taken` are ids claimed but not
+        yet recorded (the other children of one `fork_many`)."""
         if request_id is None:
             request_id = f"req-{next(self._ids)}"
             while request_id in self._requests:
                 request_id = f"req-{next(self._ids)}"
         if not isinstance(request_id, str) or not 0 < len(request_id) <= MAX_REQUEST_ID_LEN:
             raise ValueError(f"request ids are non-empty strings of at most {MAX_REQUEST_ID_LEN} characters")
-        if request_id in self._requests:
+        if request_id in self._requests or request_id in taken:
             raise ValueError(f"request id {request_id!r} is already taken")
         return request_id
 

@@ -68,7 +68,8 @@ class Event(NamedTuple):
 #   ALLOCATE: block_ids (every block handed out by one call, in table order), group.
 #   RELEASE: block_ids (in release order: last table entry first), freed (how many reached ref 0), group.
 #   CACHE:  block_ids, keys (hex, one per block), start_pos (first block), end_pos (last block's end), group.
-#   HIT:    cached_tokens, num_blocks.          FORK: parent_id, shared_blocks, group.
+#   HIT:    cached_tokens, num_blocks, block_ids (the blocks shared, in table order), group.
+#   FORK:   parent_id, shared_blocks, block_ids (the parent's blocks the child now shares, in table order), group.
 #   COW:    src_block, dst_block, num_slots, group.
 #   RESET:  dropped_blocks, ok (bool: False when referenced blocks kept it from being complete), kept_blocks.
 #   SCHEDULE: cached_tokens, computed_tokens, hit_source.   PREEMPT: num_computed_tokens.
@@ -76,6 +77,11 @@ class Event(NamedTuple):
 #   REPLAY: h, s, e, r, mode (ReplayMode value), replayed_tokens; a verification adds verified and the
 #           Divergence fields (engine/verify.py).
 #   WINDOW_RELEASE: num_blocks, block_ids, group.
+#
+# Every change of a block's reference count is named by exactly one event's block_ids: ALLOCATE sets it
+# to 1, HIT and FORK add one, RELEASE drops one (a COW is the ALLOCATE of its copy and the RELEASE of
+# its source, which it names). storage/block_history.py rebuilds a block's life from these alone;
+# tests/test_block_history.py replays the pools' own events against their counts.
 
 
 class EventLog:

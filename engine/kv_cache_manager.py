@@ -221,8 +221,9 @@ class KVCacheManager:
             self.pool.touch_blocks(hits)
             table.extend(hits)
             tokens = len(hits) * self.block_size
-            detail = {"cached_tokens": tokens, "num_blocks": len(hits)}
-            self._log.emit(EventKind.HIT, detail, request_id=request_id, block_id=hits[-1].block_id, tokens=tokens)
+            ids = [block.block_id for block in hits]
+            detail = {"cached_tokens": tokens, "num_blocks": len(hits), "block_ids": ids, "group": self.pool.group}
+            self._log.emit(EventKind.HIT, detail, request_id=request_id, block_id=ids[-1], tokens=tokens)
         self._fill(table, request_id, new_token_ids)
 
     def can_append(self, request_id: str, num_new_tokens: int) -> bool:
@@ -370,7 +371,12 @@ class KVCacheManager:
         self.pool.share_held_blocks(child.blocks)
         self._tables[child_id] = child
         shared = child.num_tokens(self.block_size)
-        detail = {"parent_id": parent_id, "shared_blocks": len(child.blocks), "group": self.pool.group}
+        detail = {
+            "parent_id": parent_id,
+            "shared_blocks": len(child.blocks),
+            "block_ids": child.block_ids[:],
+            "group": self.pool.group,
+        }
         last = child.block_ids[-1] if child.block_ids else None
         self._log.emit(EventKind.FORK, detail, request_id=child_id, block_id=last, tokens=shared)
         return shared

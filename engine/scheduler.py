@@ -26,6 +26,44 @@ from engine.kv_groups import HitPlan
 from engine.request import Request, RequestStatus
 
 
+@dataclass(slots=True)
+class ReuseCounters:
+    """Prompt tokens reused and computed, counted the way vLLM's metrics count them (in tokens).
+
+    Three kinds of admission are kept apart, so that no number claims more reuse than happened:
+
+        prefix lookup   a new request's prompt looked up in the prefix index (vLLM's
+                        `prefix_cache_queries` / `prefix_cache_hits`); a hit counts only the tokens that
+                        were not computed: the replay boundary r, not the hit position h (a sliding-window
+                        hit replayed from r = 0 saved nothing)
+        fork            a child's context shared from its parent's table (not an index lookup)
+        re-admission    a preempted request looked up again; its reuse is its own recomputation, not a
+                        prefix hit (vLLM #25780), so it is counted here and nowhere else
+    """
+
+    prefix_query_tokens: int = 0  # prompt tokens of new requests looked up in the prefix index
+    prefix_hit_tokens: int = 0  # of which reused from the index and not computed (r per request)
+    replayed_tokens: int = 0  # hit tokens computed again to rebuild sliding-window state (h - r)
+    fork_query_tokens: int = 0  # context tokens of fork children at their first admission
+    fork_shared_tokens: int = 0  # of which shared from the parent and not computed
+    preempted_query_tokens: int = 0  # context tokens of preempted requests looked up again on re-admission
+    preempted_hit_tokens: int = 0  # of which found in the cache (their own blocks, mostly)
+
+    def count_admission(self, request: Request, plan: HitPlan | None, start: int, *, first_time: bool) -> None:
+        """Count one admission: `plan` is its hit plan (None for a fork child's first admission) and
+        `start` the position its first chunk starts at."""
+        if not first_time:
+            self.preempted_query_tokens += request.num_tokens
+            self.preempted_hit_tokens += start
+        elif plan is None:
+            self.fork_query_tokens += request.num_prompt_tokens
+            self.fork_shared_tokens += start
+        else:
+            self.prefix_query_tokens += request.num_prompt_tokens
+            self.prefix_hit_tokens += start
+            self.replayed_tokens += plan.replayed_tokens
+
+
 @dataclass(frozen=True, slots=True)
 class ScheduledChunk:
     """Tokens of one request that the next forward computes, at positions start_pos.. onwards."""
@@ -59,8 +97,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
-        self.prefix_query_tokens = 0  # prompt tokens looked up at first admission
-        self.prefix_hit_tokens = 0  # of which found in the cache (prefix index or fork)
+        self.counters = ReuseCounters()
 
     @property
     def has_work(self) -> bool:
@@ -146,9 +183,8 @@ class Scheduler:
         first_time = request.first_scheduled_time is None
         request.admitted(start, plan, time.time())
         request.reserved(reservation.num_copies)
+        self.counters.count_admission(request, plan, start, first_time=first_time)
         if first_time:
-            self.prefix_query_tokens += request.num_prompt_tokens
-            self.prefix_hit_tokens += request.cached_tokens
             detail = {
                 "cached_tokens": request.cached_tokens,
                 "computed_tokens": request.num_prompt_tokens - start,

@@ -173,8 +173,14 @@ class PoolStats:
     evictions: int
     cow_copies: int
     preemptions: int
-    prefix_query_tokens: int  # prompt tokens looked up at first admission
-    prefix_hit_tokens: int  # of which found in the cache (prefix index or fork)
+    # Reuse in tokens (engine/scheduler.py's ReuseCounters explains each).
+    prefix_query_tokens: int  # prompt tokens of new requests looked up in the prefix index (vLLM's queries)
+    prefix_hit_tokens: int  # of which reused from the index, not computed (vLLM's hits)
+    replayed_tokens: int  # hit tokens recomputed to rebuild sliding-window state (not counted as hits)
+    fork_query_tokens: int  # context tokens of fork children
+    fork_shared_tokens: int  # of which shared from their parents, not computed
+    preempted_query_tokens: int  # context tokens of preempted requests looked up again
+    preempted_hit_tokens: int  # of which found in the cache (not counted as prefix hits)
     steps: int  # engine steps run
     num_waiting: int
     num_running: int
@@ -191,8 +197,21 @@ class PoolStats:
         return self.logical_blocks / self.used_blocks if self.used_blocks else 1.0
 
     @property
-    def hit_rate(self) -> float:
+    def prefix_hit_rate(self) -> float:
+        """vLLM's prefix-cache hit rate: prefix-index hit tokens over looked-up prompt tokens (forks and
+        re-admissions after preemption excluded)."""
         return self.prefix_hit_tokens / self.prefix_query_tokens if self.prefix_query_tokens else 0.0
+
+    @property
+    def fork_share_rate(self) -> float:
+        """Context tokens fork children shared from their parents over their context tokens."""
+        return self.fork_shared_tokens / self.fork_query_tokens if self.fork_query_tokens else 0.0
+
+    @property
+    def tokens_saved(self) -> int:
+        """Prompt tokens not computed thanks to reuse: prefix hits (replayed tokens excluded) and fork
+        sharing. A preempted request's reuse of its own blocks is not a saving (it computed them once)."""
+        return self.prefix_hit_tokens + self.fork_shared_tokens
 
 
 @dataclass(frozen=True, slots=True)
@@ -239,8 +258,13 @@ def pool_stats(kv: KVCoordinator, scheduler: Scheduler, requests: Iterable[Reque
         evictions=total("evictions"),
         cow_copies=total("cow_copies"),
         preemptions=scheduler.num_preemptions,
-        prefix_query_tokens=scheduler.prefix_query_tokens,
-        prefix_hit_tokens=scheduler.prefix_hit_tokens,
+        prefix_query_tokens=scheduler.counters.prefix_query_tokens,
+        prefix_hit_tokens=scheduler.counters.prefix_hit_tokens,
+        replayed_tokens=scheduler.counters.replayed_tokens,
+        fork_query_tokens=scheduler.counters.fork_query_tokens,
+        fork_shared_tokens=scheduler.counters.fork_shared_tokens,
+        preempted_query_tokens=scheduler.counters.preempted_query_tokens,
+        preempted_hit_tokens=scheduler.counters.preempted_hit_tokens,
         steps=steps,
         num_waiting=len(scheduler.waiting),
         num_running=len(scheduler.running),

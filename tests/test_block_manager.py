@@ -82,7 +82,8 @@ def test_events_record_fork_cow_and_release():
         EventKind.ALLOCATE, EventKind.RELEASE, EventKind.COW,
     ]
     assert events[0].detail["block_ids"] == [0, 1]  # one event for the call that took both blocks
-    assert events[2].detail == {"parent_id": "a", "shared_blocks": 2, "group": "full"}
+    # The fork names the blocks it shared, so a block's history can count its references.
+    assert events[2].detail == {"parent_id": "a", "shared_blocks": 2, "block_ids": [0, 1], "group": "full"}
     assert events[4].detail["block_ids"] == [1] and events[4].detail["freed"] == 0
 
 
