@@ -8,6 +8,10 @@ Invariants:
       write batch never wait behind one huge delete.
     * Every (table, reason) that lost rows in a pruning run gets one `prunes` row; runs that delete
       nothing leave no trace (the log stays about deletions, not about the clock).
+    * Fleet history: fleet_events and fleet_evictions by age and count like events and evictions; of
+      fleet_blocks only ended lifetimes go (by their end), so the blocks a source holds are never
+      pruned; sources are never deleted. Age and per-source bounds run source by source, through the
+      (source_id, time) indexes.
 """
 
 from __future__ import annotations
@@ -17,7 +21,16 @@ from dataclasses import dataclass
 from sqlalchemy import ColumnElement, Engine, Table, delete, func, insert, select, tuple_
 
 from storage import rollups
-from storage.models import EVENTS, EVICTIONS, PRUNES, REQUESTS
+from storage.models import (
+    EVENTS,
+    EVICTIONS,
+    FLEET_BLOCKS,
+    FLEET_EVENTS,
+    FLEET_EVICTIONS,
+    FLEET_SOURCES,
+    PRUNES,
+    REQUESTS,
+)
 
 SECONDS_PER_DAY = 86_400.0
 
@@ -29,6 +42,9 @@ class RetentionPolicy:
     max_age_days: float | None = 30.0  # events, evictions, requests and prune logs older than this go
     max_events: int | None = 5_000_000  # newest events rows kept
     max_evictions: int | None = 1_000_000  # newest evictions rows kept
+    max_fleet_events: int | None = 5_000_000  # newest fleet_events rows kept (max_age_days applies too)
+    max_fleet_evictions: int | None = 5_000_000  # newest fleet_evictions rows kept
+    max_fleet_lifetimes_per_pod: int | None = 1_000_000  # newest ended fleet_blocks rows kept per source
     chunk_rows: int = 50_000  # rows deleted per transaction
 
 
@@ -57,9 +73,16 @@ def prune(engine: Engine, policy: RetentionPolicy, now: float) -> list[PruneResu
         for table, time_column in aged:
             deleted = _delete_chunked(engine, table, time_column < cutoff, time_column, policy.chunk_rows)
             results.append(PruneResult(table.name, "age", deleted))
-    for table, max_rows in ((EVENTS, policy.max_events), (EVICTIONS, policy.max_evictions)):
+    bounded = (
+        (EVENTS, policy.max_events),
+        (EVICTIONS, policy.max_evictions),
+        (FLEET_EVENTS, policy.max_fleet_events),
+        (FLEET_EVICTIONS, policy.max_fleet_evictions),
+    )
+    for table, max_rows in bounded:
         if max_rows is not None:
             results.append(PruneResult(table.name, "max_rows", _delete_beyond(engine, table, max_rows, policy)))
+    results.extend(_prune_fleet_by_source(engine, policy, now))
     results = [result for result in results if result.rows_deleted]
     if results:
         with engine.begin() as connection:
@@ -71,6 +94,39 @@ def prune(engine: Engine, policy: RetentionPolicy, now: float) -> list[PruneResu
                 ],
             )
     return results
+
+
+def _prune_fleet_by_source(engine: Engine, policy: RetentionPolicy, now: float) -> list[PruneResult]:
+    """Fleet rows older than the age limit, and ended lifetimes beyond each source's newest ones."""
+    with engine.connect() as connection:
+        sources = list(connection.scalars(select(FLEET_SOURCES.c.id)))
+    tables = (FLEET_EVENTS, FLEET_EVICTIONS, FLEET_BLOCKS)
+    deleted = {(table.name, reason): 0 for table in tables for reason in ("age", "max_rows")}
+    removed_at = FLEET_BLOCKS.c.removed_at
+    timed = ((FLEET_EVENTS, FLEET_EVENTS.c.ts), (FLEET_EVICTIONS, FLEET_EVICTIONS.c.time), (FLEET_BLOCKS, removed_at))
+    for source in sources:
+        if policy.max_age_days is not None:
+            cutoff = now - policy.max_age_days * SECONDS_PER_DAY
+            for table, time_column in timed:  # a held block's removed_at is NULL: never older than the cutoff
+                condition = (table.c.source_id == source) & (time_column < cutoff)
+                count = _delete_chunked(engine, table, condition, time_column, policy.chunk_rows)
+                deleted[(table.name, "age")] += count
+        if policy.max_fleet_lifetimes_per_pod is not None:
+            of_source = FLEET_BLOCKS.c.source_id == source
+            ended = tuple_(removed_at, FLEET_BLOCKS.c.n)  # ties in time (one batch's removals) by number
+            with engine.connect() as connection:
+                newest_dropped = connection.execute(
+                    select(removed_at, FLEET_BLOCKS.c.n)
+                    .where(of_source, removed_at.is_not(None))
+                    .order_by(removed_at.desc(), FLEET_BLOCKS.c.n.desc())
+                    .offset(policy.max_fleet_lifetimes_per_pod)
+                    .limit(1)
+                ).first()
+            if newest_dropped is not None:
+                condition = of_source & removed_at.is_not(None) & (ended <= tuple_(*newest_dropped))
+                count = _delete_chunked(engine, FLEET_BLOCKS, condition, removed_at, policy.chunk_rows)
+                deleted[(FLEET_BLOCKS.name, "max_rows")] += count
+    return [PruneResult(table, reason, rows) for (table, reason), rows in deleted.items()]
 
 
 def _delete_beyond(engine: Engine, table: Table, max_rows: int, policy: RetentionPolicy) -> int:

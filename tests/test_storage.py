@@ -98,7 +98,7 @@ def test_the_schema_at_head_matches_the_models(db_url: str, engine_for) -> None:
     engine = engine_for(db_url)
     migrate.upgrade(engine)
     with engine.connect() as connection:
-        assert migrate.current_revision(engine) == "0003"
+        assert migrate.current_revision(engine) == "0006"
         assert compare_metadata(MigrationContext.configure(connection), Base.metadata) == []
     migrate.upgrade(engine)  # a second upgrade is a no-op
 
@@ -167,7 +167,7 @@ def test_a_database_made_by_the_first_schema_upgrades_without_losing_rows(db_url
 
     migrate.upgrade(engine)
 
-    assert migrate.current_revision(engine) == "0003"
+    assert migrate.current_revision(engine) == "0006"
     assert count_rows(engine, EVENTS) == 3
     assert queries.request_timeline(engine, "missing").empty
     recorded = queries.recent_requests(engine, "old").sort_values("request_id")
