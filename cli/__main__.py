@@ -1,6 +1,7 @@
 """`python -m cli COMMAND ...`: one dispatcher, one module per command.
 
     run-trace   replay a JSONL workload through the engine (cli/run_trace.py)
+    fleet       watch vLLM/SGLang prefix caches through their KV events; read what was seen (cli/fleet.py)
 
 A command module exposes `add_parser(subparsers)`, which adds its subcommand and sets `run` as that
 parser's default, and `run(args) -> int`, the exit status. Command modules import at the top only what
@@ -15,9 +16,9 @@ import sys
 from collections.abc import Sequence
 from types import ModuleType
 
-from cli import run_trace
+from cli import fleet, run_trace
 
-COMMANDS: tuple[ModuleType, ...] = (run_trace,)
+COMMANDS: tuple[ModuleType, ...] = (run_trace, fleet)
 
 
 def main(argv: Sequence[str] | None = None, *, prog: str = "python -m cli", commands=COMMANDS) -> int:
