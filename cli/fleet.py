@@ -142,7 +142,8 @@ def status_line(collector, index, writer) -> str:
         f"lag max {max(lags) * 1e3:.0f} ms" if lags else "lag -",
         f"lost batches {sum(pod.num_lost_batches for pod in stats.values())}",
         f"feed errors {sum(pod.num_errors for pod in stats.values())}",
-        f"db rows {writer_stats.written_other:,} written, {writer_stats.queued:,} queued, {writer_stats.dropped:,} dropped",
+        f"db rows {writer_stats.written_other:,} written, {writer_stats.queued:,} queued, "
+        f"{writer_stats.dropped:,} dropped",
     ]
     if writer_stats.last_error:
         parts.append(f"last db error: {writer_stats.last_error}")
@@ -227,7 +228,8 @@ def _print_text(pods: list[dict]) -> None:
         watching = "watching" if pod["closed_at"] is None else f"closed {_clock(pod['closed_at'])}"
         print(f"{pod['pod']}: {pod['num_blocks']} blocks held ({pod['num_hashes']} hashes), {heard}, {watching}")
         for group in pod["groups"]:
-            print(f"  {group['medium']} group {group['group_idx']}: {group['blocks']} blocks ({group['hashes']} hashes)")
+            blocks, hashes = group["blocks"], group["hashes"]
+            print(f"  {group['medium']} group {group['group_idx']}: {blocks} blocks ({hashes} hashes)")
         for block_hash in pod.get("hashes", ()):
             print(f"    {block_hash}")
 

@@ -217,8 +217,9 @@ class KVCacheManager:
             self.pool.touch_blocks(hits)
             table.extend(hits)
             tokens = len(hits) * self.block_size
-            detail = {"cached_tokens": tokens, "num_blocks": len(hits)}
-            self._log.emit(EventKind.HIT, detail, request_id=request_id, block_id=hits[-1].block_id, tokens=tokens)
+            ids = [block.block_id for block in hits]
+            detail = {"cached_tokens": tokens, "num_blocks": len(hits), "block_ids": ids, "group": self.pool.group}
+            self._log.emit(EventKind.HIT, detail, request_id=request_id, block_id=ids[-1], tokens=tokens)
         self._fill(table, request_id, new_token_ids)
 
     def can_append(self, request_id: str, num_new_tokens: int) -> bool:
@@ -332,9 +333,15 @@ class KVCacheManager:
                 self.pool.cache(block, key, parent, parent_key)
                 cached.append(block)
         if cached:
+            root = table.root_key
             detail = {
                 "block_ids": [b.block_id for b in cached],
                 "keys": [b.key.hex() for b in cached],  # type: ignore[union-attr]
+                # Each block's chain parent (None under the namespace root) and tokens: what a KV-event
+                # BlockStored carries (engine/kv_events.py), kept here because a block evicted before the
+                # listeners run forgets its tokens.
+                "parent_keys": [None if b.parent_key == root else b.parent_key.hex() for b in cached],  # type: ignore
+                "token_ids": [token for b in cached for token in b.token_ids],
                 "start_pos": cached[0].start_pos,
                 "end_pos": cached[-1].start_pos + bs,
                 "group": self.pool.group,

@@ -26,7 +26,9 @@ def batch(pod: str, seq: int, *events: KVEvent, ts: float = 100.0) -> PodBatch:
     return PodBatch(pod, seq, EventBatch(ts, tuple(events), 0), ts + 0.5, BatchOrigin.LIVE)
 
 
-def stored(hashes: Iterable[BlockHash], parent: BlockHash | None = None, block_size: int = 4, group: int = 0) -> BlockStored:
+def stored(
+    hashes: Iterable[BlockHash], parent: BlockHash | None = None, block_size: int = 4, group: int = 0
+) -> BlockStored:
     """BlockStored of `hashes` in a chain after `parent`; block h holds tokens 10 * (h % 1000) + 0, 1, ..."""
     hashes = tuple(hashes)
     tokens = tuple(10 * (h % 1000 if isinstance(h, int) else len(h)) + j for h in hashes for j in range(block_size))

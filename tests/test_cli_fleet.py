@@ -64,7 +64,8 @@ def watch(url: str, *pods: str) -> subprocess.Popen:
     argv = [sys.executable, "-m", "cli", "fleet", "watch", "--db", url, "--status-every", "0.2"]
     for pod in pods:
         argv += ["--pod", pod]
-    return subprocess.Popen(argv, cwd=ROOT, stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    environment = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    return subprocess.Popen(argv, cwd=ROOT, stderr=subprocess.PIPE, text=True, env=environment)
 
 
 def stop(process: subprocess.Popen, sig: int) -> tuple[int, str]:

@@ -136,7 +136,7 @@ def test_a_clear_and_a_restart_end_every_open_lifetime(db_url: str, fleet_writer
     assert fleet_writer.flush(20)
     engine, source = engine_for(db_url), store.source_ids()["a"]
 
-    ends = [(n, block_hash, copies, removed_at, reason) for n, block_hash, copies, _, removed_at, reason in lifetimes(engine, source)]
+    ends = [(n, hash_, copies, removed_at, reason) for n, hash_, copies, _, removed_at, reason in lifetimes(engine, source)]
     assert ends == [
         (0, "1", 0, 11.0, "cleared"),
         (1, "2", 0, 11.0, "cleared"),
@@ -232,7 +232,9 @@ def test_stored_lifetimes_always_equal_the_fleet_index(property_db, ops) -> None
             .group_by(blocks.medium, blocks.group_idx, blocks.block_hash)
         ).all()
         ended_with_copies = connection.scalar(
-            select(func.count()).where(blocks.source_id == source_id, blocks.removed_at.is_not(None), blocks.copies != 0)
+            select(func.count()).where(
+                blocks.source_id == source_id, blocks.removed_at.is_not(None), blocks.copies != 0
+            )
         )
     assert all(count == 1 for *_, count in open_keys)
     assert ended_with_copies == 0
@@ -249,7 +251,8 @@ def test_a_producer_that_may_wait_waits_for_room_instead_of_dropping(tmp_path: P
         release.wait(20)
         written.extend(row_sets)
 
-    writer = EventWriter(f"sqlite:///{tmp_path / 'h.sqlite'}", WriterOptions(**{**FAST, "queue_items": 1, "batch_rows": 1}))
+    options = WriterOptions(**{**FAST, "queue_items": 1, "batch_rows": 1})
+    writer = EventWriter(f"sqlite:///{tmp_path / 'h.sqlite'}", options)
     try:
         assert writer.submit_rows("first", 1, slow_write)
         assert wait_for(lambda: writer.stats().queued == 1 and writer._queue.empty())  # the thread holds it
