@@ -32,6 +32,12 @@ navigation = st.navigation(
             st.Page(PAGES / "replay.py", title="Replay", icon=":material/replay:"),
         ],
         "History": [st.Page(PAGES / "evictions.py", title="Evictions", icon=":material/delete_sweep:")],
+        "Fleet": [
+            st.Page(PAGES / "fleet_pods.py", title="Pods", icon=":material/dns:"),
+            st.Page(PAGES / "fleet_tree.py", title="Fleet prefix tree", icon=":material/lan:"),
+            st.Page(PAGES / "fleet_evictions.py", title="Fleet evictions", icon=":material/timelapse:"),
+            st.Page(PAGES / "fleet_route.py", title="Route a prompt", icon=":material/alt_route:"),
+        ],
         "Admin": [st.Page(PAGES / "settings.py", title="Settings", icon=":material/settings:")],
     }
 )

@@ -13,7 +13,7 @@ restart) has one source per watch, and `latest_sources` picks the newest for eac
     eviction_age_histogram(db, source_ids, since)   age at eviction, in storage.models.AGE_EDGES_S bins
     lifetime_histogram(db, source_ids, since)       ended lifetimes (stored -> end), same bins, by how they ended
 
-Hash texts and hashes: storage.fleet_rows.hash_text / parse_hash_text.
+Hashes are stored as text; `parse_hash_text` (re-exported from storage.fleet_rows) reads them back.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ import pandas as pd
 from sqlalchemy import ColumnElement, case, func, select
 
 from storage.buckets import bucket_index
+from storage.fleet_rows import parse_hash_text  # noqa: F401  (re-exported: readers turn hash texts back into hashes)
 from storage.models import AGE_EDGES_S, FLEET_BLOCKS, FLEET_EVENTS, FLEET_EVICTIONS, FLEET_SOURCES
 from storage.models import FLEET_SOURCE_COLUMNS as SOURCE_COLUMNS
 from storage.queries import Readable, _connection, _frame  # the query layer's connection and frame helpers
