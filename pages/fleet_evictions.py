@@ -21,7 +21,8 @@ st.title("Fleet evictions and lifetimes")
 st.caption(
     "From the history database (every collector sharing it). An eviction is one physical copy a "
     "BlockRemoved took away, aged from the store that made its hash held; a lifetime runs from that "
-    "store to the removal of the hash's last copy, a cache reset (cleared) or a server restart (reset)."
+    "store until the hash's last copy goes: removed, or dropped by a cache reset (cleared) or a "
+    "server restart (reset). The log lists all three."
 )
 st.button("Refresh", key="fleet_evict_refresh")
 
@@ -58,7 +59,7 @@ left, right = st.columns(2)
 left.plotly_chart(charts.histogram_bars(known, "Age at eviction", "s"), key="fleet_age_chart")
 if len(lifetimes):
     right.plotly_chart(
-        fleet_charts.binned_bars(lifetimes, "lifetimes", "Lifetimes by how they ended", colour="end_reason"),
+        fleet_charts.binned_bars(lifetimes, "lifetimes", "Lifetimes by how they ended", colour="reason"),
         key="fleet_lifetime_chart",
     )
 else:

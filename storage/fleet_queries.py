@@ -9,9 +9,9 @@ restart) has one source per watch, and `latest_sources` picks the newest for eac
     held_summary(db, source_ids)                    per source, medium and group: hashes and blocks held
     held_blocks(db, source_id)                      the blocks a source holds (hash, parent, tokens, copies)
     block_rates(db, source_ids, since, bucket_s)    blocks stored / removed per bucket
-    eviction_log(db, source_ids, since, limit)      the newest evictions
-    eviction_age_histogram(db, source_ids, since)   age at eviction, in storage.models.AGE_EDGES_S bins
-    lifetime_histogram(db, source_ids, since)       ended lifetimes (stored -> end), same bins, by how they ended
+    eviction_log(db, source_ids, since, limit)      the newest copies that left a cache, and why
+    eviction_age_histogram(db, source_ids, since)   age at eviction (BlockRemoved), in AGE_EDGES_S bins
+    lifetime_histogram(db, source_ids, since)       ended lifetimes (stored -> last copy gone), same bins, by reason
 
 Hashes are stored as text; `parse_hash_text` (re-exported from storage.fleet_rows) reads them back.
 """
@@ -25,6 +25,7 @@ import pandas as pd
 from sqlalchemy import ColumnElement, case, func, select
 
 from storage.buckets import bucket_index
+from storage.fleet_rows import RemovalReason
 from storage.fleet_rows import parse_hash_text  # noqa: F401  (re-exported: readers turn hash texts back into hashes)
 from storage.models import AGE_EDGES_S, FLEET_BLOCKS, FLEET_EVENTS, FLEET_EVICTIONS, FLEET_SOURCES
 from storage.models import FLEET_SOURCE_COLUMNS as SOURCE_COLUMNS
@@ -33,7 +34,9 @@ from storage.queries import Readable, _connection, _frame  # the query layer's c
 HELD_COLUMNS = (
     "medium", "group_idx", "block_hash", "parent_hash", "block_size", "token_ids", "copies", "stored_at", "n",
 )  # fmt: skip
-EVICTION_LOG_COLUMNS = ("id", "source_id", "time", "medium", "group_idx", "block_hash", "age_s", "copies_left")
+EVICTION_LOG_COLUMNS = (
+    "id", "source_id", "time", "reason", "medium", "group_idx", "block_hash", "age_s", "copies_left",
+)  # fmt: skip
 
 
 def latest_sources(db: Readable, pods: Iterable[str] | None = None) -> pd.DataFrame:
@@ -74,7 +77,7 @@ def held_summary(db: Readable, source_ids: Sequence[str]) -> pd.DataFrame:
     blocks = FLEET_BLOCKS.c
     statement = (
         select(blocks.source_id, blocks.medium, blocks.group_idx, func.count(), func.sum(blocks.copies))
-        .where(blocks.source_id.in_(list(source_ids)), blocks.removed_at.is_(None))
+        .where(blocks.source_id.in_(list(source_ids)))
         .group_by(blocks.source_id, blocks.medium, blocks.group_idx)
         .order_by(blocks.source_id, blocks.medium, blocks.group_idx)
     )
@@ -93,7 +96,7 @@ def held_blocks(db: Readable, source_id: str) -> pd.DataFrame:
     blocks = FLEET_BLOCKS.c
     statement = (
         select(*(blocks[name] for name in HELD_COLUMNS))
-        .where(blocks.source_id == source_id, blocks.removed_at.is_(None))
+        .where(blocks.source_id == source_id)
         .order_by(blocks.n)
     )
     with _connection(db) as connection:
@@ -133,7 +136,7 @@ def block_rates(
 def eviction_log(
     db: Readable, source_ids: Sequence[str], since: float | None = None, limit: int = 100
 ) -> pd.DataFrame:
-    """The newest evictions (one row per physical copy removed), newest first.
+    """The newest copies that left the pods' caches (storage.models' fleet_evictions), newest first.
 
     Returns:
         EVICTION_LOG_COLUMNS; age_s and copies_left are NaN for hashes the pod was not known to hold.
@@ -155,14 +158,14 @@ def eviction_log(
 
 
 def eviction_age_histogram(db: Readable, source_ids: Sequence[str], since: float | None = None) -> pd.DataFrame:
-    """How old lifetimes were when a BlockRemoved took a copy, in AGE_EDGES_S bins.
+    """How old lifetimes were when a BlockRemoved took a copy (reason "removed"), in AGE_EDGES_S bins.
 
     Returns:
         Columns bin_start, bin_end (inf for the last bin), evictions; every bin; plus one row with
         bin_start NaN counting evictions of unknown age.
     """
     table = FLEET_EVICTIONS.c
-    conditions = [table.source_id.in_(list(source_ids))]
+    conditions = [table.source_id.in_(list(source_ids)), table.reason == RemovalReason.REMOVED.value]
     if since is not None:
         conditions.append(table.time >= since)
     counts = _binned(db, table.age_s, conditions)
@@ -170,26 +173,29 @@ def eviction_age_histogram(db: Readable, source_ids: Sequence[str], since: float
 
 
 def lifetime_histogram(db: Readable, source_ids: Sequence[str], since: float | None = None) -> pd.DataFrame:
-    """How long ended lifetimes lasted (stored -> removed of the last copy, clear or reset), by end.
+    """How long ended lifetimes lasted (stored -> its last copy gone), by why it went.
+
+    A lifetime ends with the fleet_evictions row that leaves it no copy (copies_left 0); its age_s is
+    the lifetime's length.
 
     Returns:
-        Columns end_reason, bin_start, bin_end, lifetimes: every AGE_EDGES_S bin of every end reason
-        that occurred since `since` (by removed_at).
+        Columns reason, bin_start, bin_end, lifetimes: every AGE_EDGES_S bin of every reason that
+        occurred since `since`.
     """
-    table = FLEET_BLOCKS.c
-    conditions = [table.source_id.in_(list(source_ids)), table.removed_at.is_not(None)]
+    table = FLEET_EVICTIONS.c
+    conditions = [table.source_id.in_(list(source_ids)), table.copies_left == 0]
     if since is not None:
-        conditions.append(table.removed_at >= since)
+        conditions.append(table.time >= since)
     with _connection(db) as connection:
-        reasons = list(connection.scalars(select(table.end_reason).where(*conditions).distinct()))
+        reasons = list(connection.scalars(select(table.reason).where(*conditions).distinct()))
     frames = []
     for reason in sorted(reasons):
-        counts = _binned(db, table.removed_at - table.stored_at, [*conditions, table.end_reason == reason])
+        counts = _binned(db, table.age_s, [*conditions, table.reason == reason])
         frame = _histogram_frame(counts, "lifetimes").dropna(subset=["bin_start"])
-        frame.insert(0, "end_reason", reason)
+        frame.insert(0, "reason", reason)
         frames.append(frame)
     if not frames:
-        return pd.DataFrame(columns=["end_reason", "bin_start", "bin_end", "lifetimes"])
+        return pd.DataFrame(columns=["reason", "bin_start", "bin_end", "lifetimes"])
     return pd.concat(frames, ignore_index=True)
 
 

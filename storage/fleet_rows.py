@@ -1,4 +1,4 @@
-"""Turn a collector's batches into rows of the fleet tables: events, block lifetimes, the eviction log.
+"""Turn a collector's batches into rows of the fleet tables: events, held blocks, the eviction log.
 
 Pure Python, no SQL (storage.fleet_bulk writes what this builds). The storage layer depends on the fleet
 package only through the types it persists, `fleet.events` and `fleet.source`, as it depends on the
@@ -7,24 +7,24 @@ engine only through `engine.events` (tests/test_layering.py checks both).
 Per source the builder keeps what `fleet.index` keeps per group, reduced to what a lifetime needs:
 (medium, group_idx, hash) -> `_Life(copies, n, stored_at)`. The rule is the index's copy counting:
 
-    BlockStored of a hash not held   opens lifetime n (copies 1), stored_at = the batch's ts
+    BlockStored of a hash not held   lifetime n opens: a fleet_blocks row (copies 1, stored_at = ts)
     BlockStored of a held hash       copies += 1 (vLLM does not de-duplicate)
-    BlockRemoved of a held hash      copies -= 1, one eviction row of age ts - stored_at;
-                                     at 0 the lifetime ends ("removed", copies 0)
-    BlockRemoved of a hash not held  one eviction row of unknown age (a feed joined late, or a gap)
-    AllBlocksCleared                 every open lifetime ends ("cleared")
-    PodReset (a restarted server)    every open lifetime ends ("reset")
+    BlockRemoved of a held hash      copies -= 1, an eviction row ("removed", age ts - stored_at,
+                                     copies_left); at 0 the lifetime ends and its fleet_blocks row goes
+    BlockRemoved of a hash not held  an eviction row of unknown age (a feed joined late, or a gap)
+    AllBlocksCleared                 every held hash ends: an eviction row each ("cleared", copies_left 0)
+    PodReset (a restarted server)    the same, reason "reset"
+
+Rows are built per unit of work (`FleetRows`: one batch, a reset, a pod opened, the collector closing).
+A lifetime that opens and ends in one unit never reaches fleet_blocks; one that opens in a unit is
+inserted as it stands at the unit's end; one opened earlier gets an update of its copies (`changed`;
+only duplicated blocks change copies) or a delete (`ended`), and a clear or reset deletes every held
+row of the source numbered below its next n (`ended_below`), so a later lifetime in the same
+transaction is never touched.
 
 One `fleet_events` row per event, but consecutive BlockRemoved events of one batch and one (medium,
 group) become one row holding all their hashes: vLLM sends one BlockRemoved per evicted block, and the
 run says exactly what the events said (a removal carries nothing but its hash), in a fraction of the rows.
-
-A lifetime that opens (and changes, or ends) within one `FleetRows` is inserted as it stands at the end;
-one opened earlier is changed by an update of its copies and end (`changed`: absolute values, so the last
-change of a lifetime is its state), and a clear or reset ends every open lifetime numbered below the
-source's next n (`ended_below`), so rows of a later lifetime in the same transaction are never touched.
-In steady state a lifetime gets one insert and one update (its end); copies change in between only
-for duplicated blocks.
 """
 
 from __future__ import annotations
@@ -48,10 +48,10 @@ class FleetEventKind(enum.StrEnum):
     RESET = "reset"  # the collector found the server restarted (fleet.events.PodReset)
 
 
-class LifetimeEnd(enum.StrEnum):
-    """How a block lifetime (`fleet_blocks` row) ended."""
+class RemovalReason(enum.StrEnum):
+    """Why a copy left a pod's cache (a `fleet_evictions` row)."""
 
-    REMOVED = "removed"  # a BlockRemoved took its last copy
+    REMOVED = "removed"  # a BlockRemoved: an eviction
     CLEARED = "cleared"  # the pod's prefix cache was reset (AllBlocksCleared)
     RESET = "reset"  # the pod's server restarted
 
@@ -81,29 +81,29 @@ def source_id(collector_id: str, pod: str) -> str:
 
 @dataclass
 class FleetRows:
-    """The rows of one unit of work (a pod opened, one batch, a reset, the collector closing).
-
-    Tuples hold driver-ready values (JSON already encoded) in the column orders of storage.models.
-    """
+    """The rows of one unit of work. Values are driver-ready (JSON already encoded), in the column orders
+    of storage.models."""
 
     sources: list[tuple] = field(default_factory=list)  # FLEET_SOURCE_COLUMNS rows the others need (if missing)
     events: list[list] = field(default_factory=list)  # FLEET_EVENT_COLUMNS
-    opened: list[list] = field(default_factory=list)  # FLEET_BLOCK_COLUMNS (lists: a lifetime may change in this unit)
-    changed: list[tuple] = field(default_factory=list)  # (source_id, n, copies, removed_at, end_reason)
-    ended_below: list[tuple] = field(default_factory=list)  # (source_id, n, removed_at, end_reason): every open n below
+    opened: dict[int, list] = field(default_factory=dict)  # lifetime n -> FLEET_BLOCK_COLUMNS row (one source)
+    changed: list[tuple] = field(default_factory=list)  # (source_id, n, copies) of earlier lifetimes
+    ended: list[tuple] = field(default_factory=list)  # (source_id, n) of earlier lifetimes
+    ended_below: list[tuple] = field(default_factory=list)  # (source_id, n): every held row numbered below n
     evictions: list[tuple] = field(default_factory=list)  # FLEET_EVICTION_COLUMNS
     source_closes: list[tuple] = field(default_factory=list)  # (source_id, closed_at)
-    num_block_events: int = 0  # blocks stored plus blocks removed in the batches it holds
+    num_block_events: int = 0  # blocks stored plus blocks removed in the batch it holds
     num_new_sources: int = 0  # of `sources`, the ones this unit introduces (the rest are written already)
 
     @property
     def num_rows(self) -> int:
-        """Rows inserted or updated (a close-all counts one)."""
+        """Rows inserted, updated or deleted (a delete of every row below n counts one)."""
         return (
             self.num_new_sources
             + len(self.events)
             + len(self.opened)
             + len(self.changed)
+            + len(self.ended)
             + len(self.ended_below)
             + len(self.evictions)
             + len(self.source_closes)
@@ -117,7 +117,7 @@ class _Life:
     copies: int  # physical blocks holding it now (>= 1)
     n: int  # its number in the source
     stored_at: float  # publisher time it opened
-    pending: list | None  # its row, while it is still in the FleetRows being built (not yet written)
+    pending: list | None  # its fleet_blocks row while the unit it opened in is being built
 
 
 @dataclass
@@ -133,11 +133,12 @@ class _Source:
         return self.row[0]
 
 
-# Positions in a FLEET_BLOCK_COLUMNS row that a change of copies, or an end, fills.
-_COPIES, _REMOVED_AT, _END_REASON = 8, 10, 11
+# Positions in a FLEET_BLOCK_COLUMNS row a change of copies fills.
+_COPIES = 8
 # Positions in a FLEET_EVENT_COLUMNS row that a run of removals extends.
 _KIND, _MEDIUM, _GROUP, _NUM_BLOCKS, _HASHES = 5, 6, 7, 8, 9
-_REMOVED = FleetEventKind.REMOVED.value
+_REMOVED_EVENT = FleetEventKind.REMOVED.value
+_REMOVED = RemovalReason.REMOVED.value
 
 
 class FleetRowBuilder:
@@ -156,9 +157,14 @@ class FleetRowBuilder:
         return {pod: source.id for pod, source in self._sources.items()}
 
     def num_held(self, pod: str) -> int:
-        """Open lifetimes of a pod (hashes held, every medium and group); 0 for an unknown pod."""
+        """Hashes a pod holds (every medium and group); 0 for an unknown pod."""
         source = self._sources.get(pod)
         return 0 if source is None else len(source.held)
+
+    def num_lifetimes(self, pod: str) -> int:
+        """Lifetimes a pod's hashes have opened so far (held ones included); 0 for an unknown pod."""
+        source = self._sources.get(pod)
+        return 0 if source is None else source.next_n
 
     def open(self, pod: PodSource, at: float) -> FleetRows:
         """The row of a newly watched pod (a pod opened again keeps its source and its state)."""
@@ -195,18 +201,16 @@ class FleetRowBuilder:
                 self._removed(source, event, ts, rows, head)
             elif isinstance(event, AllBlocksCleared):
                 rows.events.append([*head, FleetEventKind.CLEARED.value, None, None, 0, None, None, None])
-                self._end_all(source, ts, LifetimeEnd.CLEARED, rows)
+                _end_all(source, ts, RemovalReason.CLEARED, rows)
         for row in rows.events:  # hash lists were kept open for runs of removals; now they are JSON
             if row[_HASHES] is not None:
                 row[_HASHES] = encode_json(row[_HASHES])
-        for life in self._unit_lives:
-            life.pending = None  # the rows go to the writer now: later ends are updates
-        self._unit_lives.clear()
+        self._close_unit()
         rows.num_block_events = batch.batch.num_block_events
         return rows
 
     def reset(self, reset: PodReset) -> FleetRows:
-        """The rows of a restarted server: a reset event, and every open lifetime ended.
+        """The rows of a restarted server: a reset event, and every held hash ended.
 
         Raises:
             KeyError: the pod was never opened.
@@ -215,7 +219,7 @@ class FleetRowBuilder:
         rows = FleetRows(sources=[source.row])
         kind = FleetEventKind.RESET.value
         rows.events.append([source.id, reset.new_seq, reset.at, reset.at, None, kind, None, None, 0, None, None, None])
-        self._end_all(source, reset.at, LifetimeEnd.RESET, rows)
+        _end_all(source, reset.at, RemovalReason.RESET, rows)
         return rows
 
     def close(self, at: float) -> FleetRows:
@@ -225,7 +229,13 @@ class FleetRowBuilder:
             source_closes=[(source.id, at) for source in self._sources.values()],
         )
 
-    def _stored(self, source: _Source, event: BlockStored, ts: float, rows: FleetRows, head: tuple) -> None:
+    def _close_unit(self) -> None:
+        """The unit goes to the writer: later changes of its lifetimes are updates and deletes."""
+        for life in self._unit_lives:
+            life.pending = None
+        self._unit_lives.clear()
+
+    def _stored(self, source: _Source, event: BlockStored, ts: float, rows: FleetRows, head: list) -> None:
         medium, group, size = event.medium, event.group_idx, event.block_size
         texts = [hash_text(block_hash) for block_hash in event.block_hashes]
         parent_text = None if event.parent_block_hash is None else hash_text(event.parent_block_hash)
@@ -238,12 +248,13 @@ class FleetRowBuilder:
             key = (medium, group, block_hash)
             life = held.get(key)
             if life is None:
-                block_tokens = encode_json(tokens[i * size : (i + 1) * size]) if aligned else None
-                row = [source.id, source.next_n, medium, group, texts[i], parent, size, block_tokens, 1, ts, None, None]
-                life = held[key] = _Life(1, source.next_n, ts, row)
-                self._unit_lives.append(life)
+                n = source.next_n
                 source.next_n += 1
-                rows.opened.append(row)
+                block_tokens = encode_json(tokens[i * size : (i + 1) * size]) if aligned else None
+                row = [source.id, n, medium, group, texts[i], parent, size, block_tokens, 1, ts]
+                life = held[key] = _Life(1, n, ts, row)
+                self._unit_lives.append(life)
+                rows.opened[n] = row
             else:
                 life.copies += 1
                 _change(source.id, life, rows)
@@ -251,54 +262,53 @@ class FleetRowBuilder:
                 parent = texts[i]
 
     @staticmethod
-    def _removed(source: _Source, event: BlockRemoved, ts: float, rows: FleetRows, head: tuple) -> None:
+    def _removed(source: _Source, event: BlockRemoved, ts: float, rows: FleetRows, head: list) -> None:
         medium, group = event.medium, event.group_idx
         texts = [hash_text(block_hash) for block_hash in event.block_hashes]
         last = rows.events[-1] if rows.events else None
-        if last is not None and last[_KIND] == _REMOVED and last[_MEDIUM] == medium and last[_GROUP] == group:
+        if last is not None and last[_KIND] == _REMOVED_EVENT and last[_MEDIUM] == medium and last[_GROUP] == group:
             last[_HASHES].extend(texts)  # a run of removals: one row
             last[_NUM_BLOCKS] += len(texts)
         else:
-            rows.events.append([*head, _REMOVED, medium, group, len(texts), texts, None, None])
+            rows.events.append([*head, _REMOVED_EVENT, medium, group, len(texts), texts, None, None])
         held = source.held
+        evictions = rows.evictions
         for block_hash, text in zip(event.block_hashes, texts):
             key = (medium, group, block_hash)
             life = held.get(key)
             if life is None:
-                rows.evictions.append((source.id, ts, medium, group, text, None, None))
+                evictions.append((source.id, ts, _REMOVED, medium, group, text, None, None))
                 continue
             life.copies -= 1
-            rows.evictions.append((source.id, ts, medium, group, text, ts - life.stored_at, life.copies))
-            if life.copies == 0:
-                del held[key]
-                _change(source.id, life, rows, ts, LifetimeEnd.REMOVED)
-            else:
+            evictions.append((source.id, ts, _REMOVED, medium, group, text, ts - life.stored_at, life.copies))
+            if life.copies:
                 _change(source.id, life, rows)
-
-    @staticmethod
-    def _end_all(source: _Source, at: float, reason: LifetimeEnd, rows: FleetRows) -> None:
-        earlier = False  # whether a lifetime opened in an earlier unit is still open
-        for life in source.held.values():
-            if life.pending is not None:
-                _set(life.pending, 0, at, reason)
+                continue
+            del held[key]
+            if life.pending is not None:  # opened in this unit: it never reaches the table
+                del rows.opened[life.n]
             else:
-                earlier = True
-        if earlier:
-            rows.ended_below.append((source.id, source.next_n, at, reason.value))
-        source.held.clear()
+                rows.ended.append((source.id, life.n))
 
 
-def _change(
-    source_id: str, life: _Life, rows: FleetRows, at: float | None = None, end: LifetimeEnd | None = None
-) -> None:
-    """Record a lifetime's copies now, and its end if it ended (`at`, `end`)."""
+def _change(source_id: str, life: _Life, rows: FleetRows) -> None:
+    """Record a held lifetime's copies now."""
     if life.pending is not None:  # opened in this unit: its row is inserted as it stands at the end
-        _set(life.pending, life.copies, at, end)
+        life.pending[_COPIES] = life.copies
     else:
-        rows.changed.append((source_id, life.n, life.copies, at, None if end is None else end.value))
+        rows.changed.append((source_id, life.n, life.copies))
 
 
-def _set(row: list, copies: int, at: float | None, end: LifetimeEnd | None) -> None:
-    row[_COPIES] = copies
-    row[_REMOVED_AT] = at
-    row[_END_REASON] = None if end is None else end.value
+def _end_all(source: _Source, at: float, reason: RemovalReason, rows: FleetRows) -> None:
+    """Every hash the source holds leaves: one eviction row each, and its fleet_blocks row goes."""
+    earlier = False  # whether a lifetime opened in an earlier unit is still held
+    for (medium, group, block_hash), life in source.held.items():
+        text = hash_text(block_hash)
+        if life.pending is not None:
+            del rows.opened[life.n]
+        else:
+            earlier = True
+        rows.evictions.append((source.id, at, reason.value, medium, group, text, at - life.stored_at, 0))
+    if earlier:
+        rows.ended_below.append((source.id, source.next_n))
+    source.held.clear()

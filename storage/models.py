@@ -205,12 +205,13 @@ REQUEST_KEY = ("run_id", "request_id")
 #   fleet_events     every KV event as published (stored / removed / cleared), and every restart the
 #                    collector detected (reset): one row per event, its hashes as a JSON array
 #                    (consecutive removals of one batch share a row; see storage.fleet_rows).
-#   fleet_blocks     block lifetimes: a hash held by a pod in one (medium, KV group), from the store
-#                    that made it held (copies 0 -> 1) to the removal of its last copy, a clear or a
-#                    reset. `removed_at` is NULL while it is held: the held blocks of a source are its
-#                    rows with removed_at NULL.
-#   fleet_evictions  the eviction log: one row per physical copy a BlockRemoved took away, with the
-#                    age of the lifetime it belonged to (NULL when the hash was not held).
+#   fleet_blocks     what each source holds now: one row per hash held in a (medium, KV group), inserted
+#                    by the store that made it held (copies 0 -> 1), deleted with its last copy, a clear
+#                    or a reset. Bounded by the pods' caches; a closed source keeps its last state.
+#   fleet_evictions  the eviction log: one row per physical copy a BlockRemoved took away (reason
+#                    "removed", with the age of the hash's lifetime; unknown for a hash not held), and one
+#                    per held hash a clear or a restart dropped (reason "cleared" / "reset"). A row with
+#                    copies_left 0 ends a lifetime (stored -> last copy gone): age_s is its length.
 #
 # Invariants:
 #   * Every fleet row belongs to a source (foreign key to fleet_sources.id); a collector writes only
@@ -218,9 +219,9 @@ REQUEST_KEY = ("run_id", "request_id")
 #   * Hashes are stored as text (storage.fleet_rows.hash_text): an int hash in decimal, a bytes hash as
 #     "0x" and its hex digits, so vLLM's unsigned 64-bit ints fit every backend.
 #   * (source_id, n) numbers a source's lifetimes in the order they opened; a source holds at most one
-#     open lifetime per (medium, group_idx, block_hash).
-#   * Times are publisher timestamps (`ts`, `stored_at`, `removed_at`, `time`) or collector clocks
-#     (`received_at`, `opened_at`, `closed_at`), float seconds since the epoch.
+#     fleet_blocks row per (medium, group_idx, block_hash), with copies >= 1.
+#   * Times are publisher timestamps (`ts`, `stored_at`, `time`) or collector clocks (`received_at`,
+#     `opened_at`, `closed_at`), float seconds since the epoch.
 
 
 class FleetSource(Base):
@@ -260,44 +261,40 @@ class FleetEvent(Base):
     parent_hash: Mapped[str | None] = mapped_column(String)  # stored: the parent of the first block
     block_size: Mapped[int | None] = mapped_column(Integer)  # stored: tokens per block
 
-    __table_args__ = (Index("ix_fleet_events_source_ts", "source_id", "ts"),)  # per pod: rates, last seen, retention
+    __table_args__ = (Index("ix_fleet_events_source_ts", "source_id", "ts"),)  # per pod: rates, last heard, retention
 
 
 class FleetBlock(Base):
-    """One lifetime of a hash in a pod's (medium, KV group) (revision 0006)."""
+    """One hash a source holds now in one (medium, KV group) (revision 0006). No secondary index on
+    purpose: the held blocks of a source are a range of its primary key."""
 
     __tablename__ = "fleet_blocks"
 
     source_id: Mapped[str] = mapped_column(ForeignKey("fleet_sources.id", ondelete="CASCADE"), primary_key=True)
-    n: Mapped[int] = mapped_column(BigInteger, primary_key=True)  # the source's lifetimes, numbered from 0
+    n: Mapped[int] = mapped_column(BigInteger, primary_key=True)  # its lifetime's number in the source
     medium: Mapped[str] = mapped_column(String)
     group_idx: Mapped[int] = mapped_column(Integer)
     block_hash: Mapped[str] = mapped_column(String)  # hash text
     parent_hash: Mapped[str | None] = mapped_column(String)  # None at a prompt's start or when tokens are unknown
     block_size: Mapped[int] = mapped_column(Integer)
     token_ids: Mapped[list[int] | None] = mapped_column(JSON)  # None when the event's tokens did not split per block
-    copies: Mapped[int] = mapped_column(Integer)  # physical blocks holding it now (0 once ended)
+    copies: Mapped[int] = mapped_column(Integer)  # physical blocks holding it (>= 1)
     stored_at: Mapped[float] = mapped_column(Double)  # publisher time of the store that made it held
-    removed_at: Mapped[float | None] = mapped_column(Double)  # its end; None while held
-    end_reason: Mapped[str | None] = mapped_column(String)  # storage.fleet_rows.LifetimeEnd value; None while held
-
-    # One index on purpose (every one costs each insert and update): held blocks are a source's rows with
-    # removed_at NULL, and retention and the lifetime charts read each source's range of removed_at.
-    __table_args__ = (Index("ix_fleet_blocks_source_removed", "source_id", "removed_at"),)
 
 
 class FleetEviction(Base):
-    """One physical copy a BlockRemoved took away (revision 0006)."""
+    """One copy that left a pod's cache, and why (revision 0006)."""
 
     __tablename__ = "fleet_evictions"
 
     id: Mapped[int] = mapped_column(RowId, primary_key=True, autoincrement=True)
     source_id: Mapped[str] = mapped_column(ForeignKey("fleet_sources.id", ondelete="CASCADE"))
-    time: Mapped[float] = mapped_column(Double)  # publisher time of the batch
+    time: Mapped[float] = mapped_column(Double)  # publisher time of the batch (reset: collector time)
+    reason: Mapped[str] = mapped_column(String)  # storage.fleet_rows.RemovalReason value
     medium: Mapped[str] = mapped_column(String)
     group_idx: Mapped[int] = mapped_column(Integer)
     block_hash: Mapped[str] = mapped_column(String)  # hash text
-    age_s: Mapped[float | None] = mapped_column(Double)  # time - its lifetime's stored_at; None if not held
+    age_s: Mapped[float | None] = mapped_column(Double)  # time - the lifetime's stored_at; None if not held
     copies_left: Mapped[int | None] = mapped_column(Integer)  # copies held after it (0: the lifetime ended)
 
     __table_args__ = (Index("ix_fleet_evictions_source_time", "source_id", "time"),)
@@ -318,6 +315,8 @@ FLEET_EVENT_COLUMNS = (
 )  # fmt: skip
 FLEET_BLOCK_COLUMNS = (
     "source_id", "n", "medium", "group_idx", "block_hash", "parent_hash", "block_size", "token_ids", "copies",
-    "stored_at", "removed_at", "end_reason",
+    "stored_at",
 )  # fmt: skip
-FLEET_EVICTION_COLUMNS = ("source_id", "time", "medium", "group_idx", "block_hash", "age_s", "copies_left")
+FLEET_EVICTION_COLUMNS = (
+    "source_id", "time", "reason", "medium", "group_idx", "block_hash", "age_s", "copies_left",
+)  # fmt: skip

@@ -8,10 +8,10 @@ Invariants:
       write batch never wait behind one huge delete.
     * Every (table, reason) that lost rows in a pruning run gets one `prunes` row; runs that delete
       nothing leave no trace (the log stays about deletions, not about the clock).
-    * Fleet history: fleet_events and fleet_evictions by age and count like events and evictions; of
-      fleet_blocks only ended lifetimes go (by their end), so the blocks a source holds are never
-      pruned; sources are never deleted. Age and per-source bounds run source by source, through the
-      (source_id, time) indexes.
+    * Fleet history: fleet_events and fleet_evictions by age (source by source, through their
+      (source_id, time) indexes) and by count; fleet_blocks (what sources hold now) only for sources
+      closed longer ago than the age limit, so a watched pod's blocks are never pruned; sources are
+      never deleted.
 """
 
 from __future__ import annotations
@@ -44,7 +44,6 @@ class RetentionPolicy:
     max_evictions: int | None = 1_000_000  # newest evictions rows kept
     max_fleet_events: int | None = 5_000_000  # newest fleet_events rows kept (max_age_days applies too)
     max_fleet_evictions: int | None = 5_000_000  # newest fleet_evictions rows kept
-    max_fleet_lifetimes_per_pod: int | None = 1_000_000  # newest ended fleet_blocks rows kept per source
     chunk_rows: int = 50_000  # rows deleted per transaction
 
 
@@ -97,36 +96,21 @@ def prune(engine: Engine, policy: RetentionPolicy, now: float) -> list[PruneResu
 
 
 def _prune_fleet_by_source(engine: Engine, policy: RetentionPolicy, now: float) -> list[PruneResult]:
-    """Fleet rows older than the age limit, and ended lifetimes beyond each source's newest ones."""
+    """Fleet events and evictions older than the age limit, and the held blocks of sources closed before it."""
+    if policy.max_age_days is None:
+        return []
+    cutoff = now - policy.max_age_days * SECONDS_PER_DAY
     with engine.connect() as connection:
-        sources = list(connection.scalars(select(FLEET_SOURCES.c.id)))
-    tables = (FLEET_EVENTS, FLEET_EVICTIONS, FLEET_BLOCKS)
-    deleted = {(table.name, reason): 0 for table in tables for reason in ("age", "max_rows")}
-    removed_at = FLEET_BLOCKS.c.removed_at
-    timed = ((FLEET_EVENTS, FLEET_EVENTS.c.ts), (FLEET_EVICTIONS, FLEET_EVICTIONS.c.time), (FLEET_BLOCKS, removed_at))
-    for source in sources:
-        if policy.max_age_days is not None:
-            cutoff = now - policy.max_age_days * SECONDS_PER_DAY
-            for table, time_column in timed:  # a held block's removed_at is NULL: never older than the cutoff
-                condition = (table.c.source_id == source) & (time_column < cutoff)
-                count = _delete_chunked(engine, table, condition, time_column, policy.chunk_rows)
-                deleted[(table.name, "age")] += count
-        if policy.max_fleet_lifetimes_per_pod is not None:
-            of_source = FLEET_BLOCKS.c.source_id == source
-            ended = tuple_(removed_at, FLEET_BLOCKS.c.n)  # ties in time (one batch's removals) by number
-            with engine.connect() as connection:
-                newest_dropped = connection.execute(
-                    select(removed_at, FLEET_BLOCKS.c.n)
-                    .where(of_source, removed_at.is_not(None))
-                    .order_by(removed_at.desc(), FLEET_BLOCKS.c.n.desc())
-                    .offset(policy.max_fleet_lifetimes_per_pod)
-                    .limit(1)
-                ).first()
-            if newest_dropped is not None:
-                condition = of_source & removed_at.is_not(None) & (ended <= tuple_(*newest_dropped))
-                count = _delete_chunked(engine, FLEET_BLOCKS, condition, removed_at, policy.chunk_rows)
-                deleted[(FLEET_BLOCKS.name, "max_rows")] += count
-    return [PruneResult(table, reason, rows) for (table, reason), rows in deleted.items()]
+        sources = connection.execute(select(FLEET_SOURCES.c.id, FLEET_SOURCES.c.closed_at)).all()
+    deleted = {FLEET_EVENTS.name: 0, FLEET_EVICTIONS.name: 0, FLEET_BLOCKS.name: 0}
+    for source, closed_at in sources:
+        for table, time_column in ((FLEET_EVENTS, FLEET_EVENTS.c.ts), (FLEET_EVICTIONS, FLEET_EVICTIONS.c.time)):
+            condition = (table.c.source_id == source) & (time_column < cutoff)
+            deleted[table.name] += _delete_chunked(engine, table, condition, time_column, policy.chunk_rows)
+        if closed_at is not None and closed_at < cutoff:
+            held = FLEET_BLOCKS.c.source_id == source
+            deleted[FLEET_BLOCKS.name] += _delete_chunked(engine, FLEET_BLOCKS, held, FLEET_BLOCKS.c.n, policy.chunk_rows)
+    return [PruneResult(table, "age", rows) for table, rows in deleted.items()]
 
 
 def _delete_beyond(engine: Engine, table: Table, max_rows: int, policy: RetentionPolicy) -> int:

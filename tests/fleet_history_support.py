@@ -48,20 +48,20 @@ def held_copies(db: Engine, source_id: str) -> dict[tuple[str, int, BlockHash], 
     }
 
 
-def lifetimes(db: Engine, source_id: str) -> list[tuple]:
-    """Every lifetime of a source: (n, hash text, copies, stored_at, removed_at, end_reason), by n."""
-    columns = [FLEET_BLOCKS.c[name] for name in ("n", "block_hash", "copies", "stored_at", "removed_at", "end_reason")]
+def held_rows(db: Engine, source_id: str) -> list[tuple]:
+    """What a source holds: (n, hash text, copies, stored_at) per fleet_blocks row, by n."""
+    columns = [FLEET_BLOCKS.c[name] for name in ("n", "block_hash", "copies", "stored_at")]
     with db.connect() as connection:
         statement = select(*columns).where(FLEET_BLOCKS.c.source_id == source_id).order_by(FLEET_BLOCKS.c.n)
         return [tuple(row) for row in connection.execute(statement)]
 
 
 def evictions(db: Engine, source_id: str) -> list[tuple]:
-    """Every eviction row of a source: (time, hash text, age_s, copies_left), in insertion order."""
+    """Every eviction row of a source: (time, reason, hash text, age_s, copies_left), in insertion order."""
     table = FLEET_EVICTIONS.c
     with db.connect() as connection:
         statement = (
-            select(table.time, table.block_hash, table.age_s, table.copies_left)
+            select(table.time, table.reason, table.block_hash, table.age_s, table.copies_left)
             .where(table.source_id == source_id)
             .order_by(table.id)
         )

@@ -1,9 +1,10 @@
 """The fleet history on real databases: what a collector sees, persisted through the history writer.
 
-Lifetimes follow the fleet index's copy counting (a property test drives both with the same random
-feed), the eviction log knows each removal's age, clears and restarts end what was held, several
-collectors share one database, retention never prunes a held block, and vLLM's own KVCacheManager,
-published by vLLM's ZmqEventPublisher, ends up in the database exactly as its block pool holds it.
+Held blocks follow the fleet index's copy counting (a property test drives both with the same random
+feed), the eviction log knows each removal's age and ends each lifetime, clears and restarts end what
+was held, several collectors share one database, retention never prunes a watched pod's blocks, and
+vLLM's own KVCacheManager, published by vLLM's ZmqEventPublisher, ends up in the database exactly as its
+block pool holds it.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from sqlalchemy import func, insert, inspect, select
+from sqlalchemy import insert, inspect, select
 
 from fleet.collector import Collector, CollectorConfig
 from fleet.events import AllBlocksCleared, PodReset, ResetReason
@@ -26,7 +27,7 @@ from storage import fleet_queries, migrate
 from storage.fleet_bulk import write_fleet_rows
 from storage.fleet_rows import FleetRowBuilder, hash_text, parse_hash_text
 from storage.fleet_sink import FleetStore
-from storage.models import FLEET_BLOCKS, FLEET_EVENTS, FLEET_EVICTIONS, FLEET_SOURCES, PRUNES, RUNS, Base
+from storage.models import FLEET_SOURCES, PRUNES, RUNS, Base
 from storage.retention import RetentionPolicy, prune
 from storage.writer import EventWriter, WriterOptions
 from tests.fleet_history_support import (
@@ -34,7 +35,7 @@ from tests.fleet_history_support import (
     event_rows,
     evictions,
     held_copies,
-    lifetimes,
+    held_rows,
     pod_source,
     removed,
     stored,
@@ -91,16 +92,12 @@ def test_a_lifetime_opens_with_the_first_copy_and_ends_with_the_last(db_url: str
     assert fleet_writer.flush(20)
     engine, source = engine_for(db_url), store.source_ids()["a"]
 
-    assert lifetimes(engine, source) == [
-        (0, "1", 0, 10.0, 16.0, "removed"),
-        (1, "2", 0, 10.0, 12.0, "removed"),
-        (2, str(U64_MAX), 1, 10.0, None, None),
-    ]
+    assert held_rows(engine, source) == [(2, str(U64_MAX), 1, 10.0)]
     assert evictions(engine, source) == [
-        (12.0, "2", 2.0, 0),
-        (13.0, "1", 3.0, 1),
-        (13.0, "9", None, None),  # an eviction whose age nobody knows
-        (16.0, "1", 6.0, 0),
+        (12.0, "removed", "2", 2.0, 0),  # its lifetime: 2 s
+        (13.0, "removed", "1", 3.0, 1),  # one of two copies
+        (13.0, "removed", "9", None, None),  # an eviction whose age nobody knows
+        (16.0, "removed", "1", 6.0, 0),  # the last copy: a lifetime of 6 s
     ]
     assert held_copies(engine, source) == {("GPU", 0, U64_MAX): 1}
     assert fleet_writer.stats().dropped == 0
@@ -136,15 +133,14 @@ def test_a_clear_and_a_restart_end_every_open_lifetime(db_url: str, fleet_writer
     assert fleet_writer.flush(20)
     engine, source = engine_for(db_url), store.source_ids()["a"]
 
-    ends = [(n, hash_, copies, removed_at, reason) for n, hash_, copies, _, removed_at, reason in lifetimes(engine, source)]
-    assert ends == [
-        (0, "1", 0, 11.0, "cleared"),
-        (1, "2", 0, 11.0, "cleared"),
-        (2, "3", 0, 11.0, "cleared"),
-        (3, "4", 0, 13.0, "reset"),
-        (4, "5", 0, 13.0, "reset"),
-        (5, "6", 1, None, None),
+    assert evictions(engine, source) == [
+        (11.0, "cleared", "1", 1.0, 0),
+        (11.0, "cleared", "2", 1.0, 0),
+        (11.0, "cleared", "3", 0.0, 0),  # stored in the batch of the clear, before it
+        (13.0, "reset", "4", 2.0, 0),
+        (13.0, "reset", "5", 1.0, 0),
     ]
+    assert held_rows(engine, source) == [(5, "6", 1, 14.0)]
     assert [kind for _, kind, _, _ in event_rows(engine, source)] == [
         "stored", "stored", "cleared", "stored", "stored", "reset", "stored",
     ]  # fmt: skip
@@ -185,9 +181,9 @@ def property_db(tmp_path_factory):
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(ops=OPS)
-def test_stored_lifetimes_always_equal_the_fleet_index(property_db, ops) -> None:
-    """Any feed, cut into transactions anywhere: the open lifetimes and their copies are what the
-    index holds, one open lifetime per hash, and every ended lifetime holds no copy."""
+def test_stored_blocks_always_equal_the_fleet_index(property_db, ops) -> None:
+    """Any feed, cut into transactions anywhere: the held rows and their copies are what the index
+    holds, and every lifetime opened is either held or ended by exactly one eviction row."""
     builder = FleetRowBuilder(f"property-{time.monotonic_ns()}")
     index = FleetIndex()
     source = pod_source("a")
@@ -224,20 +220,10 @@ def test_stored_lifetimes_always_equal_the_fleet_index(property_db, ops) -> None
 
     source_id = builder.source_ids()["a"]
     assert held_copies(property_db, source_id) == index.copies("a")
-    with property_db.connect() as connection:
-        blocks = FLEET_BLOCKS.c
-        open_keys = connection.execute(
-            select(blocks.medium, blocks.group_idx, blocks.block_hash, func.count())
-            .where(blocks.source_id == source_id, blocks.removed_at.is_(None))
-            .group_by(blocks.medium, blocks.group_idx, blocks.block_hash)
-        ).all()
-        ended_with_copies = connection.scalar(
-            select(func.count()).where(
-                blocks.source_id == source_id, blocks.removed_at.is_not(None), blocks.copies != 0
-            )
-        )
-    assert all(count == 1 for *_, count in open_keys)
-    assert ended_with_copies == 0
+    held = held_rows(property_db, source_id)
+    ended = [row for row in evictions(property_db, source_id) if row[4] == 0]
+    assert len(held) + len(ended) == builder.num_lifetimes("a")
+    assert all(copies >= 1 for _, _, copies, _ in held)
 
 
 # ---------------------------------------------------------------- the writer hook
@@ -348,12 +334,12 @@ def test_rates_evictions_and_lifetimes_read_back(db_url: str, fleet_writer, engi
         [1000.0, "removed", 2], [1000.0, "stored", 4], [1030.0, "removed", 2], [1030.0, "stored", 1],
     ]  # fmt: skip
     log = fleet_queries.eviction_log(engine, [source], limit=3)
-    assert log["block_hash"].tolist() == ["3", "3", "2"]
-    assert log["age_s"].isna().tolist() == [True, False, False]
+    assert log[["block_hash", "reason"]].values.tolist() == [["5", "cleared"], ["4", "cleared"], ["3", "removed"]]
+    assert log["age_s"].isna().tolist() == [False, False, True]
     ages = fleet_queries.eviction_age_histogram(engine, [source])
     assert ages["evictions"].tolist() == [0, 2, 1, 0, 0, 0, 0, 0, 0, 1]  # 5 s, 5 s in [1, 10); 30 s; one unknown
     ended = fleet_queries.lifetime_histogram(engine, [source])
-    by_reason = ended.groupby("end_reason")["lifetimes"].sum().to_dict()
+    by_reason = ended.groupby("reason")["lifetimes"].sum().to_dict()
     assert by_reason == {"cleared": 2, "removed": 3}
     assert fleet_queries.latest_sources(engine)["closed_at"].tolist() == [5000.0]
 
@@ -361,27 +347,32 @@ def test_rates_evictions_and_lifetimes_read_back(db_url: str, fleet_writer, engi
 # ---------------------------------------------------------------- retention
 
 
-def test_retention_prunes_fleet_history_but_never_a_held_block(db_url: str, fleet_writer, engine_for) -> None:
-    store = opened_store(fleet_writer, "a")
-    store.apply_batch(batch("a", 0, stored(range(10)), ts=1_000.0))  # 0 stays held all along
-    store.apply_batch(batch("a", 1, *(removed(h) for h in range(1, 10)), ts=1_001.0))
-    store.apply_batch(batch("a", 2, stored(range(20, 26)), ts=100_000.0))
-    store.apply_batch(batch("a", 3, *(removed(h) for h in range(20, 25)), ts=100_001.0))
-    assert fleet_writer.flush(20)
-    engine, source = engine_for(db_url), store.source_ids()["a"]
+def test_retention_prunes_old_fleet_history_but_never_a_watched_pods_blocks(db_url: str, engine_for) -> None:
+    writer = EventWriter(db_url, WriterOptions(**FAST))
+    try:
+        watching = opened_store(writer, "a")
+        watching.apply_batch(batch("a", 0, stored(range(10)), ts=1_000.0))  # held all along
+        watching.apply_batch(batch("a", 1, *(removed(h) for h in range(1, 10)), ts=1_001.0))
+        watching.apply_batch(batch("a", 2, stored(range(20, 26)), ts=100_000.0))
+        gone = opened_store(writer, "b", at=900.0)
+        gone.apply_batch(batch("b", 0, stored([7, 8]), ts=1_000.0))
+        gone.close(at=1_002.0)  # its collector stopped on day one
+        assert writer.flush(20)
+    finally:
+        writer.close(timeout_s=10)
+    engine = engine_for(db_url)
 
-    old_then_few = RetentionPolicy(max_age_days=1.0, max_fleet_lifetimes_per_pod=2, chunk_rows=3)
-    results = {(r.table_name, r.reason): r.rows_deleted for r in prune(engine, old_then_few, now=100_000.0 + 3600)}
+    one_day = RetentionPolicy(max_age_days=1.0, chunk_rows=3)
+    results = {(r.table_name, r.reason): r.rows_deleted for r in prune(engine, one_day, now=100_000.0 + 3600)}
 
-    assert results[("fleet_blocks", "age")] == 9  # ended on day one
-    assert results[("fleet_blocks", "max_rows")] == 3  # of the five ended later, the newest two stay
-    assert results[("fleet_evictions", "age")] == 9 and results[("fleet_events", "age")] == 2
-    assert held_copies(engine, source) == {("GPU", 0, 0): 1, ("GPU", 0, 25): 1}
-    assert count_rows(engine, FLEET_EVICTIONS) == 5 and count_rows(engine, FLEET_EVENTS) == 2
-    assert count_rows(engine, FLEET_SOURCES) == 1
+    assert results[("fleet_evictions", "age")] == 9 and results[("fleet_events", "age")] == 3
+    assert results[("fleet_blocks", "age")] == 2  # b's, closed on day one
+    assert held_copies(engine, watching.source_ids()["a"]) == {("GPU", 0, h): 1 for h in (0, 20, 21, 22, 23, 24, 25)}
+    assert held_copies(engine, gone.source_ids()["b"]) == {}
+    assert count_rows(engine, FLEET_SOURCES) == 2
     with engine.connect() as connection:
-        logged = connection.execute(select(PRUNES.c.table_name, PRUNES.c.reason)).all()
-    assert ("fleet_blocks", "max_rows") in {tuple(row) for row in logged}
+        logged = {tuple(row) for row in connection.execute(select(PRUNES.c.table_name, PRUNES.c.reason))}
+    assert ("fleet_blocks", "age") in logged
 
 
 # ---------------------------------------------------------------- vLLM's own feed into the database
@@ -431,7 +422,6 @@ def test_vllms_block_pool_ends_up_in_the_database_batch_by_batch(db_url: str, en
         writer.close(timeout_s=10)
         pod.close()
     source = store.source_ids()[pod.name]
-    ends = {reason for *_, reason in lifetimes(engine, source)}
-    assert ends == {"removed", "cleared"}
-    assert all(age is not None for _, _, age, _ in evictions(engine, source))  # every removal's age known
+    assert {reason for _, reason, _, _, _ in evictions(engine, source)} == {"removed", "cleared"}
+    assert all(age is not None for _, _, _, age, _ in evictions(engine, source))  # every removal's age known
     assert writer.stats().dropped == 0

@@ -1,4 +1,4 @@
-"""Fleet history: the sources KV-event collectors watch, their events, block lifetimes and evictions.
+"""Fleet history: the sources KV-event collectors watch, their events, held blocks and evictions.
 
 Revision ID: 0006
 Revises: 0003
@@ -70,16 +70,14 @@ def upgrade() -> None:
         sa.Column("token_ids", sa.JSON),
         sa.Column("copies", sa.Integer, nullable=False),
         sa.Column("stored_at", sa.Double, nullable=False),
-        sa.Column("removed_at", sa.Double),
-        sa.Column("end_reason", sa.String()),
     )
-    op.create_index("ix_fleet_blocks_source_removed", "fleet_blocks", ["source_id", "removed_at"])
 
     op.create_table(
         "fleet_evictions",
         sa.Column("id", ROW_ID, primary_key=True, autoincrement=True),
         _source_id(),
         sa.Column("time", sa.Double, nullable=False),
+        sa.Column("reason", sa.String(), nullable=False),
         sa.Column("medium", sa.String(), nullable=False),
         sa.Column("group_idx", sa.Integer, nullable=False),
         sa.Column("block_hash", sa.String(), nullable=False),
