@@ -3,10 +3,15 @@
     write_fleet_rows(connection, units)    every `FleetRows` of one writer batch, in one transaction
 
 Inserts go through storage.bulk (SQLite: one statement over a JSON array per table; PostgreSQL: COPY).
+The rows hold their JSON columns (hash lists, token ids) as Python lists: on SQLite the one JSON array
+of the rows carries them as they are (json_extract hands each column its JSON text), elsewhere each is
+encoded on its own first.
 Deletes of ended lifetimes go by primary key (source_id, n): on PostgreSQL one statement per batch,
 `... WHERE (source_id, n) IN (SELECT * FROM unnest(:sources, :ns))` (5x executemany's speed), elsewhere
-executemany (on SQLite a row-value IN over json_each scanned the whole source per statement, where
-executemany probes the key). Copies changes (duplicated blocks only) and source closes are executemany.
+executemany of the statement compiled once (on SQLite a row-value IN over json_each scanned the whole
+source per statement, where executemany probes the key; SQLAlchemy's per-row parameter processing is
+skipped, as storage.bulk does). Copies changes (duplicated blocks only) and source closes are
+executemany.
 
 Order inside the transaction: the sources a unit needs (inserted unless present, as the writer does for
 runs, so a unit never waits on an earlier one that was lost), the inserts, the copies changes, then the
@@ -20,10 +25,12 @@ import functools
 from collections.abc import Sequence
 
 from sqlalchemy import (
+    JSON,
     BigInteger,
     Connection,
     Delete,
     String,
+    Table,
     Update,
     bindparam,
     delete,
@@ -36,6 +43,7 @@ from sqlalchemy import (
 from sqlalchemy.dialects.postgresql import ARRAY
 
 from storage import bulk
+from storage.db import encode_json
 from storage.fleet_rows import FleetRows
 from storage.models import (
     FLEET_BLOCK_COLUMNS,
@@ -52,13 +60,17 @@ from storage.models import (
 def write_fleet_rows(connection: Connection, units: Sequence[FleetRows]) -> None:
     """Write the rows of `units` (in order) on `connection`, inside its transaction."""
     _ensure_sources(connection, {row[0]: row for unit in units for row in unit.sources})
+    sqlite = connection.dialect.name == "sqlite"
     for table, columns, rows in (
         (FLEET_BLOCKS, FLEET_BLOCK_COLUMNS, [row for unit in units for row in unit.opened.values()]),
         (FLEET_EVENTS, FLEET_EVENT_COLUMNS, [row for unit in units for row in unit.events]),
         (FLEET_EVICTIONS, FLEET_EVICTION_COLUMNS, [row for unit in units for row in unit.evictions]),
     ):
-        if rows:
-            bulk.insert_rows(connection, table, columns, rows)
+        if not rows:
+            continue
+        if not sqlite:
+            rows = _json_encoded(table, columns, rows)
+        bulk.insert_rows(connection, table, columns, rows)
     changes = {(source, n): copies for unit in units for source, n, copies in unit.changed}
     if changes:
         values = [{"key_source": s, "key_n": n, "new_copies": copies} for (s, n), copies in changes.items()]
@@ -73,6 +85,21 @@ def write_fleet_rows(connection: Connection, units: Sequence[FleetRows]) -> None
     if closes:
         statement = update(FLEET_SOURCES).where(FLEET_SOURCES.c.id == bindparam("key_source"))
         connection.execute(statement.values(closed_at=bindparam("closed")), closes)
+
+
+def _json_encoded(table: Table, columns: Sequence[str], rows: list[list]) -> list[list]:
+    """`rows` with their JSON columns' lists encoded as JSON text."""
+    positions = [i for i, name in enumerate(columns) if isinstance(table.c[name].type, JSON)]
+    if not positions:
+        return rows
+    encoded = []
+    for row in rows:
+        row = list(row)
+        for i in positions:
+            if row[i] is not None:
+                row[i] = encode_json(row[i])
+        encoded.append(row)
+    return encoded
 
 
 def _ensure_sources(connection: Connection, rows: dict[str, tuple]) -> None:
@@ -91,7 +118,19 @@ def _delete_held(connection: Connection, keys: list[tuple]) -> None:
         sources, ns = (list(column) for column in zip(*keys))
         connection.execute(_postgres_delete_statement(), {"key_sources": sources, "key_ns": ns})
     else:
-        connection.execute(_portable_delete_statement(), [{"key_source": s, "key_n": n} for s, n in keys])
+        _driver_executemany(connection, _portable_delete_statement(), ("key_source", "key_n"), keys)
+
+
+def _driver_executemany(connection: Connection, statement, names: tuple[str, ...], rows: list[tuple]) -> None:
+    """`statement` compiled for the connection's dialect, run by the driver on row tuples (values of the
+    bound parameters `names`, in that order)."""
+    compiled = statement.compile(dialect=connection.dialect)
+    if compiled.positional:
+        order = [names.index(name) for name in compiled.positiontup]
+        parameters: list = rows if order == list(range(len(names))) else [tuple(row[i] for i in order) for row in rows]
+    else:
+        parameters = [dict(zip(names, row)) for row in rows]
+    connection.exec_driver_sql(compiled.string, parameters)
 
 
 @functools.cache

@@ -31,10 +31,10 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from itertools import groupby
 
 from fleet.events import AllBlocksCleared, BlockHash, BlockRemoved, BlockStored, PodBatch, PodReset
 from fleet.source import PodSource
-from storage.db import encode_json
 
 _HEX_PREFIX = "0x"
 
@@ -81,8 +81,9 @@ def source_id(collector_id: str, pod: str) -> str:
 
 @dataclass
 class FleetRows:
-    """The rows of one unit of work. Values are driver-ready (JSON already encoded), in the column orders
-    of storage.models."""
+    """The rows of one unit of work, in the column orders of storage.models. Values are driver-ready but
+    for the JSON columns (fleet_events.block_hashes, fleet_blocks.token_ids), which hold the Python lists:
+    storage.fleet_bulk encodes them the way each dialect's bulk path takes them."""
 
     sources: list[tuple] = field(default_factory=list)  # FLEET_SOURCE_COLUMNS rows the others need (if missing)
     events: list[list] = field(default_factory=list)  # FLEET_EVENT_COLUMNS
@@ -135,8 +136,6 @@ class _Source:
 
 # Positions in a FLEET_BLOCK_COLUMNS row a change of copies fills.
 _COPIES = 8
-# Positions in a FLEET_EVENT_COLUMNS row that a run of removals extends.
-_KIND, _MEDIUM, _GROUP, _NUM_BLOCKS, _HASHES = 5, 6, 7, 8, 9
 _REMOVED_EVENT = FleetEventKind.REMOVED.value
 _REMOVED = RemovalReason.REMOVED.value
 
@@ -194,17 +193,18 @@ class FleetRowBuilder:
         rows = FleetRows(sources=[source.row])
         ts = batch.batch.ts
         head = [source.id, batch.seq, ts, batch.received_at, batch.origin.value]
-        for event in batch.batch.events:
-            if isinstance(event, BlockStored):
-                self._stored(source, event, ts, rows, head)
-            elif isinstance(event, BlockRemoved):
-                self._removed(source, event, ts, rows, head)
-            elif isinstance(event, AllBlocksCleared):
-                rows.events.append([*head, FleetEventKind.CLEARED.value, None, None, 0, None, None, None])
-                _end_all(source, ts, RemovalReason.CLEARED, rows)
-        for row in rows.events:  # hash lists were kept open for runs of removals; now they are JSON
-            if row[_HASHES] is not None:
-                row[_HASHES] = encode_json(row[_HASHES])
+        for run_key, run in groupby(batch.batch.events, key=_run_key):
+            if run_key is not None:  # consecutive removals of one (medium, group)
+                medium, group = run_key
+                hashes = [block_hash for event in run for block_hash in event.block_hashes]
+                self._removed(source, medium, group, hashes, ts, rows, head)
+                continue
+            for event in run:
+                if isinstance(event, BlockStored):
+                    self._stored(source, event, ts, rows, head)
+                elif isinstance(event, AllBlocksCleared):
+                    rows.events.append([*head, FleetEventKind.CLEARED.value, None, None, 0, None, None, None])
+                    _end_all(source, ts, RemovalReason.CLEARED, rows)
         self._close_unit()
         rows.num_block_events = batch.batch.num_block_events
         return rows
@@ -250,7 +250,7 @@ class FleetRowBuilder:
             if life is None:
                 n = source.next_n
                 source.next_n += 1
-                block_tokens = encode_json(tokens[i * size : (i + 1) * size]) if aligned else None
+                block_tokens = tokens[i * size : (i + 1) * size] if aligned else None
                 row = [source.id, n, medium, group, texts[i], parent, size, block_tokens, 1, ts]
                 life = held[key] = _Life(1, n, ts, row)
                 self._unit_lives.append(life)
@@ -262,18 +262,15 @@ class FleetRowBuilder:
                 parent = texts[i]
 
     @staticmethod
-    def _removed(source: _Source, event: BlockRemoved, ts: float, rows: FleetRows, head: list) -> None:
-        medium, group = event.medium, event.group_idx
-        texts = [hash_text(block_hash) for block_hash in event.block_hashes]
-        last = rows.events[-1] if rows.events else None
-        if last is not None and last[_KIND] == _REMOVED_EVENT and last[_MEDIUM] == medium and last[_GROUP] == group:
-            last[_HASHES].extend(texts)  # a run of removals: one row
-            last[_NUM_BLOCKS] += len(texts)
-        else:
-            rows.events.append([*head, _REMOVED_EVENT, medium, group, len(texts), texts, None, None])
+    def _removed(
+        source: _Source, medium: str, group: int, hashes: list[BlockHash], ts: float, rows: FleetRows, head: list
+    ) -> None:
+        """A run of removals of one (medium, group): one event row, an eviction row per copy."""
+        texts = [hash_text(block_hash) for block_hash in hashes]
+        rows.events.append([*head, _REMOVED_EVENT, medium, group, len(texts), texts, None, None])
         held = source.held
         evictions = rows.evictions
-        for block_hash, text in zip(event.block_hashes, texts):
+        for block_hash, text in zip(hashes, texts):
             key = (medium, group, block_hash)
             life = held.get(key)
             if life is None:
@@ -289,6 +286,11 @@ class FleetRowBuilder:
                 del rows.opened[life.n]
             else:
                 rows.ended.append((source.id, life.n))
+
+
+def _run_key(event: object) -> tuple[str, int] | None:
+    """What groups consecutive events into one run: (medium, group) for a BlockRemoved, None (no run) else."""
+    return (event.medium, event.group_idx) if type(event) is BlockRemoved else None
 
 
 def _change(source_id: str, life: _Life, rows: FleetRows) -> None:
