@@ -398,19 +398,20 @@ def _wait(condition, timeout_s: float) -> bool:
     return True
 
 
-def fresh_databases(args: argparse.Namespace):
-    """(name, URL factory) per backend asked for; each call of a factory gives an empty database."""
+def fresh_databases(args: argparse.Namespace, scratch: Path, pg_dir: Path):
+    """(name, URL factory) per backend asked for; each call of a factory gives an empty database. SQLite
+    files go under `scratch`, a throwaway PostgreSQL server's cluster under `pg_dir` (its own temporary
+    directory: as root the server runs as `postgres`, which cannot enter another root-only one)."""
     from sqlalchemy import create_engine
     from sqlalchemy.schema import CreateSchema, DropSchema
 
-    scratch = Path(tempfile.mkdtemp(prefix="fleet-bench-"))
     counter = iter(range(1_000_000))
     found = []
     for name in args.databases.split(","):
         if name == "sqlite":
             found.append((name, lambda: f"sqlite:///{scratch / f'history-{next(counter)}.sqlite'}"))
         elif name == "postgresql":
-            url = args.pg_url or _start_postgres(scratch / "pg")
+            url = args.pg_url or _start_postgres(pg_dir)
 
             def fresh(url=url) -> str:
                 engine = create_engine(url, isolation_level="AUTOCOMMIT")
@@ -423,7 +424,7 @@ def fresh_databases(args: argparse.Namespace):
             found.append((name, fresh))
         else:
             raise SystemExit(f"unknown database {name!r}: sqlite, postgresql")
-    return found, scratch
+    return found
 
 
 def _start_postgres(directory: Path) -> str:
@@ -498,14 +499,16 @@ def main() -> None:
     bench_end_to_end(args, rate=0)
     bench_end_to_end(args, rate=args.rate)
     if args.databases:
-        databases, scratch = fresh_databases(args)
+        scratch = Path(tempfile.mkdtemp(prefix="fleet-bench-"))
+        pg_dir = Path(tempfile.mkdtemp(prefix="fleet-bench-pg-"))
         try:
-            for _, fresh in databases:
+            for _, fresh in fresh_databases(args, scratch, pg_dir):
                 bench_end_to_end(args, rate=0, database=fresh())
                 bench_end_to_end(args, rate=args.db_rate, database=fresh())
         finally:
-            _stop_postgres(scratch / "pg")
+            _stop_postgres(pg_dir)
             shutil.rmtree(scratch, ignore_errors=True)
+            shutil.rmtree(pg_dir, ignore_errors=True)
     bench_per_batch(args)
     print(f"load average at the end {os.getloadavg()[0]:.2f}")
 

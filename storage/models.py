@@ -225,7 +225,13 @@ REQUEST_KEY = ("run_id", "request_id")
 
 
 class FleetSource(Base):
-    """One pod as one collector watched it (revision 0006)."""
+    """One pod as one collector watched it (revision 0006).
+
+    fleet_events, fleet_blocks and fleet_evictions name their source by `source_id` without a FOREIGN
+    KEY: storage.fleet_bulk inserts a unit's sources first, in the transaction of its rows, and nothing
+    deletes a source. On PostgreSQL the per-row check of a foreign key halved COPY's rows/s into
+    fleet_evictions and cost a third on fleet_blocks (benchmarks/fleet.py's database path).
+    """
 
     __tablename__ = "fleet_sources"
 
@@ -248,7 +254,7 @@ class FleetEvent(Base):
     __tablename__ = "fleet_events"
 
     id: Mapped[int] = mapped_column(RowId, primary_key=True, autoincrement=True)
-    source_id: Mapped[str] = mapped_column(ForeignKey("fleet_sources.id", ondelete="CASCADE"))
+    source_id: Mapped[str] = mapped_column(String)  # fleet_sources.id (no FOREIGN KEY: see FleetSource)
     seq: Mapped[int | None] = mapped_column(BigInteger)  # the batch's sequence number (reset: the one revealing it)
     ts: Mapped[float] = mapped_column(Double)  # the batch's publisher time (reset: collector time)
     received_at: Mapped[float] = mapped_column(Double)  # collector time the batch arrived
@@ -270,7 +276,7 @@ class FleetBlock(Base):
 
     __tablename__ = "fleet_blocks"
 
-    source_id: Mapped[str] = mapped_column(ForeignKey("fleet_sources.id", ondelete="CASCADE"), primary_key=True)
+    source_id: Mapped[str] = mapped_column(String, primary_key=True)  # fleet_sources.id (no FOREIGN KEY: see FleetSource)
     n: Mapped[int] = mapped_column(BigInteger, primary_key=True)  # its lifetime's number in the source
     medium: Mapped[str] = mapped_column(String)
     group_idx: Mapped[int] = mapped_column(Integer)
@@ -288,7 +294,7 @@ class FleetEviction(Base):
     __tablename__ = "fleet_evictions"
 
     id: Mapped[int] = mapped_column(RowId, primary_key=True, autoincrement=True)
-    source_id: Mapped[str] = mapped_column(ForeignKey("fleet_sources.id", ondelete="CASCADE"))
+    source_id: Mapped[str] = mapped_column(String)  # fleet_sources.id (no FOREIGN KEY: see FleetSource)
     time: Mapped[float] = mapped_column(Double)  # publisher time of the batch (reset: collector time)
     reason: Mapped[str] = mapped_column(String)  # storage.fleet_rows.RemovalReason value
     medium: Mapped[str] = mapped_column(String)

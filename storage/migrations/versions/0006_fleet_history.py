@@ -19,9 +19,8 @@ ROW_ID = sa.BigInteger().with_variant(sa.Integer(), "sqlite")
 
 
 def _source_id() -> sa.Column:
-    return sa.Column(
-        "source_id", sa.String(), sa.ForeignKey("fleet_sources.id", ondelete="CASCADE"), nullable=False
-    )
+    """fleet_sources.id, without a FOREIGN KEY (see storage.models' fleet section)."""
+    return sa.Column("source_id", sa.String(), nullable=False)
 
 
 def upgrade() -> None:
@@ -60,7 +59,7 @@ def upgrade() -> None:
 
     op.create_table(
         "fleet_blocks",
-        sa.Column("source_id", sa.String(), sa.ForeignKey("fleet_sources.id", ondelete="CASCADE"), primary_key=True),
+        sa.Column("source_id", sa.String(), primary_key=True),
         sa.Column("n", sa.BigInteger, primary_key=True),
         sa.Column("medium", sa.String(), nullable=False),
         sa.Column("group_idx", sa.Integer, nullable=False),
