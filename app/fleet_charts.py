@@ -23,6 +23,10 @@ def block_rate_lines(rates: pd.DataFrame, bucket_seconds: float) -> go.Figure:
             )
         )
     fig.update_yaxes(title="blocks/s", rangemode="tozero")
+    # A bucket either side: with a single bucket plotly would zoom the time axis to a millisecond.
+    starts = rates["bucket_start"]
+    span = pd.to_datetime([starts.min() - bucket_seconds, starts.max() + bucket_seconds], unit="s", utc=True)
+    fig.update_xaxes(range=list(span))
     fig.update_layout(
         title="Blocks stored and removed",
         height=300,
