@@ -169,21 +169,14 @@ OPS = st.lists(
 )
 
 
-@pytest.fixture(scope="module")
-def property_db(tmp_path_factory):
-    from storage.db import db_engine
-
-    engine = db_engine(f"sqlite:///{tmp_path_factory.mktemp('fleet-property') / 'h.sqlite'}")
-    migrate.upgrade(engine)
-    yield engine
-    engine.dispose()
-
-
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(ops=OPS)
-def test_stored_blocks_always_equal_the_fleet_index(property_db, ops) -> None:
+def test_stored_blocks_always_equal_the_fleet_index(db_url: str, engine_for, ops) -> None:
     """Any feed, cut into transactions anywhere: the held rows and their copies are what the index
-    holds, and every lifetime opened is either held or ended by exactly one eviction row."""
+    holds, and every lifetime opened is either held or ended by exactly one eviction row. The examples
+    share one database (each its own collector id), migrated on the first."""
+    db = engine_for(db_url)
+    migrate.upgrade(db)
     builder = FleetRowBuilder(f"property-{time.monotonic_ns()}")
     index = FleetIndex()
     source = pod_source("a")
@@ -199,7 +192,7 @@ def test_stored_blocks_always_equal_the_fleet_index(property_db, ops) -> None:
         index.apply_batch(pod_batch)
 
     def commit() -> None:
-        with property_db.begin() as connection:
+        with db.begin() as connection:
             write_fleet_rows(connection, pending)
         pending.clear()
 
@@ -219,9 +212,9 @@ def test_stored_blocks_always_equal_the_fleet_index(property_db, ops) -> None:
     commit()
 
     source_id = builder.source_ids()["a"]
-    assert held_copies(property_db, source_id) == index.copies("a")
-    held = held_rows(property_db, source_id)
-    ended = [row for row in evictions(property_db, source_id) if row[4] == 0]
+    assert held_copies(db, source_id) == index.copies("a")
+    held = held_rows(db, source_id)
+    ended = [row for row in evictions(db, source_id) if row[4] == 0]
     assert len(held) + len(ended) == builder.num_lifetimes("a")
     assert all(copies >= 1 for _, _, copies, _ in held)
 
