@@ -48,6 +48,11 @@ window = c[1].selectbox("Rates over", list(RATE_WINDOWS), **kept("fleet_rate_win
 def pods() -> None:
     now = time.time()
     if view == LIVE and watch is not None:
+        writer = watch.writer.stats()
+        st.caption(  # in the fragment, so its counts stay current
+            f"Collector `{watch.store.collector_id}` running for {fmt_duration(now - watch.started_at)}, "
+            f"writing to the history database: {writer.written_other:,} rows written, {writer.dropped:,} dropped."
+        )
         scraper = watch.scraper
         metrics = {pod.name: pod_metrics(scraper.samples(pod.name), scraper.error(pod.name)) for pod in watch.pods}
         frame = live_pods(watch.index.pods(now), watch.collector.stats(), metrics)
@@ -94,12 +99,6 @@ def pods() -> None:
 
 pods()
 
-if watch is not None and view == LIVE:
-    st.caption(
-        f"Collector `{watch.store.collector_id}` running for {fmt_duration(time.time() - watch.started_at)}, "
-        f"writing to the history database: {watch.writer.stats().written_other:,} rows written, "
-        f"{watch.writer.stats().dropped:,} dropped."
-    )
 
 with st.expander("Collector in this console", expanded=watch is None):
     st.caption(
