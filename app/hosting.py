@@ -4,6 +4,10 @@
     console = host.console       # the running engine, its run id and its in-process history
     host.restart(new_config)     # Settings: a new engine (and a new run) replaces the old one
 
+When the configuration asks (PREFIX_CONSOLE_KV_EVENTS_ENDPOINT, ..._METRICS_PORT), each engine also
+publishes vLLM's KV-event feed and /metrics (`engine.feeds.open_feeds`); a restart closes the old
+engine's feeds before the new engine opens its own. A feed that cannot bind is shown, the engine runs.
+
 The engine steps on its own background thread. A listener, called on that thread after every step,
 feeds the storage writer process (through `storage.recorder.persistence_listener`: events and request
 views of the current run) and a bounded ring of `PoolStats` samples for the Overview charts. Block
@@ -35,7 +39,8 @@ from sqlalchemy import Engine as DbEngine
 from app.loading import ENV_MODEL, HOST_STARTED
 from engine.config import DEFAULT_MODEL, EngineConfig
 from engine.engine import Engine
-from engine.events import Event
+from engine.events import Event, EventKind
+from engine.feeds import EngineFeeds, open_feeds
 from engine.snapshot import PoolStats, RequestView
 from storage import migrate
 from storage.db import db_engine, default_db_url
@@ -51,6 +56,10 @@ ENV_DEVICE = "PREFIX_CONSOLE_DEVICE"
 ENV_DTYPE = "PREFIX_CONSOLE_DTYPE"
 ENV_DATA_DIR = "PREFIX_CONSOLE_DATA_DIR"
 ENV_ATTENTION = "PREFIX_CONSOLE_ATTENTION"  # attention override: "sliding:W" or "hybrid:W"
+ENV_KV_EVENTS_ENDPOINT = "PREFIX_CONSOLE_KV_EVENTS_ENDPOINT"  # publish vLLM's KV-event feed here (PUB)
+ENV_KV_EVENTS_REPLAY = "PREFIX_CONSOLE_KV_EVENTS_REPLAY_ENDPOINT"  # and its replay socket (ROUTER)
+ENV_KV_EVENTS_TOPIC = "PREFIX_CONSOLE_KV_EVENTS_TOPIC"  # the feed's topic
+ENV_METRICS_PORT = "PREFIX_CONSOLE_METRICS_PORT"  # vLLM-named /metrics on 127.0.0.1:PORT
 
 HISTORY_SAMPLES = 3600  # PoolStats samples kept for the Overview charts
 HISTORY_INTERVAL_S = 0.5  # at most one sample per this many seconds
@@ -60,22 +69,32 @@ def config_from_env(environ: Mapping[str, str] | None = None) -> EngineConfig:
     """The engine configuration the console starts with.
 
     Reads PREFIX_CONSOLE_MODEL (default "smollm2"), PREFIX_CONSOLE_NUM_BLOCKS, PREFIX_CONSOLE_BLOCK_SIZE,
-    PREFIX_CONSOLE_DEVICE, PREFIX_CONSOLE_DTYPE and PREFIX_CONSOLE_DATA_DIR; unset means the
-    EngineConfig default.
+    PREFIX_CONSOLE_DEVICE, PREFIX_CONSOLE_DTYPE, PREFIX_CONSOLE_DATA_DIR and the opt-in feeds
+    PREFIX_CONSOLE_KV_EVENTS_ENDPOINT, PREFIX_CONSOLE_KV_EVENTS_REPLAY_ENDPOINT, PREFIX_CONSOLE_KV_EVENTS_TOPIC,
+    PREFIX_CONSOLE_METRICS_PORT; unset means the EngineConfig default.
 
     Raises:
         ValueError: a variable that is not a valid value (the message names it).
     """
     env = os.environ if environ is None else environ
     fields: dict[str, object] = {"model": env.get(ENV_MODEL) or DEFAULT_MODEL}
-    for name, key in ((ENV_NUM_BLOCKS, "num_blocks"), (ENV_BLOCK_SIZE, "block_size")):
+    int_fields = ((ENV_NUM_BLOCKS, "num_blocks"), (ENV_BLOCK_SIZE, "block_size"), (ENV_METRICS_PORT, "metrics_port"))
+    for name, key in int_fields:
         text = env.get(name)
         if text:
             try:
                 fields[key] = int(text)
             except ValueError:
                 raise ValueError(f"{name} must be an integer, got {text!r}") from None
-    for name, key in ((ENV_DEVICE, "device"), (ENV_DTYPE, "dtype"), (ENV_ATTENTION, "attention_override")):
+    text_fields = (
+        (ENV_DEVICE, "device"),
+        (ENV_DTYPE, "dtype"),
+        (ENV_ATTENTION, "attention_override"),
+        (ENV_KV_EVENTS_ENDPOINT, "kv_events_endpoint"),
+        (ENV_KV_EVENTS_REPLAY, "kv_events_replay_endpoint"),
+        (ENV_KV_EVENTS_TOPIC, "kv_events_topic"),
+    )
+    for name, key in text_fields:
         if env.get(name):
             fields[key] = env[name]
     if env.get(ENV_DATA_DIR):
@@ -116,6 +135,8 @@ class Console:
     history: StatsHistory = field(default_factory=StatsHistory)
     listener_errors: int = 0  # listener calls that raised (logged; the engine keeps stepping)
     active: bool = True  # False once a restart replaced it; its listener then ignores late calls
+    feeds: EngineFeeds | None = None  # its KV-event feed and /metrics, when configured and bound
+    feed_error: str | None = None  # why the configured feeds could not be opened
 
     @property
     def tokenizer(self):
@@ -168,6 +189,8 @@ class ConsoleHost:
             engine = Engine(config)
             old.active = False
             old.engine.stop()
+            if old.feeds is not None:
+                old.feeds.close()  # frees the endpoints for the new engine's feeds
             self._console = self._launch(config, engine)
             return self._console
 
@@ -179,6 +202,8 @@ class ConsoleHost:
             self._closed = True
             self._console.active = False
             self._console.engine.stop()
+            if self._console.feeds is not None:
+                self._console.feeds.close()
         self.writer.close(timeout_s=10)
         self.db.dispose()
 
@@ -190,6 +215,11 @@ class ConsoleHost:
         console = Console(config=config, engine=engine, run_id=run_id, started_at=started)
         console.history.offer(started, engine.stats(), force=True)
         engine.add_listener(self._listener(console))
+        try:
+            console.feeds = open_feeds(engine)
+        except Exception as exc:  # an endpoint in use or malformed: shown on the pages, the engine still runs
+            console.feed_error = f"{type(exc).__name__}: {exc}"
+            logger.exception("the engine's KV-event feed or metrics endpoint could not be opened")
         engine.start()
         return console
 

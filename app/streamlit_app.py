@@ -41,6 +41,12 @@ navigation = st.navigation(
         ],
         "History": [st.Page(PAGES / "evictions.py", title="Evictions", icon=":material/delete_sweep:")],
         "Plan": [st.Page(PAGES / "capacity_planner.py", title="Capacity planner", icon=":material/insights:")],
+        "Fleet": [
+            st.Page(PAGES / "fleet_pods.py", title="Pods", icon=":material/dns:"),
+            st.Page(PAGES / "fleet_tree.py", title="Fleet prefix tree", icon=":material/lan:"),
+            st.Page(PAGES / "fleet_evictions.py", title="Fleet evictions", icon=":material/timelapse:"),
+            st.Page(PAGES / "fleet_route.py", title="Route a prompt", icon=":material/alt_route:"),
+        ],
         "Admin": [st.Page(PAGES / "settings.py", title="Settings", icon=":material/settings:")],
     }
 )

@@ -1,6 +1,8 @@
-"""Fleet benchmark: KV events from vLLM's publisher through the collector into the fleet index.
+"""Fleet benchmark: KV events from vLLM's publisher through the collector into the fleet index and the
+history database.
 
     .venv/bin/python benchmarks/fleet.py [--pods 16] [--steps 400] [--block-size 16] [--rate 100000]
+                                         [--db-rate 50000] [--databases sqlite,postgresql] [--pg-url URL]
 
 1. End to end. A child process runs `--pods` vLLM `ZmqEventPublisher`s on loopback ports (vLLM's own
    publisher, thread and encoding) and replays, as fast as they take them, event batches recorded from
@@ -13,12 +15,21 @@
    At the end it checks that every pod's index equals the block pool that produced its events.
    It runs twice: with the publishers taking batches as fast as they can (the throughput), and paced
    at `--rate` block events per second, the goal (the lag at that rate).
+   Then the same with the database added: the collector feeds the index and a `FleetStore` (the
+   storage sink: lifetimes, evictions, events) through one `EventWriter`, on SQLite and on PostgreSQL (a
+   throwaway server from .ci/start-postgres unless --pg-url is given). The rate is block events from
+   the first batch received to the moment the writer has committed the last one, and the database's
+   lag per batch is the time its rows were written (just before their commit) minus the batch's ts.
+   It checks that every pod's held blocks in the database equal its vLLM block pool. Unpaced, then
+   paced at `--db-rate`.
 2. Per batch, in this process, side by side: decoding with `fleet.decode.BatchDecoder` (types, bounds,
    both encodings) against msgspec decoding straight into vLLM's own `KVEventBatch` classes (what
    vLLM's subscriber example does: the floor for a Python consumer), and applying to the index.
 
-Goal: >= 100,000 block events per second into the index on the 2-core machine. The publishers take
-one core and the collector the other; numbers are noisy when other work shares the machine.
+Goals: >= 100,000 block events per second into the index and >= 50,000 into the database on the
+2-core machine. The publishers take one core and the collector (with the writer thread and, for
+PostgreSQL, the server) the other; numbers are noisy when other work shares the machine, so each run
+also prints its rate per second of the collector process's CPU time.
 """
 
 from __future__ import annotations
@@ -27,9 +38,11 @@ import argparse
 import json
 import os
 import random
+import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -44,6 +57,8 @@ from fleet.decode import BatchDecoder  # noqa: E402
 from fleet.events import BatchOrigin, PodBatch, PodReset  # noqa: E402
 from fleet.index import FleetIndex  # noqa: E402
 from fleet.source import PodSource  # noqa: E402
+from storage.fleet_sink import FleetStore  # noqa: E402
+from storage.writer import EventWriter  # noqa: E402
 
 PROTOCOL = "FLEETBENCH "  # prefix of the child's lines meant for the parent
 TOPIC = "kv-events"
@@ -202,6 +217,7 @@ class LagRecorder:
 
     def __init__(self) -> None:
         self.lags_s: list[float] = []  # applied time - batch ts, per batch
+        self.batch_ts: list[float] = []  # each batch's publisher time, in dispatch order
         self.first_received_at: float | None = None  # the earliest batch's arrival
         self.last_applied_at = 0.0  # when the latest batch was applied
 
@@ -213,6 +229,7 @@ class LagRecorder:
         if self.first_received_at is None:
             self.first_received_at = batch.received_at
         self.lags_s.append(now - batch.batch.ts)
+        self.batch_ts.append(batch.batch.ts)
         self.last_applied_at = now
 
     def reset_pod(self, reset: PodReset) -> None:
@@ -224,8 +241,30 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-def bench_end_to_end(args: argparse.Namespace, rate: int) -> None:
-    """One run: the child publishes as fast as its publishers take batches (rate 0), or at `rate`."""
+class TimedWriter(EventWriter):
+    """The EventWriter, noting when the writer thread has written each row set (just before the commit)."""
+
+    def __init__(self, url: str) -> None:
+        super().__init__(url)
+        self.written_at: list[float] = []  # per submitted row set, in submission order
+        self._timed: dict = {}
+
+    def submit_rows(self, rows, num_rows, write, *, wait=False):
+        timed = self._timed.get(write)
+        if timed is None:
+
+            def timed(connection, row_sets, write=write):
+                write(connection, row_sets)
+                now = time.time()
+                self.written_at.extend([now] * len(row_sets))
+
+            self._timed[write] = timed
+        return super().submit_rows(rows, num_rows, timed, wait=wait)
+
+
+def bench_end_to_end(args: argparse.Namespace, rate: int, database: str | None = None) -> None:
+    """One run: the child publishes as fast as its publishers take batches (rate 0), or at `rate`;
+    into the index alone, or into the index and the database at URL `database`."""
     child = subprocess.Popen(
         [
             sys.executable,
@@ -248,7 +287,12 @@ def bench_end_to_end(args: argparse.Namespace, rate: int) -> None:
         ]
         index = FleetIndex()
         lag = LagRecorder()
-        with Collector(sources, [index, lag], CollectorConfig()) as collector:
+        writer = TimedWriter(database) if database is not None else None
+        store = FleetStore(writer) if writer is not None else None
+        sinks = [index, lag] if store is None else [index, store, lag]
+        if writer is not None and not _wait(lambda: writer.stats().schema_ready, 120):
+            raise RuntimeError(f"the database did not get its schema: {writer.stats().last_error}")
+        with Collector(sources, sinks, CollectorConfig()) as collector:
             deadline = time.monotonic() + 30
             while any(stats.num_connects == 0 for stats in collector.stats().values()):
                 if time.monotonic() > deadline:
@@ -268,6 +312,10 @@ def bench_end_to_end(args: argparse.Namespace, rate: int) -> None:
                 if time.monotonic() > deadline:
                     raise RuntimeError("the index did not catch up within 10 minutes")
                 time.sleep(0.005)
+            if writer is not None:
+                if not writer.flush(600):
+                    raise RuntimeError("the writer did not catch up within 10 minutes")
+                written_at = time.time()
             cpu_s = time.process_time() - cpu_before
             stats = collector.stats()
         child.stdin.write("exit\n")
@@ -286,13 +334,27 @@ def bench_end_to_end(args: argparse.Namespace, rate: int) -> None:
         if {repr(key): n for key, n in index.copies(source.name).items()} != pod["cached"]
     ]
     pace = f"paced at {rate:,} block events/s" if rate else "as fast as vLLM's publishers take them"
-    print(f"1. end to end, {pace}")
+    into = "the index" if database is None else f"the index and {database.split(':')[0].split('+')[0]}"
+    print(f"1. end to end into {into}, {pace}")
     print(f"   {args.pods} pods x {setup['batches_per_pod']} batches, {block_events:,} block events")
     print(f"   vLLM's publishers took them in {publish_s:.2f} s ({block_events / publish_s:,.0f} block events/s)")
     print(f"   into the index in {wall_s:.2f} s: {block_events / wall_s:,.0f} block events/s (goal >= 100,000)")
+    if writer is not None:
+        db_s = written_at - lag.first_received_at
+        db_lags = [done - ts for done, ts in zip(writer.written_at[args.pods :], lag.batch_ts, strict=True)]
+        print(f"   into the database in {db_s:.2f} s: {block_events / db_s:,.0f} block events/s (goal >= 50,000)")
+        print(
+            f"   database lag behind the publisher per batch: median {statistics.median(db_lags) * 1e3:.0f} ms, "
+            f"p99 {percentile(db_lags, 0.99) * 1e3:.0f} ms, max {max(db_lags) * 1e3:.0f} ms; "
+            f"written {(written_at - published['taken']):.2f} s after the last publish(); "
+            f"{writer.stats().written_other:,} rows in {writer.stats().written_batches:,} transactions, "
+            f"{writer.stats().dropped} dropped"
+        )
+        mismatched += _database_mismatches(database, store, sources, setup["pods"])
+        writer.close()
     print(f"   collector CPU {cpu_s:.2f} s: {block_events / cpu_s:,.0f} block events per CPU second")
     print(
-        f"   lag behind the publisher per batch: median {statistics.median(lag.lags_s) * 1e3:.1f} ms, "
+        f"   index lag behind the publisher per batch: median {statistics.median(lag.lags_s) * 1e3:.1f} ms, "
         f"p99 {percentile(lag.lags_s, 0.99) * 1e3:.1f} ms, max {max(lag.lags_s) * 1e3:.1f} ms; "
         f"the last applied {(lag.last_applied_at - published['taken']) * 1e3:.0f} ms after the last publish()"
     )
@@ -302,7 +364,74 @@ def bench_end_to_end(args: argparse.Namespace, rate: int) -> None:
     }
     print("   " + ", ".join(f"{name.removeprefix('num_')} {n}" for name, n in totals.items()))
     verdict = "yes" if not mismatched else "NO: " + ", ".join(mismatched)
-    print(f"   index equals every pod's vLLM block pool: {verdict}")
+    what = "index" if database is None else "index and database"
+    print(f"   {what} equal every pod's vLLM block pool: {verdict}")
+
+
+def _database_mismatches(url: str, store: FleetStore, sources: list[PodSource], pods: list[dict]) -> list[str]:
+    """The pods whose held blocks in the database differ from their vLLM block pool."""
+    from storage import fleet_queries
+    from storage.db import db_engine
+
+    engine = db_engine(url)
+    try:
+        wrong = []
+        for source, pod in zip(sources, pods, strict=True):
+            held = fleet_queries.held_blocks(engine, store.source_ids()[source.name])
+            stored = {
+                repr((row.medium, int(row.group_idx), fleet_queries.parse_hash_text(row.block_hash))): int(row.copies)
+                for row in held.itertuples()
+            }
+            if stored != pod["cached"]:
+                wrong.append(f"{source.name} (database)")
+        return wrong
+    finally:
+        engine.dispose()
+
+
+def _wait(condition, timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+def fresh_databases(args: argparse.Namespace, scratch: Path, pg_dir: Path):
+    """(name, URL factory) per backend asked for; each call of a factory gives an empty database. SQLite
+    files go under `scratch`, a throwaway PostgreSQL server's cluster under `pg_dir` (its own temporary
+    directory: as root the server runs as `postgres`, which cannot enter another root-only one)."""
+    from sqlalchemy import create_engine
+    from sqlalchemy.schema import CreateSchema, DropSchema
+
+    counter = iter(range(1_000_000))
+    found = []
+    for name in args.databases.split(","):
+        if name == "sqlite":
+            found.append((name, lambda: f"sqlite:///{scratch / f'history-{next(counter)}.sqlite'}"))
+        elif name == "postgresql":
+            url = args.pg_url or _start_postgres(pg_dir)
+
+            def fresh(url=url) -> str:
+                engine = create_engine(url, isolation_level="AUTOCOMMIT")
+                with engine.connect() as connection:
+                    connection.execute(DropSchema("public", cascade=True, if_exists=True))
+                    connection.execute(CreateSchema("public"))
+                engine.dispose()
+                return url
+
+            found.append((name, fresh))
+        else:
+            raise SystemExit(f"unknown database {name!r}: sqlite, postgresql")
+    return found
+
+
+def _start_postgres(directory: Path) -> str:
+    started = subprocess.run([str(ROOT / ".ci" / "start-postgres"), str(directory)], capture_output=True, text=True)
+    if started.returncode != 0:
+        raise SystemExit(f".ci/start-postgres failed: {started.stderr}")
+    return started.stdout.split()[-1]
 
 
 def bench_per_batch(args: argparse.Namespace) -> None:
@@ -342,12 +471,25 @@ def bench_per_batch(args: argparse.Namespace) -> None:
     print(f"   apply to the FleetIndex:                          {block_events / index_s:,.0f} block events/s")
 
 
+def _stop_postgres(directory: Path) -> None:
+    data = directory / "data"
+    if not data.is_dir():
+        return
+    binaries = sorted(Path("/usr/lib/postgresql").glob("*/bin/pg_ctl"))
+    if binaries:
+        stop = [str(binaries[-1]), "-D", str(data), "stop", "-m", "fast"]
+        subprocess.run(["runuser", "-u", "postgres", "--", *stop] if os.geteuid() == 0 else stop, capture_output=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--pods", type=int, default=16, help="simulated pods (vLLM publishers)")
     parser.add_argument("--steps", type=int, default=400, help="engine steps (batches) per pod")
     parser.add_argument("--block-size", type=int, default=16, help="tokens per block")
     parser.add_argument("--rate", type=int, default=100_000, help="block events/s of the paced run")
+    parser.add_argument("--db-rate", type=int, default=50_000, help="block events/s of the paced database runs")
+    parser.add_argument("--databases", default="sqlite,postgresql", help="backends of the database runs ('' for none)")
+    parser.add_argument("--pg-url", default=None, help="an empty PostgreSQL database (default: a throwaway server)")
     parser.add_argument("--publishers", action="store_true", help=argparse.SUPPRESS)  # the child process
     args = parser.parse_args()
     if args.publishers:
@@ -356,6 +498,17 @@ def main() -> None:
     print(f"machine: {os.cpu_count()} cores, load average {os.getloadavg()[0]:.2f} (shared with other work)")
     bench_end_to_end(args, rate=0)
     bench_end_to_end(args, rate=args.rate)
+    if args.databases:
+        scratch = Path(tempfile.mkdtemp(prefix="fleet-bench-"))
+        pg_dir = Path(tempfile.mkdtemp(prefix="fleet-bench-pg-"))
+        try:
+            for _, fresh in fresh_databases(args, scratch, pg_dir):
+                bench_end_to_end(args, rate=0, database=fresh())
+                bench_end_to_end(args, rate=args.db_rate, database=fresh())
+        finally:
+            _stop_postgres(pg_dir)
+            shutil.rmtree(scratch, ignore_errors=True)
+            shutil.rmtree(pg_dir, ignore_errors=True)
     bench_per_batch(args)
     print(f"load average at the end {os.getloadavg()[0]:.2f}")
 

@@ -3,6 +3,7 @@
     run-trace       replay a JSONL workload through the engine (cli/run_trace.py)
     analyze         what a cache of given sizes would hit on a workload, and why it misses (cli/analyze.py)
     block-history   one block's reference-count history from the history database (cli/block_history.py)
+    fleet           watch vLLM/SGLang prefix caches through their KV events; read what was seen (cli/fleet.py)
 
 A command module exposes `add_parser(subparsers)`, which adds its subcommand and sets `run` as that
 parser's default, and `run(args) -> int`, the exit status. Command modules import at the top only what
@@ -18,9 +19,9 @@ import sys
 from collections.abc import Sequence
 from types import ModuleType
 
-from cli import analyze, block_history, run_trace
+from cli import analyze, block_history, fleet, run_trace
 
-COMMANDS: tuple[ModuleType, ...] = (run_trace, analyze, block_history)
+COMMANDS: tuple[ModuleType, ...] = (run_trace, analyze, block_history, fleet)
 
 
 def main(argv: Sequence[str] | None = None, *, prog: str = "python -m cli", commands=COMMANDS) -> int:

@@ -18,6 +18,8 @@ MAX_BLOCK_SIZE = 256
 MAX_NUM_BLOCKS = 1 << 20
 MAX_NEW_TOKENS = 4096
 MAX_BATCHED_TOKENS = 1 << 16
+MAX_TOPIC_BYTES = 256
+_BIND_SCHEMES = ("tcp://", "ipc://", "inproc://")
 
 
 def default_data_dir() -> Path:
@@ -49,6 +51,11 @@ class EngineConfig:
     allow_approximate_replay: bool = False  # may recover window state by a bounded approximate replay
     verify_replay: bool = False  # after an approximate replay, recompute from scratch and record divergence
     data_dir: Path | None = None  # None -> default_data_dir()
+    # Opt-in feeds (engine/feeds.py `open_feeds`, which the console calls): vLLM's KV-event feed and metrics.
+    kv_events_endpoint: str | None = None  # PUB socket to bind, e.g. "tcp://127.0.0.1:5557"; None: no feed
+    kv_events_replay_endpoint: str | None = None  # replay ROUTER to bind, e.g. "tcp://127.0.0.1:5558"
+    kv_events_topic: str = ""  # the feed's topic frame (vLLM's default is "")
+    metrics_port: int | None = None  # Prometheus /metrics on 127.0.0.1:PORT (0: any free port); None: none
 
     def __post_init__(self) -> None:
         try:  # a name ("reuse-lru") is accepted and stored as the enum
@@ -76,6 +83,16 @@ class EngineConfig:
             raise ValueError(f"window_backtrack must be in [0, {MAX_BATCHED_TOKENS}], got {self.window_backtrack}")
         if not self.device == "auto" and not self.device == "cpu" and not self.device.startswith("cuda"):
             raise ValueError(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
+        for name in ("kv_events_endpoint", "kv_events_replay_endpoint"):
+            endpoint = getattr(self, name)
+            if endpoint is not None and (not isinstance(endpoint, str) or not endpoint.startswith(_BIND_SCHEMES)):
+                raise ValueError(f"{name} must be tcp://HOST:PORT, ipc://PATH or inproc://NAME, got {endpoint!r}")
+        if self.kv_events_replay_endpoint is not None and self.kv_events_endpoint is None:
+            raise ValueError("kv_events_replay_endpoint needs kv_events_endpoint")
+        if len(self.kv_events_topic.encode()) > MAX_TOPIC_BYTES:
+            raise ValueError(f"kv_events_topic must be at most {MAX_TOPIC_BYTES} bytes")
+        if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
+            raise ValueError(f"metrics_port must be in [0, 65535], got {self.metrics_port}")
 
     @property
     def resolved_data_dir(self) -> Path:

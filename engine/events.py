@@ -67,7 +67,9 @@ class Event(NamedTuple):
 #           age_s (seconds since the block was filled), hit_count, last_used (epoch s), group.
 #   ALLOCATE: block_ids (every block handed out by one call, in table order), group.
 #   RELEASE: block_ids (in release order: last table entry first), freed (how many reached ref 0), group.
-#   CACHE:  block_ids, keys (hex, one per block), start_pos (first block), end_pos (last block's end), group.
+#   CACHE:  block_ids, keys (hex, one per block), parent_keys (hex, one per block; None under the namespace
+#           root), token_ids (the blocks' tokens back to back), start_pos (first block), end_pos (last
+#           block's end), group.
 #   HIT:    cached_tokens, num_blocks, block_ids (the blocks shared, in table order), group.
 #   FORK:   parent_id, shared_blocks, block_ids (the parent's blocks the child now shares, in table order), group.
 #   COW:    src_block, dst_block, num_slots, group.

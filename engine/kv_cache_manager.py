@@ -337,9 +337,15 @@ class KVCacheManager:
                 self.pool.cache(block, key, parent, parent_key)
                 cached.append(block)
         if cached:
+            root = table.root_key
             detail = {
                 "block_ids": [b.block_id for b in cached],
                 "keys": [b.key.hex() for b in cached],  # type: ignore[union-attr]
+                # Each block's chain parent (None under the namespace root) and tokens: what a KV-event
+                # BlockStored carries (engine/kv_events.py), kept here because a block evicted before the
+                # listeners run forgets its tokens.
+                "parent_keys": [None if b.parent_key == root else b.parent_key.hex() for b in cached],  # type: ignore
+                "token_ids": [token for b in cached for token in b.token_ids],
                 "start_pos": cached[0].start_pos,
                 "end_pos": cached[-1].start_pos + bs,
                 "group": self.pool.group,

@@ -1,4 +1,10 @@
-"""A pod to watch: where its KV-event feed, replay socket and metrics are."""
+"""A pod to watch: where its KV-event feed, replay socket and metrics are, and the text that names one.
+
+    NAME=tcp://HOST:PORT[,replay=tcp://HOST:PORT][,metrics=http://HOST:PORT/metrics][,topic=TOPIC]
+
+is one pod (`parse_pod`): `python -m cli fleet watch --pod ...` takes one per option, the console's
+$PREFIX_CONSOLE_FLEET_PODS a list of them separated by whitespace or ";" (`parse_pods`).
+"""
 
 from __future__ import annotations
 
@@ -9,6 +15,9 @@ from urllib.parse import urlsplit
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,63}")
 _ZMQ_SCHEMES = ("tcp://", "ipc://", "inproc://")
 MAX_TOPIC_BYTES = 256
+MAX_POD_TEXT_CHARS = 2048  # one pod's text
+MAX_PODS = 256  # pods in one list
+_OPTIONS = {"replay": "replay_endpoint", "metrics": "metrics_url", "topic": "topic"}  # option -> PodSource field
 
 
 @dataclass(frozen=True)
@@ -44,3 +53,43 @@ class PodSource:
 def _check_zmq(endpoint: str, what: str) -> None:
     if not isinstance(endpoint, str) or not endpoint.startswith(_ZMQ_SCHEMES) or "*" in endpoint:
         raise ValueError(f"{what} {endpoint!r}: tcp://HOST:PORT, ipc://PATH or inproc://NAME (no wildcard)")
+
+
+def parse_pod(text: str) -> PodSource:
+    """The pod `NAME=ENDPOINT[,replay=ENDPOINT][,metrics=URL][,topic=TOPIC]` names.
+
+    Raises:
+        ValueError: another shape, an unknown or repeated option, or a value PodSource refuses; the
+            message says which.
+    """
+    if len(text) > MAX_POD_TEXT_CHARS:
+        raise ValueError(f"a pod is at most {MAX_POD_TEXT_CHARS} characters")
+    name, equals, rest = text.strip().partition("=")
+    if not equals or not rest:
+        raise ValueError(f"{text!r}: expected NAME=tcp://HOST:PORT[,replay=...][,metrics=...][,topic=...]")
+    endpoint, *options = rest.split(",")
+    fields: dict[str, str] = {}
+    for option in options:
+        key, equals, value = option.partition("=")
+        if not equals or key not in _OPTIONS:
+            raise ValueError(f"{text!r}: unknown option {option!r} (replay=, metrics=, topic=)")
+        if _OPTIONS[key] in fields:
+            raise ValueError(f"{text!r}: {key}= given twice")
+        fields[_OPTIONS[key]] = value
+    return PodSource(name, endpoint, **fields)
+
+
+def parse_pods(text: str) -> list[PodSource]:
+    """Pods separated by whitespace or ";" (an empty text is no pod).
+
+    Raises:
+        ValueError: a pod `parse_pod` refuses, two pods of one name, or more than MAX_PODS.
+    """
+    pods = [parse_pod(part) for part in re.split(r"[\s;]+", text) if part]
+    if len(pods) > MAX_PODS:
+        raise ValueError(f"at most {MAX_PODS} pods, got {len(pods)}")
+    names = [pod.name for pod in pods]
+    repeated = sorted({name for name in names if names.count(name) > 1})
+    if repeated:
+        raise ValueError(f"pod names must be unique: {', '.join(repeated)} given twice")
+    return pods

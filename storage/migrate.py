@@ -2,11 +2,14 @@
 
 The migration scripts live in ``storage/migrations`` next to this module; nothing depends on the
 working directory or on an alembic.ini. Each upgrade runs on one connection in one transaction
-(PostgreSQL: atomic, and serialised across processes by an advisory lock).
+(PostgreSQL: atomic, and serialised across processes by an advisory lock). Within a process upgrades
+take turns (`_UPGRADES`): Alembic's `context` is process-global, and two threads migrating at once (two
+writers starting together) corrupted each other's run.
 """
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 
 from alembic import command
@@ -20,6 +23,7 @@ MIGRATIONS_DIR = Path(__file__).resolve().parent / "migrations"
 HEAD = "head"
 # Arbitrary constant naming this schema's advisory lock on PostgreSQL.
 _PG_MIGRATION_LOCK = 0x70726566
+_UPGRADES = threading.Lock()  # one Alembic run at a time in this process
 
 
 def upgrade(url_or_engine: str | Engine, revision: str = HEAD) -> None:
@@ -31,7 +35,7 @@ def upgrade(url_or_engine: str | Engine, revision: str = HEAD) -> None:
     """
     engine, owned = _engine(url_or_engine)
     try:
-        with engine.begin() as connection:
+        with _UPGRADES, engine.begin() as connection:
             if connection.dialect.name == "postgresql":
                 connection.execute(select(func.pg_advisory_xact_lock(_PG_MIGRATION_LOCK)))
             command.upgrade(_alembic_config(connection), revision)

@@ -8,6 +8,8 @@ Tables:
     prunes     one row per retention deletion (which table, why, how many rows).
     eviction_rollups  per (run, minute, reason): eviction count and age / hit histograms, so the
                eviction charts read thousands of rows instead of millions.
+    fleet_sources, fleet_events, fleet_blocks, fleet_evictions  what KV-event collectors saw of vLLM /
+               SGLang servers (revision 0006; see "Fleet" below).
 
 Invariants:
     * Times are float seconds since the epoch, so bucketing is plain arithmetic on every backend.
@@ -200,3 +202,133 @@ EVICTION_COLUMNS = (
 EVICTION_ROW_COLUMNS = EVICTION_COLUMNS[1:]
 # The primary key of `requests`: a request record is upserted by it.
 REQUEST_KEY = ("run_id", "request_id")
+
+
+# ---------------------------------------------------------------------------------------------- fleet
+# What KV-event collectors (fleet/) saw of the servers they watch, written by storage.fleet_sink.
+#
+#   fleet_sources    one row per (collector, pod): a collector that starts watching a pod opens one.
+#   fleet_events     every KV event as published (stored / removed / cleared), and every restart the
+#                    collector detected (reset): one row per event, its hashes as a JSON array
+#                    (consecutive removals of one batch share a row; see storage.fleet_rows).
+#   fleet_blocks     what each source holds now: one row per hash held in a (medium, KV group), inserted
+#                    by the store that made it held (copies 0 -> 1), deleted with its last copy, a clear
+#                    or a reset. Bounded by the pods' caches; a closed source keeps its last state.
+#   fleet_evictions  the eviction log: one row per physical copy a BlockRemoved took away (reason
+#                    "removed", with the age of the hash's lifetime; unknown for a hash not held), and one
+#                    per held hash a clear or a restart dropped (reason "cleared" / "reset"). A row with
+#                    copies_left 0 ends a lifetime (stored -> last copy gone): age_s is its length.
+#
+# Invariants:
+#   * Every fleet row belongs to a source (foreign key to fleet_sources.id); a collector writes only
+#     rows of its own sources, so several consoles can share one PostgreSQL database.
+#   * Hashes are stored as text (storage.fleet_rows.hash_text): an int hash in decimal, a bytes hash as
+#     "0x" and its hex digits, so vLLM's unsigned 64-bit ints fit every backend.
+#   * (source_id, n) numbers a source's lifetimes in the order they opened; a source holds at most one
+#     fleet_blocks row per (medium, group_idx, block_hash), with copies >= 1.
+#   * Times are publisher timestamps (`ts`, `stored_at`, `time`) or collector clocks (`received_at`,
+#     `opened_at`, `closed_at`), float seconds since the epoch.
+
+
+class FleetSource(Base):
+    """One pod as one collector watched it (revision 0006).
+
+    fleet_events, fleet_blocks and fleet_evictions name their source by `source_id` without a FOREIGN
+    KEY: storage.fleet_bulk inserts a unit's sources first, in the transaction of its rows, and nothing
+    deletes a source. On PostgreSQL the per-row check of a foreign key halved COPY's rows/s into
+    fleet_evictions and cost a third on fleet_blocks (benchmarks/fleet.py's database path).
+    """
+
+    __tablename__ = "fleet_sources"
+
+    id: Mapped[str] = mapped_column(String, primary_key=True)  # "<collector_id>/<pod>"
+    collector_id: Mapped[str] = mapped_column(String, index=True)  # the watching process (see writer.new_run_id)
+    pod: Mapped[str] = mapped_column(String)  # fleet.source.PodSource.name
+    endpoint: Mapped[str] = mapped_column(String)  # the PUB socket watched
+    replay_endpoint: Mapped[str | None] = mapped_column(String)  # its replay ROUTER, if any
+    topic: Mapped[str] = mapped_column(String)  # "" accepts every topic
+    metrics_url: Mapped[str | None] = mapped_column(String)  # its Prometheus endpoint, if any
+    opened_at: Mapped[float] = mapped_column(Double)  # when the collector started watching it
+    closed_at: Mapped[float | None] = mapped_column(Double)  # when it stopped; None while watching or after a crash
+
+    __table_args__ = (Index("ix_fleet_sources_pod_opened", "pod", "opened_at"),)
+
+
+class FleetEvent(Base):
+    """One KV event of a pod, or a restart the collector detected (revision 0006)."""
+
+    __tablename__ = "fleet_events"
+
+    id: Mapped[int] = mapped_column(RowId, primary_key=True, autoincrement=True)
+    source_id: Mapped[str] = mapped_column(String)  # fleet_sources.id (no FOREIGN KEY: see FleetSource)
+    seq: Mapped[int | None] = mapped_column(BigInteger)  # the batch's sequence number (reset: the one revealing it)
+    ts: Mapped[float] = mapped_column(Double)  # the batch's publisher time (reset: collector time)
+    received_at: Mapped[float] = mapped_column(Double)  # collector time the batch arrived
+    origin: Mapped[str | None] = mapped_column(String)  # fleet.events.BatchOrigin value; None for a reset
+    kind: Mapped[str] = mapped_column(String)  # storage.fleet_rows.FleetEventKind value
+    medium: Mapped[str | None] = mapped_column(String)  # stored / removed: "GPU", "CPU", ...
+    group_idx: Mapped[int | None] = mapped_column(Integer)  # stored / removed: the KV group
+    num_blocks: Mapped[int] = mapped_column(Integer)  # hashes in the event (0 for cleared, reset)
+    block_hashes: Mapped[list[str] | None] = mapped_column(JSON)  # hash texts, in event order
+    parent_hash: Mapped[str | None] = mapped_column(String)  # stored: the parent of the first block
+    block_size: Mapped[int | None] = mapped_column(Integer)  # stored: tokens per block
+
+    __table_args__ = (Index("ix_fleet_events_source_ts", "source_id", "ts"),)  # per pod: rates, last heard, retention
+
+
+class FleetBlock(Base):
+    """One hash a source holds now in one (medium, KV group) (revision 0006). No secondary index on
+    purpose: the held blocks of a source are a range of its primary key."""
+
+    __tablename__ = "fleet_blocks"
+
+    source_id: Mapped[str] = mapped_column(String, primary_key=True)  # fleet_sources.id (no FOREIGN KEY: see FleetSource)
+    n: Mapped[int] = mapped_column(BigInteger, primary_key=True)  # its lifetime's number in the source
+    medium: Mapped[str] = mapped_column(String)
+    group_idx: Mapped[int] = mapped_column(Integer)
+    block_hash: Mapped[str] = mapped_column(String)  # hash text
+    parent_hash: Mapped[str | None] = mapped_column(String)  # None at a prompt's start or when tokens are unknown
+    block_size: Mapped[int] = mapped_column(Integer)
+    token_ids: Mapped[list[int] | None] = mapped_column(JSON)  # None when the event's tokens did not split per block
+    copies: Mapped[int] = mapped_column(Integer)  # physical blocks holding it (>= 1)
+    stored_at: Mapped[float] = mapped_column(Double)  # publisher time of the store that made it held
+
+
+class FleetEviction(Base):
+    """One copy that left a pod's cache, and why (revision 0006)."""
+
+    __tablename__ = "fleet_evictions"
+
+    id: Mapped[int] = mapped_column(RowId, primary_key=True, autoincrement=True)
+    source_id: Mapped[str] = mapped_column(String)  # fleet_sources.id (no FOREIGN KEY: see FleetSource)
+    time: Mapped[float] = mapped_column(Double)  # publisher time of the batch (reset: collector time)
+    reason: Mapped[str] = mapped_column(String)  # storage.fleet_rows.RemovalReason value
+    medium: Mapped[str] = mapped_column(String)
+    group_idx: Mapped[int] = mapped_column(Integer)
+    block_hash: Mapped[str] = mapped_column(String)  # hash text
+    age_s: Mapped[float | None] = mapped_column(Double)  # time - the lifetime's stored_at; None if not held
+    copies_left: Mapped[int | None] = mapped_column(Integer)  # copies held after it (0: the lifetime ended)
+
+    __table_args__ = (Index("ix_fleet_evictions_source_time", "source_id", "time"),)
+
+
+FLEET_SOURCES = FleetSource.__table__
+FLEET_EVENTS = FleetEvent.__table__
+FLEET_BLOCKS = FleetBlock.__table__
+FLEET_EVICTIONS = FleetEviction.__table__
+
+# The columns the fleet sink fills, in the order of its row tuples (storage.fleet_rows).
+FLEET_SOURCE_COLUMNS = (
+    "id", "collector_id", "pod", "endpoint", "replay_endpoint", "topic", "metrics_url", "opened_at", "closed_at",
+)  # fmt: skip
+FLEET_EVENT_COLUMNS = (
+    "source_id", "seq", "ts", "received_at", "origin", "kind", "medium", "group_idx", "num_blocks",
+    "block_hashes", "parent_hash", "block_size",
+)  # fmt: skip
+FLEET_BLOCK_COLUMNS = (
+    "source_id", "n", "medium", "group_idx", "block_hash", "parent_hash", "block_size", "token_ids", "copies",
+    "stored_at",
+)  # fmt: skip
+FLEET_EVICTION_COLUMNS = (
+    "source_id", "time", "reason", "medium", "group_idx", "block_hash", "age_s", "copies_left",
+)  # fmt: skip

@@ -8,6 +8,10 @@ Invariants:
       write batch never wait behind one huge delete.
     * Every (table, reason) that lost rows in a pruning run gets one `prunes` row; runs that delete
       nothing leave no trace (the log stays about deletions, not about the clock).
+    * Fleet history: fleet_events and fleet_evictions by age (source by source, through their
+      (source_id, time) indexes) and by count; fleet_blocks (what sources hold now) only for sources
+      closed longer ago than the age limit, so a watched pod's blocks are never pruned; sources are
+      never deleted.
 """
 
 from __future__ import annotations
@@ -17,7 +21,16 @@ from dataclasses import dataclass
 from sqlalchemy import ColumnElement, Engine, Table, delete, func, insert, select, tuple_
 
 from storage import rollups
-from storage.models import EVENTS, EVICTIONS, PRUNES, REQUESTS
+from storage.models import (
+    EVENTS,
+    EVICTIONS,
+    FLEET_BLOCKS,
+    FLEET_EVENTS,
+    FLEET_EVICTIONS,
+    FLEET_SOURCES,
+    PRUNES,
+    REQUESTS,
+)
 
 SECONDS_PER_DAY = 86_400.0
 
@@ -29,6 +42,8 @@ class RetentionPolicy:
     max_age_days: float | None = 30.0  # events, evictions, requests and prune logs older than this go
     max_events: int | None = 5_000_000  # newest events rows kept
     max_evictions: int | None = 1_000_000  # newest evictions rows kept
+    max_fleet_events: int | None = 5_000_000  # newest fleet_events rows kept (max_age_days applies too)
+    max_fleet_evictions: int | None = 5_000_000  # newest fleet_evictions rows kept
     chunk_rows: int = 50_000  # rows deleted per transaction
 
 
@@ -57,9 +72,16 @@ def prune(engine: Engine, policy: RetentionPolicy, now: float) -> list[PruneResu
         for table, time_column in aged:
             deleted = _delete_chunked(engine, table, time_column < cutoff, time_column, policy.chunk_rows)
             results.append(PruneResult(table.name, "age", deleted))
-    for table, max_rows in ((EVENTS, policy.max_events), (EVICTIONS, policy.max_evictions)):
+    bounded = (
+        (EVENTS, policy.max_events),
+        (EVICTIONS, policy.max_evictions),
+        (FLEET_EVENTS, policy.max_fleet_events),
+        (FLEET_EVICTIONS, policy.max_fleet_evictions),
+    )
+    for table, max_rows in bounded:
         if max_rows is not None:
             results.append(PruneResult(table.name, "max_rows", _delete_beyond(engine, table, max_rows, policy)))
+    results.extend(_prune_fleet_by_source(engine, policy, now))
     results = [result for result in results if result.rows_deleted]
     if results:
         with engine.begin() as connection:
@@ -71,6 +93,24 @@ def prune(engine: Engine, policy: RetentionPolicy, now: float) -> list[PruneResu
                 ],
             )
     return results
+
+
+def _prune_fleet_by_source(engine: Engine, policy: RetentionPolicy, now: float) -> list[PruneResult]:
+    """Fleet events and evictions older than the age limit, and the held blocks of sources closed before it."""
+    if policy.max_age_days is None:
+        return []
+    cutoff = now - policy.max_age_days * SECONDS_PER_DAY
+    with engine.connect() as connection:
+        sources = connection.execute(select(FLEET_SOURCES.c.id, FLEET_SOURCES.c.closed_at)).all()
+    deleted = {FLEET_EVENTS.name: 0, FLEET_EVICTIONS.name: 0, FLEET_BLOCKS.name: 0}
+    for source, closed_at in sources:
+        for table, time_column in ((FLEET_EVENTS, FLEET_EVENTS.c.ts), (FLEET_EVICTIONS, FLEET_EVICTIONS.c.time)):
+            condition = (table.c.source_id == source) & (time_column < cutoff)
+            deleted[table.name] += _delete_chunked(engine, table, condition, time_column, policy.chunk_rows)
+        if closed_at is not None and closed_at < cutoff:
+            held = FLEET_BLOCKS.c.source_id == source
+            deleted[FLEET_BLOCKS.name] += _delete_chunked(engine, FLEET_BLOCKS, held, FLEET_BLOCKS.c.n, policy.chunk_rows)
+    return [PruneResult(table, "age", rows) for table, rows in deleted.items()]
 
 
 def _delete_beyond(engine: Engine, table: Table, max_rows: int, policy: RetentionPolicy) -> int:

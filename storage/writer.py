@@ -18,6 +18,11 @@ Contract with the engine thread:
     * Eviction rollups are updated in the transaction that inserts their evictions.
     * A run row is never dropped: it stays pending, and goes into every write transaction until one
       commits, so the rows of that run always find their run.
+    * Other producers (the fleet collector's sink, storage.fleet_sink) hand in their own rows with
+      `submit_rows(rows, num_rows, write)`: the same queue, batches, retries and counters, their rows
+      written by their own bulk function `write(connection, [rows, ...])` in the batch's transaction.
+      Unlike the engine, such a producer may wait for room in the queue (`wait=True`) instead of
+      dropping: it can be slowed down, and what its sources send meanwhile is theirs to buffer.
 
 Only the writer thread touches the database; it also applies the retention policy every
 `prune_interval_s` seconds. The rows of a batch go in through storage.bulk, which picks each dialect's
@@ -33,7 +38,7 @@ import queue
 import secrets
 import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from typing import Any
@@ -48,6 +53,9 @@ from storage.db import DEFAULT_BUSY_TIMEOUT_MS, db_engine
 from storage.models import EVICTION_ROW_COLUMNS, EVICTIONS, RUNS
 from storage.retention import RetentionPolicy, prune
 from storage.rows import EncodedEvents, checked_events, checked_views, encode_events, eviction_values
+
+# A producer's bulk function: writes the row sets of its items (in submission order) on the batch's connection.
+RowWriter = Callable[[Connection, list[Any]], None]
 
 # (run_id, time, reason, age_s, hit_count) of an eviction row, as rollups.eviction_deltas takes them.
 _ROLLUP_FIELDS = operator.itemgetter(
@@ -101,6 +109,7 @@ class WriterStats:
     last_error: str | None  # the most recent database error, kept after recovery
     schema_ready: bool  # migrations applied; nothing is written before
     pruned_rows: int  # rows deleted by retention
+    written_other: int = 0  # rows handed in through `submit_rows` (the fleet's), as their producers count them
 
 
 @dataclass(frozen=True)
@@ -111,6 +120,9 @@ class _Item:
     run_id: str | None = None  # the run its rows belong to
     events: EncodedEvents | None = None  # at most `item_rows` events, written in one transaction
     requests: tuple[RequestView, ...] = ()
+    rows: Any = None  # another producer's row set (`submit_rows`), written by `write_rows`
+    write_rows: RowWriter | None = None  # its bulk function
+    num_other: int = 0  # rows in `rows`, as its producer counts them
 
     @property
     def num_events(self) -> int:
@@ -118,7 +130,7 @@ class _Item:
 
     @property
     def num_rows(self) -> int:
-        return self.num_events + len(self.requests)
+        return self.num_events + len(self.requests) + self.num_other
 
 
 @dataclass
@@ -136,6 +148,7 @@ class _Counters:
     last_error: str | None = None
     schema_ready: bool = False
     pruned_rows: int = 0
+    written_other: int = 0
 
 
 def new_run_id(started_at: float) -> str:
@@ -220,6 +233,36 @@ class EventWriter:
         if views:
             self._enqueue(lambda seq: _Item(seq, run_id, requests=views), len(views))
 
+    def submit_rows(self, rows: Any, num_rows: int, write: RowWriter, *, wait: bool = False) -> bool:
+        """Queue another producer's rows as one atomic item, written by `write(connection, [rows, ...])`.
+
+        Items of one `write` function that share a batch are handed to it together, in submission order,
+        inside the batch's transaction (it may raise; the batch is then retried like any other). No run
+        is needed.
+
+        Args:
+            rows: the row set, opaque to the writer.
+            num_rows: how many rows it holds (counted as written or dropped).
+            write: the producer's bulk function.
+            wait: while the queue is full, wait for room (until the writer closes) instead of dropping.
+
+        Returns:
+            False if the rows were dropped (and counted): the queue was full and `wait` was False, or
+            the writer was closing.
+        """
+        while True:
+            if self._closing.is_set():
+                with self._lock:
+                    self._counters.dropped += num_rows
+                return False
+            make = lambda seq: _Item(seq, rows=rows, write_rows=write, num_other=num_rows)  # noqa: E731
+            if self._enqueue(make, num_rows, count_drop=not wait):
+                return True
+            if not wait:
+                return False
+            with self._progress:
+                self._progress.wait_for(lambda: not self._queue.full() or self._closing.is_set(), self._options.poll_s)
+
     def stats(self) -> WriterStats:
         with self._lock:
             return WriterStats(**vars(self._counters))
@@ -264,19 +307,23 @@ class EventWriter:
             raise RuntimeError("start_run() before submitting rows")
         return run_id
 
-    def _enqueue(self, make_item, num_rows: int = 0) -> None:
+    def _enqueue(self, make_item, num_rows: int = 0, count_drop: bool = True) -> bool:
+        """Queue `make_item(seq)`. Returns False if the queue was full or the writer is gone; the rows are
+        then counted as dropped, unless `count_drop` is False (the caller will try again)."""
         with self._lock:
             if self._closing.is_set() and num_rows and not self._thread.is_alive():
                 self._counters.dropped += num_rows
-                return
+                return False
             item = make_item(self._last_seq + 1)
             try:
                 self._queue.put_nowait(item)
             except queue.Full:
-                self._counters.dropped += num_rows
-                return
+                if count_drop:
+                    self._counters.dropped += num_rows
+                return False
             self._last_seq = item.seq
             self._counters.queued += num_rows
+            return True
 
     # ---- writer thread -------------------------------------------------------------------------
 
@@ -367,21 +414,23 @@ class EventWriter:
     def _finish(self, items: list[_Item], runs: dict, stops: dict, written: bool) -> None:
         num_events = sum(item.num_events for item in items)
         num_requests = sum(len(item.requests) for item in items)
+        num_other = sum(item.num_other for item in items)
         with self._progress:
             counters = self._counters
-            counters.queued -= num_events + num_requests
+            counters.queued -= num_events + num_requests + num_other
             counters.retrying = False
             if written:
                 counters.written_events += num_events
                 counters.written_requests += num_requests
+                counters.written_other += num_other
                 counters.written_batches += 1
                 for run_id in runs:
                     self._pending_runs.pop(run_id, None)
                 for run_id, stopped_at in stops.items():
                     if self._pending_stops.get(run_id) == stopped_at:
                         del self._pending_stops[run_id]
-            elif num_events + num_requests:
-                counters.dropped += num_events + num_requests
+            elif num_events + num_requests + num_other:
+                counters.dropped += num_events + num_requests + num_other
                 counters.failed_batches += 1
             if items:
                 self._done_seq = items[-1].seq
@@ -456,6 +505,12 @@ def _insert_rows(connection: Connection, items: list[_Item]) -> None:
         views_by_run.setdefault(run_id, []).append(view)
     for run_id, views in views_by_run.items():
         bulk.upsert_views(connection, run_id, views)
+    row_sets: dict[RowWriter, list[Any]] = {}  # other producers' rows, by bulk function, in item order
+    for item in items:
+        if item.write_rows is not None:
+            row_sets.setdefault(item.write_rows, []).append(item.rows)
+    for write, sets in row_sets.items():
+        write(connection, sets)
 
 
 def _stop_runs(connection: Connection, stops: dict[str, float]) -> None:

@@ -6,6 +6,7 @@ temporary SQLite history. Without chromium it skips locally and fails when CI=tr
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import socket
@@ -51,6 +52,13 @@ def free_port() -> int:
 @pytest.fixture
 def console_server(tmp_path: Path) -> Iterator[str]:
     """`streamlit run app` on a free loopback port; yields its URL."""
+    with serve_console(tmp_path) as url:
+        yield url
+
+
+@contextlib.contextmanager
+def serve_console(tmp_path: Path, extra_env: dict[str, str] | None = None) -> Iterator[str]:
+    """`streamlit run app` on a free loopback port with `extra_env` added to its environment; yields its URL."""
     require_chromium()
     ARTIFACTS.mkdir(exist_ok=True)
     port = free_port()
@@ -63,6 +71,7 @@ def console_server(tmp_path: Path) -> Iterator[str]:
         "PREFIX_CONSOLE_DB_URL": f"sqlite:///{tmp_path / 'history.sqlite'}",
         "PREFIX_CONSOLE_DATA_DIR": str(TEST_DATA_DIR),
         "HF_HUB_OFFLINE": "1",
+        **(extra_env or {}),
     }
     log = open(ARTIFACTS / "browser-server.log", "w")
     process = subprocess.Popen(

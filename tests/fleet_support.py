@@ -3,7 +3,8 @@
 `VllmPod` is vLLM 0.33's own `KVCacheManager` (prefix caching and KV events on) publishing through
 vLLM's own `ZmqEventPublisher`: the tests drive allocate / free / prefix hits / evictions / reset on it
 and compare the collector's index with the hashes vLLM's block pool holds. It is imported lazily, so
-the tests that do not need vLLM run without it.
+the tests that do not need vLLM run without it. `fleet_console` (a fixture) serves the console watching
+two of them, for the real-browser test.
 """
 
 from __future__ import annotations
@@ -12,13 +13,16 @@ import socket
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from pathlib import Path
 
 import msgspec
+import pytest
 import zmq
 
 from fleet.events import BatchOrigin, BlockHash, EventBatch, KVEvent, PodBatch
 from fleet.source import PodSource
+from tests.browser_support import serve_console
 
 TOPIC = "kv-events"
 
@@ -467,3 +471,31 @@ class MetricsServer:
     def close(self) -> None:
         self._http.shutdown()
         self._http.server_close()
+
+
+# --- a console watching vLLM pods, for the real-browser test ----------------------------------
+
+
+@pytest.fixture
+def fleet_console(tmp_path: Path) -> Iterator[tuple[str, list[VllmPod]]]:
+    """`streamlit run app` watching two vLLM pods ("vllm-a", "vllm-b", with /metrics), stale after 600 s;
+    yields (the console's URL, the pods). Publish on the pods once the console's collector is up."""
+    pods = [VllmPod(name="vllm-a"), VllmPod(name="vllm-b")]
+    metrics = [
+        MetricsServer(vllm_metrics_text(1000.0, 600.0, usage=(0.6,))),
+        MetricsServer(vllm_metrics_text(1000.0, 250.0, usage=(0.2,))),
+    ]
+    spec = " ".join(
+        f"{pod.name}={pod.endpoint},replay=tcp://127.0.0.1:{pod.replay_port},topic={TOPIC},metrics={server.url}"
+        for pod, server in zip(pods, metrics, strict=True)
+    )
+    # Stale after 10 min: the pods publish before the console starts, and nothing here waits for staleness.
+    env = {"PREFIX_CONSOLE_FLEET_PODS": spec, "PREFIX_CONSOLE_FLEET_STALE_AFTER_S": "600"}
+    try:
+        with serve_console(tmp_path, env) as url:
+            yield url, pods
+    finally:
+        for pod in pods:
+            pod.close()
+        for server in metrics:
+            server.close()

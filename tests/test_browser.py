@@ -143,7 +143,7 @@ def go(page, title: str) -> None:
     """Open a page from the sidebar; click again if a rerun in flight swallowed the first click."""
     heading = page.locator("[data-testid='stMain']").get_by_role("heading", name=title, exact=True).first
     for _ in range(3):
-        page.get_by_role("link", name=title).click()
+        page.get_by_role("link", name=title, exact=True).click()  # not "Fleet prefix tree" for "Prefix tree"
         try:
             heading.wait_for(state="visible", timeout=TIMEOUT_MS // 3)
             return

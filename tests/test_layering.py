@@ -5,14 +5,20 @@ module level, under `if TYPE_CHECKING:`, or inside a function). The rules:
 
     engine/     nothing from storage, app, pages, cli, analysis or fleet; the one exception is
                 engine/__main__.py, the `python -m engine run-trace` alias, which imports cli.
-    storage/    nothing from app, pages, cli, analysis or fleet, no streamlit, no torch or transformers;
-                from the engine only the types it persists: engine.events, engine.snapshot, engine.errors.
-    analysis/, fleet/ (once they exist)   no torch, no transformers, no streamlit; from the engine only
+    storage/    nothing from app, pages, cli, analysis or fleet's collector, no streamlit, no torch or
+                transformers; from the engine only the types it persists: engine.events, engine.snapshot,
+                engine.errors; from the fleet likewise only the types it persists: fleet.events,
+                fleet.source (the fleet's storage sink lives in storage/, as the engine's recorder does).
+    fleet/      nothing from storage, the engine, app, pages or cli: the collector knows sinks only by
+                their protocol (fleet.sinks), so its storage sink is storage's and its feed's publisher
+                in the engine is the engine's.
+    analysis/, fleet/   no torch, no transformers, no streamlit; analysis takes from the engine only
                 modules whose whole import closure is torch-free (the block pool, eviction policies, KV cache
                 manager, scheduler, ...: the analyzer replays traces through them), never the runner's side.
-    pages/      history through `storage.queries` only.
-    app/, cli/  storage through its public modules only: db, migrate, queries, recorder, writer,
-                writer_process (never rows, bulk*, frame_pipe, models, rollups, retention, buckets).
+    pages/      history through `storage.queries` and `storage.fleet_queries` only.
+    app/, cli/  storage through its public modules only: db, migrate, queries, fleet_queries, fleet_sink,
+                recorder, writer, writer_process (never rows, fleet_rows, bulk*, fleet_bulk, frame_pipe,
+                models, rollups, retention, buckets).
     cli/        storage only inside functions (the `--db` path), so a replay without --db never loads it.
     pages/, app/  no torch and no model runner (the engine's torch side stays behind the engine's API).
     all of them   nothing from tests or benchmarks.
@@ -27,8 +33,13 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 PRODUCT = ("engine", "storage", "app", "pages", "cli", "analysis", "fleet")
-STORAGE_PUBLIC = {f"storage.{name}" for name in ("db", "migrate", "queries", "recorder", "writer", "writer_process")}
+STORAGE_PUBLIC = {
+    f"storage.{name}"
+    for name in ("db", "migrate", "queries", "fleet_queries", "fleet_sink", "recorder", "writer", "writer_process")
+}
 STORAGE_MAY_IMPORT_FROM_ENGINE = {"engine.events", "engine.snapshot", "engine.errors"}
+STORAGE_MAY_IMPORT_FROM_FLEET = {"fleet.events", "fleet.source"}
+PAGE_QUERIES = {"storage", "storage.queries", "storage.fleet_queries"}
 TORCH_SIDE = {"torch", "transformers"}
 
 
@@ -116,13 +127,22 @@ def test_the_engine_imports_nothing_from_storage_the_console_the_cli_analysis_or
     assert breaking(imports_in("engine"), allowed) == []
 
 
-def test_storage_imports_only_the_engine_types_it_persists_and_no_console_torch_or_streamlit() -> None:
+def test_storage_imports_only_the_engine_and_fleet_types_it_persists_and_no_console_torch_or_streamlit() -> None:
     def allowed(found: Import) -> bool:
         if found.within("engine"):
             return found.module in STORAGE_MAY_IMPORT_FROM_ENGINE
-        return not found.within("app", "pages", "cli", "analysis", "fleet", "streamlit", *TORCH_SIDE)
+        if found.within("fleet"):
+            return found.module in STORAGE_MAY_IMPORT_FROM_FLEET
+        return not found.within("app", "pages", "cli", "analysis", "streamlit", *TORCH_SIDE)
 
     assert breaking(imports_in("storage"), allowed) == []
+
+
+def test_the_fleet_imports_nothing_from_storage_the_engine_or_the_console() -> None:
+    def allowed(found: Import) -> bool:
+        return not found.within("storage", "engine", "app", "pages", "cli")
+
+    assert breaking(imports_in("fleet"), allowed) == []
 
 
 def test_analysis_and_fleet_import_no_torch_and_no_streamlit() -> None:
@@ -159,7 +179,7 @@ def test_analysis_and_fleet_use_only_the_engines_torch_free_modules() -> None:
 
 def test_pages_read_the_history_through_storage_queries_only() -> None:
     def allowed(found: Import) -> bool:
-        return not found.within("storage") or found.module in ("storage", "storage.queries")
+        return not found.within("storage") or found.module in PAGE_QUERIES
 
     assert breaking(imports_in("pages"), allowed) == []
 

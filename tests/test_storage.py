@@ -28,7 +28,7 @@ from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from sqlalchemy import JSON, Engine, Index, create_engine, func, insert, inspect, make_url, select, text
+from sqlalchemy import JSON, Column, Engine, Index, MetaData, String, Table, create_engine, func, insert, inspect, make_url, select, text
 from sqlalchemy import column as sql_column
 from sqlalchemy import table as sql_table
 from sqlalchemy.exc import DBAPIError
@@ -42,7 +42,6 @@ from storage.models import (
     EVENT_COLUMNS,
     EVENTS,
     HIT_EDGES,
-    PRUNES,
     REQUESTS,
     ROLLUPS,
     Base,
@@ -98,7 +97,7 @@ def test_the_schema_at_head_matches_the_models(db_url: str, engine_for) -> None:
     engine = engine_for(db_url)
     migrate.upgrade(engine)
     with engine.connect() as connection:
-        assert migrate.current_revision(engine) == "0004"
+        assert migrate.current_revision(engine) == "0006"
         assert compare_metadata(MigrationContext.configure(connection), Base.metadata) == []
     migrate.upgrade(engine)  # a second upgrade is a no-op
 
@@ -167,7 +166,7 @@ def test_a_database_made_by_the_first_schema_upgrades_without_losing_rows(db_url
 
     migrate.upgrade(engine)
 
-    assert migrate.current_revision(engine) == "0004"
+    assert migrate.current_revision(engine) == "0006"
     assert count_rows(engine, EVENTS) == 3
     assert queries.request_timeline(engine, "missing").empty
     recorded = queries.recent_requests(engine, "old").sort_values("request_id")
@@ -185,8 +184,11 @@ def test_a_migration_that_fails_part_way_leaves_the_schema_as_it_was(db_url: str
     engine = engine_for(db_url)
     migrate.upgrade(engine, "0002")
     # An index that takes the name 0003 creates last, so 0003 fails after creating its table.
+    # On a stand-in of the prunes table: an Index built on PRUNES's own column would join the models'
+    # metadata for the rest of the session (and every later schema comparison would expect it).
+    prunes = Table("prunes", MetaData(), Column("reason", String))
     with engine.begin() as connection:
-        Index("ix_eviction_rollups_minute", PRUNES.c.reason).create(connection)
+        Index("ix_eviction_rollups_minute", prunes.c.reason).create(connection)
     with pytest.raises(DBAPIError):
         migrate.upgrade(engine)
     assert migrate.current_revision(engine) == "0002"

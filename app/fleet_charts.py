@@ -1,0 +1,79 @@
+"""Plotly figures of the Fleet pages (the cache pages' figures are app/charts.py)."""
+
+from __future__ import annotations
+
+import pandas as pd
+import plotly.graph_objects as go
+
+from app.charts import _bin_label
+
+
+def block_rate_lines(rates: pd.DataFrame, bucket_seconds: float) -> go.Figure:
+    """Blocks stored and removed per second, one line per (pod, kind); `rates` is
+    storage.fleet_queries.block_rates with a pod column."""
+    fig = go.Figure()
+    for (pod, kind), part in rates.groupby(["pod", "kind"], sort=True):
+        fig.add_trace(
+            go.Scatter(
+                x=pd.to_datetime(part["bucket_start"], unit="s", utc=True),
+                y=part["blocks"] / bucket_seconds,
+                mode="lines+markers",
+                name=f"{pod} {kind}",
+                line={"dash": "solid" if kind == "stored" else "dot", "shape": "hv"},
+            )
+        )
+    fig.update_yaxes(title="blocks/s", rangemode="tozero")
+    # A bucket either side: with a single bucket plotly would zoom the time axis to a millisecond.
+    starts = rates["bucket_start"]
+    span = pd.to_datetime([starts.min() - bucket_seconds, starts.max() + bucket_seconds], unit="s", utc=True)
+    fig.update_xaxes(range=list(span))
+    fig.update_layout(
+        title="Blocks stored and removed",
+        height=300,
+        margin={"l": 4, "r": 4, "t": 40, "b": 56},
+        legend={"orientation": "h", "yanchor": "top", "y": -0.25, "x": 0},
+    )
+    return fig
+
+
+def fleet_icicle(frame: pd.DataFrame, hover: list[str]) -> go.Figure:
+    """The cross-pod prefix tree: width is tokens under a node, colour how many pods hold it."""
+    ids = [f"n{node}" for node in frame["node_id"]]
+    parents = ["" if pd.isna(parent) else f"n{int(parent)}" for parent in frame["parent_id"]]
+    labels = [f"{replicas} pod{'s' if replicas != 1 else ''}" for replicas in frame["replicas"]]
+    values = [len(tokens) for tokens in frame["token_ids"]]
+    fig = go.Figure(
+        go.Icicle(
+            ids=ids,
+            parents=parents,
+            labels=labels,
+            values=values,
+            branchvalues="remainder",
+            marker={
+                "colors": frame["replicas"].tolist(),
+                "colorscale": "Viridis",
+                "showscale": True,
+                "colorbar": {"title": "pods"},
+            },
+            hovertext=hover,
+            hoverinfo="text",
+            tiling={"orientation": "h"},
+            maxdepth=12,
+        )
+    )
+    fig.update_layout(height=520, margin={"l": 4, "r": 4, "t": 10, "b": 4})
+    return fig
+
+
+def binned_bars(frame: pd.DataFrame, count: str, title: str, colour: str | None = None) -> go.Figure:
+    """Bars of seconds bins (bin_start, bin_end, `count`), stacked by `colour` when given."""
+    fig = go.Figure()
+    parts = frame.groupby(colour, sort=True) if colour else [(None, frame)]
+    for name, part in parts:
+        labels = [_bin_label(start, end, "s") for start, end in zip(part["bin_start"], part["bin_end"])]
+        fig.add_trace(go.Bar(x=labels, y=part[count], name=str(name) if name is not None else count))
+    fig.update_layout(
+        barmode="stack", title=title, height=280, margin={"l": 4, "r": 4, "t": 40, "b": 4}, showlegend=bool(colour)
+    )
+    fig.update_xaxes(type="category")
+    return fig

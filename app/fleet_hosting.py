@@ -1,0 +1,195 @@
+"""The fleet collector a console runs when asked to (opt-in), hosted like the engine: one per server process.
+
+    fleet = get_fleet_host()     # st.cache_resource: created once, shut down on release
+    fleet.watch                  # the running FleetWatch, or None
+    fleet.start(pods)            # Fleet pages' form: watch these pods (replaces a running watch)
+    fleet.stop()
+
+$PREFIX_CONSOLE_FLEET_PODS (pods in `fleet.source.parse_pods` syntax, e.g.
+"pod-a=tcp://10.0.0.5:5557,replay=tcp://10.0.0.5:5558,metrics=http://10.0.0.5:8000/metrics") starts a
+watch with the console. A watch is a `Collector` feeding the live `FleetIndex` and a `FleetStore` (its own
+EventWriter on the console's history database, so consoles and `python -m cli fleet watch` processes
+sharing a PostgreSQL database see each other's pods), plus a `MetricsScraper` for the pods that name a
+/metrics URL. Without a watch the Fleet pages read the database only. Background threads never call
+`st.*`; only the cached constructor at the bottom does.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import threading
+import time
+import weakref
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import streamlit as st
+
+from app.hosting import get_host
+from fleet.collector import Collector
+from fleet.index import DEFAULT_STALE_AFTER_S, FleetIndex
+from fleet.metrics import MetricsError, MetricsSample, scrape
+from fleet.source import PodSource, parse_pods
+from storage.fleet_sink import FleetStore
+from storage.writer import EventWriter
+
+logger = logging.getLogger(__name__)
+
+ENV_FLEET_PODS = "PREFIX_CONSOLE_FLEET_PODS"
+ENV_FLEET_STALE_AFTER = "PREFIX_CONSOLE_FLEET_STALE_AFTER_S"  # a pod silent this long is stale (default 60)
+MAX_STALE_AFTER_S = 86_400.0
+SCRAPE_EVERY_S = 5.0  # each pod's /metrics, this often
+SAMPLES_KEPT = 2  # the latest scrapes per pod: a hit rate is the difference of two
+
+
+class MetricsScraper:
+    """Scrapes each pod's /metrics on a thread of its own; keeps the latest samples and errors."""
+
+    def __init__(self, pods: Sequence[PodSource], every_s: float = SCRAPE_EVERY_S) -> None:
+        self._urls = {pod.name: pod.metrics_url for pod in pods if pod.metrics_url is not None}
+        self._every_s = every_s
+        self._lock = threading.Lock()
+        self._samples: dict[str, deque[MetricsSample]] = {name: deque(maxlen=SAMPLES_KEPT) for name in self._urls}
+        self._errors: dict[str, str] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="fleet-metrics", daemon=True)
+        if self._urls:
+            self._thread.start()
+
+    def samples(self, pod: str) -> list[MetricsSample]:
+        """The latest samples of a pod, oldest first ([] if it has no metrics URL or none came yet)."""
+        with self._lock:
+            return list(self._samples.get(pod, ()))
+
+    def error(self, pod: str) -> str | None:
+        """Why the latest scrape of a pod failed, if it did."""
+        with self._lock:
+            return self._errors.get(pod)
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(5)
+
+    def _run(self) -> None:
+        while True:
+            for name, url in self._urls.items():
+                try:
+                    sample = scrape(url)
+                except MetricsError as error:
+                    with self._lock:
+                        self._errors[name] = str(error)
+                    continue
+                with self._lock:
+                    self._samples[name].append(sample)
+                    self._errors.pop(name, None)
+            if self._stop.wait(self._every_s):
+                return
+
+
+@dataclass
+class FleetWatch:
+    """One running collector and what hangs off it."""
+
+    pods: tuple[PodSource, ...]  # what it watches
+    index: FleetIndex  # the live index (the pages' "live" view)
+    writer: EventWriter  # its own writer on the console's history database
+    store: FleetStore  # the storage sink
+    collector: Collector  # the subscribers and the dispatcher
+    scraper: MetricsScraper  # the pods' /metrics
+    started_at: float  # epoch seconds
+
+    def close(self) -> None:
+        """Stop listening, write what is queued, mark the sources closed."""
+        self.collector.stop()
+        self.scraper.close()
+        self.store.close()
+        self.writer.close(timeout_s=10)
+
+
+class FleetHost:
+    """Owns the console's optional collector. Thread-safe."""
+
+    def __init__(self, db_url: str, stale_after_s: float = DEFAULT_STALE_AFTER_S) -> None:
+        if not 0 < stale_after_s <= MAX_STALE_AFTER_S:
+            raise ValueError(f"stale_after_s must be in (0, {MAX_STALE_AFTER_S:g}], got {stale_after_s}")
+        self.db_url = db_url  # the console's history database (the engine host's)
+        self.stale_after_s = stale_after_s  # a pod silent this long is marked stale (live and history views)
+        self._lock = threading.Lock()
+        self._watch: FleetWatch | None = None
+        self.start_error: str | None = None  # why the last start failed (shown on the Fleet pages)
+
+    @classmethod
+    def from_env(cls, db_url: str) -> FleetHost:
+        """A host configured by $PREFIX_CONSOLE_FLEET_PODS and $PREFIX_CONSOLE_FLEET_STALE_AFTER_S; a bad
+        value is kept in `start_error` (shown on the pages), never raised."""
+        stale_text = os.environ.get(ENV_FLEET_STALE_AFTER, "").strip()
+        try:
+            host = cls(db_url, float(stale_text)) if stale_text else cls(db_url)
+        except ValueError as exc:
+            host = cls(db_url)
+            host.start_error = f"{ENV_FLEET_STALE_AFTER}: {exc}"
+            return host
+        text = os.environ.get(ENV_FLEET_PODS, "").strip()
+        if text:
+            try:
+                host.start(parse_pods(text))
+            except ValueError as exc:
+                host.start_error = f"{ENV_FLEET_PODS}: {exc}"
+        return host
+
+    @property
+    def watch(self) -> FleetWatch | None:
+        with self._lock:
+            return self._watch
+
+    def start(self, pods: Sequence[PodSource]) -> FleetWatch:
+        """Watch `pods` from now on (a running watch is stopped first).
+
+        Raises:
+            ValueError: no pods, or two of one name.
+        """
+        if not pods:
+            raise ValueError("give at least one pod")
+        names = [pod.name for pod in pods]
+        if len(set(names)) != len(names):
+            raise ValueError(f"pod names must be unique: {names}")
+        with self._lock:
+            if self._watch is not None:
+                self._watch.close()
+                self._watch = None
+            writer = EventWriter(self.db_url)
+            store = FleetStore(writer)
+            index = FleetIndex(stale_after_s=self.stale_after_s)
+            collector = Collector(pods, [index, store])
+            collector.start()
+            self._watch = FleetWatch(tuple(pods), index, writer, store, collector, MetricsScraper(pods), time.time())
+            self.start_error = None
+            return self._watch
+
+    def stop(self) -> None:
+        """Stop the running watch, if any."""
+        with self._lock:
+            watch, self._watch = self._watch, None
+        if watch is not None:
+            watch.close()
+
+    def shutdown(self) -> None:
+        self.stop()
+
+
+@st.cache_resource(show_spinner="Starting the fleet collector…", on_release=FleetHost.shutdown)
+def get_fleet_host() -> FleetHost:
+    """The process-wide fleet host, on the engine host's history database."""
+    host = FleetHost.from_env(get_host().db_url)
+    atexit.register(_shutdown_at_exit, weakref.ref(host))
+    return host
+
+
+def _shutdown_at_exit(host_ref: weakref.ref[FleetHost]) -> None:
+    host = host_ref()
+    if host is not None:
+        host.shutdown()

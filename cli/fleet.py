@@ -1,0 +1,238 @@
+"""`fleet`: watch vLLM / SGLang servers' prefix caches through their KV events, and read what was seen.
+
+    python -m cli fleet watch --pod NAME=tcp://HOST:PORT[,replay=tcp://HOST:PORT][,metrics=URL][,topic=T] ...
+                              --db URL [--status-every SECONDS]
+    python -m cli fleet state --db URL [--pod NAME ...] [--json] [--hashes]
+
+`watch` runs the collector headless (fleet.collector) into the fleet index and the history database
+(storage.fleet_sink through one EventWriter) until SIGINT or SIGTERM, printing one status line on stderr
+every `--status-every` seconds; on the signal it stops the collector, writes what is queued, marks its
+sources closed and exits (0; 1 if history rows were lost). Several watchers (and consoles) can share a
+PostgreSQL database: each writes only its own sources' rows.
+
+`state` reads the database (whoever wrote it): per pod, the newest source's blocks held by medium and KV
+group (`hashes` distinct, `blocks` physical copies) and when it was last heard; `--hashes` adds the held
+hashes, `--json` prints one JSON document instead of text.
+
+Bad arguments (a malformed --pod, a repeated pod name, an unknown pod for `state`): a message on stderr
+and exit status 2. The database and the collector are imported in `run`, so `--help` stays light.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+
+from fleet.source import PodSource, parse_pod
+
+NAME = "fleet"
+DEFAULT_STATUS_EVERY_S = 10.0
+MAX_STATUS_EVERY_S = 3600.0
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(NAME, help="watch vLLM/SGLang prefix caches through their KV events")
+    commands = parser.add_subparsers(dest="fleet_command", required=True)
+
+    watch = commands.add_parser("watch", help="run the collector headless into the history database")
+    watch.add_argument(
+        "--pod",
+        action="append",
+        required=True,
+        type=_pod,
+        metavar="NAME=tcp://HOST:PORT[,replay=tcp://HOST:PORT][,metrics=URL][,topic=T]",
+        help="a server to watch (repeat for each)",
+    )
+    watch.add_argument("--db", required=True, help="SQLAlchemy URL of the history database")
+    watch.add_argument(
+        "--status-every",
+        type=_seconds,
+        default=DEFAULT_STATUS_EVERY_S,
+        metavar="SECONDS",
+        help=f"one status line on stderr this often (default {DEFAULT_STATUS_EVERY_S:g})",
+    )
+    watch.set_defaults(run=run_watch)
+
+    state = commands.add_parser("state", help="per pod, the blocks held, from the history database")
+    state.add_argument("--db", required=True, help="SQLAlchemy URL of the history database")
+    state.add_argument("--pod", action="append", default=None, help="only this pod (repeat for more)")
+    state.add_argument("--json", action="store_true", help="one JSON document instead of text")
+    state.add_argument("--hashes", action="store_true", help="also list the held hashes")
+    state.set_defaults(run=run_state)
+
+
+def _pod(text: str) -> PodSource:
+    try:
+        return parse_pod(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not 0 < value <= MAX_STATUS_EVERY_S:
+        raise argparse.ArgumentTypeError(f"must be in (0, {MAX_STATUS_EVERY_S:g}] seconds, got {text}")
+    return value
+
+
+def _error(message: str) -> int:
+    print(f"error: {message}", file=sys.stderr)
+    return 2
+
+
+# --- watch ------------------------------------------------------------------------------------------
+
+
+def run_watch(args: argparse.Namespace) -> int:
+    """Watch until SIGINT/SIGTERM; returns the exit status (see the module docstring)."""
+    names = [pod.name for pod in args.pod]
+    if len(set(names)) != len(names):
+        return _error(f"pod names must be unique: {names}")
+    from fleet.collector import Collector
+    from fleet.index import FleetIndex
+    from storage.fleet_sink import FleetStore
+    from storage.writer import EventWriter
+
+    stop = threading.Event()
+    previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
+    writer = EventWriter(args.db)
+    store = FleetStore(writer)
+    index = FleetIndex()
+    collector = Collector(args.pod, [index, store])
+    print(f"fleet watch: collector {store.collector_id}, {len(names)} pods -> {_redacted(args.db)}", file=sys.stderr)
+    try:
+        collector.start()
+        while not stop.wait(args.status_every):
+            print(status_line(collector, index, writer), file=sys.stderr, flush=True)
+    finally:
+        collector.stop()
+        store.close()
+        writer.close()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    print(status_line(collector, index, writer), file=sys.stderr, flush=True)
+    lost = writer.stats().dropped
+    if lost:
+        print(f"error: {lost} history rows could not be written", file=sys.stderr)
+        return 1
+    return 0
+
+
+def status_line(collector, index, writer) -> str:
+    """One line: pods ready and stale, batches and block events seen, blocks held, lag, errors, the writer."""
+    stats = collector.stats()
+    pods = index.pods()
+    writer_stats = writer.stats()
+    lags = [pod.last_lag_s for pod in stats.values() if pod.last_lag_s is not None]
+    parts = [
+        time.strftime("%H:%M:%S"),
+        f"pods {sum(pod.ready for pod in stats.values())}/{len(stats)} ready",
+        f"{sum(pod.stale for pod in pods)} stale",
+        f"batches {sum(pod.num_batches for pod in stats.values()):,}",
+        f"block events {sum(pod.num_block_events for pod in stats.values()):,}",
+        f"held {sum(pod.num_blocks for pod in pods):,} blocks",
+        f"lag max {max(lags) * 1e3:.0f} ms" if lags else "lag -",
+        f"lost batches {sum(pod.num_lost_batches for pod in stats.values())}",
+        f"feed errors {sum(pod.num_errors for pod in stats.values())}",
+        f"db rows {writer_stats.written_other:,} written, {writer_stats.queued:,} queued, "
+        f"{writer_stats.dropped:,} dropped",
+    ]
+    if writer_stats.last_error:
+        parts.append(f"last db error: {writer_stats.last_error}")
+    return "fleet watch: " + ", ".join(parts)
+
+
+def _redacted(url: str) -> str:
+    from sqlalchemy import make_url
+
+    return make_url(url).render_as_string(hide_password=True)
+
+
+# --- state ------------------------------------------------------------------------------------------
+
+
+def run_state(args: argparse.Namespace) -> int:
+    """Print what the database says each pod holds; returns the exit status."""
+    from sqlalchemy import make_url
+    from sqlalchemy.exc import SQLAlchemyError
+
+    from storage import fleet_queries, migrate
+    from storage.db import db_engine
+
+    url = make_url(args.db)
+    if url.get_backend_name() == "sqlite" and url.database and not Path(url.database).is_file():
+        return _error(f"no database file {url.database}")  # connecting would create an empty one
+    engine = db_engine(args.db)
+    try:
+        if migrate.current_revision(engine) is None:
+            return _error(f"{_redacted(args.db)} holds no history (no schema)")
+        sources = fleet_queries.latest_sources(engine, args.pod)
+        missing = sorted(set(args.pod or ()) - set(sources["pod"]))
+        if missing:
+            return _error(f"no pod named {', '.join(missing)} in the database")
+        summary = fleet_queries.held_summary(engine, sources["id"].tolist())
+        hashes = {}
+        if args.hashes:
+            for source_id in sources["id"]:
+                hashes[source_id] = fleet_queries.held_blocks(engine, source_id)["block_hash"].tolist()
+    except SQLAlchemyError as exc:
+        print(f"error: cannot read {_redacted(args.db)}: {exc.__cause__ or exc}", file=sys.stderr)
+        return 1
+    finally:
+        engine.dispose()
+    pods = []
+    for source in sources.itertuples():
+        groups = summary[summary["source_id"] == source.id]
+        pod = {
+            "pod": source.pod,
+            "source_id": source.id,
+            "collector_id": source.collector_id,
+            "endpoint": source.endpoint,
+            "opened_at": source.opened_at,
+            "closed_at": None if _missing(source.closed_at) else source.closed_at,
+            "last_ts": None if _missing(source.last_ts) else source.last_ts,
+            "num_hashes": int(groups["hashes"].sum()),
+            "num_blocks": int(groups["blocks"].sum()),
+            "groups": [
+                {"medium": g.medium, "group_idx": int(g.group_idx), "hashes": int(g.hashes), "blocks": int(g.blocks)}
+                for g in groups.itertuples()
+            ],
+        }
+        if args.hashes:
+            pod["hashes"] = hashes[source.id]
+        pods.append(pod)
+    if args.json:
+        print(json.dumps({"pods": pods}, indent=2))
+    else:
+        _print_text(pods)
+    return 0
+
+
+def _missing(value) -> bool:
+    return value is None or value != value  # NaN from pandas
+
+
+def _print_text(pods: list[dict]) -> None:
+    if not pods:
+        print("no pods in the database")
+    for pod in pods:
+        heard = "never heard" if pod["last_ts"] is None else f"last batch {_clock(pod['last_ts'])}"
+        watching = "watching" if pod["closed_at"] is None else f"closed {_clock(pod['closed_at'])}"
+        print(f"{pod['pod']}: {pod['num_blocks']} blocks held ({pod['num_hashes']} hashes), {heard}, {watching}")
+        for group in pod["groups"]:
+            blocks, hashes = group["blocks"], group["hashes"]
+            print(f"  {group['medium']} group {group['group_idx']}: {blocks} blocks ({hashes} hashes)")
+        for block_hash in pod.get("hashes", ()):
+            print(f"    {block_hash}")
+
+
+def _clock(epoch: float) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(epoch))

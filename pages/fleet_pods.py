@@ -1,0 +1,149 @@
+"""Fleet pods: every watched vLLM / SGLang server's prefix cache — blocks held, rates, KV usage, hit rate."""
+
+from __future__ import annotations
+
+import time
+
+import pandas as pd
+import streamlit as st
+
+from app import fleet_charts
+from app.fleet_hosting import ENV_FLEET_PODS, get_fleet_host
+from app.fleet_view import history_pods, live_pods, pod_metrics
+from app.hosting import get_host
+from app.ui import SLOW_REFRESH_S, fmt_duration, kept, read_history
+from fleet.source import parse_pods
+from storage import fleet_queries
+
+LIVE = "This console's collector"
+HISTORY = "History database (every collector)"
+RATE_WINDOWS = {"Last 5 minutes": 300, "Last 15 minutes": 900, "Last hour": 3600}
+
+host = get_host()
+fleet = get_fleet_host()
+state = st.session_state
+
+st.title("Fleet pods")
+st.caption(
+    "vLLM and SGLang servers watched through their KV events (the feed llm-d and Dynamo consume). "
+    "The history database holds what every collector sharing it saw; this console's own collector, "
+    "when it runs, also keeps a live index and scrapes each pod's /metrics."
+)
+if fleet.start_error:
+    st.error(f"The fleet collector did not start: {fleet.start_error}")
+feed_error = host.console.feed_error
+if feed_error:
+    st.warning(f"This console's engine could not publish its KV-event feed or metrics: {feed_error}")
+
+watch = fleet.watch
+views = [LIVE, HISTORY] if watch is not None else [HISTORY]
+if state.get("fleet_view") not in views:
+    state["fleet_view"] = views[0]
+c = st.columns([3, 2])
+view = c[0].radio("Source", views, horizontal=True, **kept("fleet_view", views[0]))
+window = c[1].selectbox("Rates over", list(RATE_WINDOWS), **kept("fleet_rate_window", "Last 5 minutes"))
+
+
+@st.fragment(run_every=SLOW_REFRESH_S)
+def pods() -> None:
+    now = time.time()
+    if view == LIVE and watch is not None:
+        writer = watch.writer.stats()
+        st.caption(  # in the fragment, so its counts stay current
+            f"Collector `{watch.store.collector_id}` running for {fmt_duration(now - watch.started_at)}, "
+            f"writing to the history database: {writer.written_other:,} rows written, {writer.dropped:,} dropped."
+        )
+        scraper = watch.scraper
+        metrics = {pod.name: pod_metrics(scraper.samples(pod.name), scraper.error(pod.name)) for pod in watch.pods}
+        frame = live_pods(watch.index.pods(now), watch.collector.stats(), metrics)
+        source_ids = watch.store.source_ids()
+    else:
+        frame = read_history(history_pods, host.db, now, fleet.stale_after_s)
+        if frame is None:
+            return
+        source_ids = dict(zip(frame["pod"], frame["source_id"])) if len(frame) else {}
+    if frame.empty:
+        st.info(
+            f"No pods yet. Start a collector below, set ${ENV_FLEET_PODS}, or run "
+            "`python -m cli fleet watch --pod NAME=tcp://HOST:PORT,replay=tcp://HOST:PORT --db URL` on this database."
+        )
+        return
+    stale = frame[frame["status"] == "stale"]["pod"].tolist()
+    c = st.columns(4)
+    c[0].metric("Pods", len(frame))
+    c[1].metric("Live", int((frame["status"] == "live").sum()))
+    c[2].metric("Stale", len(stale), help=f"Silent for over {fleet.stale_after_s:g} s: shown with the blocks last seen")
+    c[3].metric("Blocks held", f"{int(frame['blocks'].sum()):,}", help="Physical blocks, every pod, medium and group")
+    if stale:
+        st.warning(
+            f"Stale (nothing received for over {fleet.stale_after_s:g} s; blocks as last seen): {', '.join(stale)}"
+        )
+    columns = {
+        "kv_usage": st.column_config.ProgressColumn("KV usage", format="percent", min_value=0.0, max_value=1.0),
+        "hit_rate": st.column_config.NumberColumn("hit rate", format="percent", help="Between the last two scrapes"),
+        "last_batch_s_ago": st.column_config.NumberColumn("last batch (s ago)", format="%.1f"),
+        "lag_ms": st.column_config.NumberColumn("lag (ms)", format="%.1f"),
+    }
+    st.dataframe(frame, hide_index=True, column_config=columns, key="fleet_pods_table")
+
+    since = now - RATE_WINDOWS[window]
+    bucket = 10.0 if RATE_WINDOWS[window] <= 900 else 60.0
+    rates = read_history(fleet_queries.block_rates, host.db, list(source_ids.values()), since, bucket)
+    if rates is not None and not rates.empty:
+        pod_of = {source: pod for pod, source in source_ids.items()}
+        rates["pod"] = rates["source_id"].map(pod_of)
+        st.plotly_chart(fleet_charts.block_rate_lines(rates, bucket), key="fleet_rates")
+    elif rates is not None:
+        st.caption(f"No blocks stored or removed in the {window.lower()}.")
+
+
+pods()
+
+
+with st.expander("Collector in this console", expanded=watch is None):
+    st.caption(
+        f"One pod per line (or set ${ENV_FLEET_PODS} before starting the console): "
+        "`NAME=tcp://HOST:PORT[,replay=tcp://HOST:PORT][,metrics=http://HOST:PORT/metrics][,topic=TOPIC]`"
+    )
+    running = "\n".join(
+        f"{pod.name}={pod.endpoint}"
+        + (f",replay={pod.replay_endpoint}" if pod.replay_endpoint else "")
+        + (f",metrics={pod.metrics_url}" if pod.metrics_url else "")
+        + (f",topic={pod.topic}" if pod.topic else "")
+        for pod in (watch.pods if watch is not None else ())
+    )
+    with st.form("fleet_collector_form"):
+        text = st.text_area("Pods", value=running, height=120, max_chars=20_000)
+        c = st.columns([1, 1, 4])
+        start = c[0].form_submit_button("Start" if watch is None else "Restart", type="primary")
+        stop = c[1].form_submit_button("Stop", disabled=watch is None)
+    if start:
+        try:
+            fleet.start(parse_pods(text))
+        except ValueError as exc:
+            st.error(f"Not started: {exc}")
+        else:
+            st.rerun()
+    if stop:
+        fleet.stop()
+        st.rerun()
+if watch is not None:
+    with st.expander("Feed health (per pod subscriber)"):
+        health = [
+            {
+                "pod": s.pod,
+                "ready": s.ready,
+                "link": s.link.value,
+                "connects": s.num_connects,
+                "batches": s.num_batches,
+                "replayed": s.num_replayed_batches,
+                "gaps": s.num_gaps,
+                "lost": s.num_lost_batches,
+                "replay timeouts": s.num_replay_timeouts,
+                "restarts": s.num_restarts,
+                "errors": s.num_errors,
+                "last error": s.last_error,
+            }
+            for s in watch.collector.stats().values()
+        ]
+        st.dataframe(pd.DataFrame(health), hide_index=True)

@@ -1,0 +1,90 @@
+"""Route a prompt: each pod's longest cached prefix of it, the way llm-d's prefix scorer picks a pod."""
+
+from __future__ import annotations
+
+import time
+
+import streamlit as st
+
+from app.fleet_hosting import get_fleet_host
+from app.fleet_view import encode_with, index_from_history, local_tokenizer, media_and_groups, prompt_token_ids, route_frame
+from app.hosting import get_host
+from app.ui import kept, read_history
+
+LIVE = "This console's collector"
+HISTORY = "History database (every collector)"
+CONSOLE_TOKENIZER = "Text, this console's tokenizer"
+LOCAL_TOKENIZER = "Text, tokenizer.json of a local model directory"
+TOKEN_IDS = "Token ids"
+MODES = (CONSOLE_TOKENIZER, LOCAL_TOKENIZER, TOKEN_IDS)
+
+host = get_host()
+fleet = get_fleet_host()
+state = st.session_state
+
+st.title("Route a prompt")
+st.caption(
+    "Each pod's longest run of cached blocks from the prompt's start (parent by parent, tokens block "
+    "by block): a longest-prefix scorer such as llm-d's sends the request to the pod with the most. The "
+    "pods' tokenizer must be the one used here, or the blocks will not match."
+)
+watch = fleet.watch
+views = [LIVE, HISTORY] if watch is not None else [HISTORY]
+if state.get("fleet_route_view") not in views:
+    state["fleet_route_view"] = views[0]
+view = st.radio("Source", views, horizontal=True, **kept("fleet_route_view", views[0]))
+mode = st.radio("Prompt as", MODES, horizontal=True, **kept("fleet_route_mode", CONSOLE_TOKENIZER))
+directory = ""
+if mode == LOCAL_TOKENIZER:
+    directory = st.text_input("Model directory (holding tokenizer.json)", max_chars=4096, **kept("fleet_route_dir", ""))
+prompt = st.text_area(
+    "Token ids (commas or spaces)" if mode == TOKEN_IDS else "Prompt",
+    height=160,
+    max_chars=400_000,
+    **kept("fleet_route_prompt", ""),
+)
+go = st.button("Route", type="primary", key="fleet_route_go")
+
+if go or state.get("fleet_route_done"):
+    state["fleet_route_done"] = True
+    try:
+        if mode == TOKEN_IDS:
+            token_ids = prompt_token_ids(prompt)
+        elif mode == LOCAL_TOKENIZER:
+            token_ids = encode_with(local_tokenizer(directory), prompt)
+        else:
+            token_ids = encode_with(host.console.tokenizer, prompt)
+    except ValueError as exc:
+        st.error(f"Not routed: {exc}")
+        st.stop()
+    now = time.time()
+    index = watch.index if view == LIVE and watch is not None else read_history(index_from_history, host.db, now, fleet.stale_after_s)
+    if index is None:
+        st.stop()
+    places = media_and_groups(index.pods(now)) or [("GPU", 0)]
+    labels = {place: f"{place[0]} · group {place[1]}" for place in places}
+    if state.get("fleet_route_place") not in places:
+        state["fleet_route_place"] = places[0]
+    medium, group_idx = st.selectbox(
+        "Medium and KV group", places, format_func=labels.get, **kept("fleet_route_place", places[0])
+    )
+    result = index.route(token_ids, medium, group_idx, now)
+    best = result.best_pods
+    if best:
+        top = result.matches[0]
+        st.success(
+            f"Route to **{', '.join(best)}**: {top.matched_tokens:,} of {result.num_prompt_tokens:,} prompt tokens "
+            f"cached ({top.matched_blocks} blocks)."
+        )
+    else:
+        st.info(f"No pod holds the first block of this {result.num_prompt_tokens:,}-token prompt: any pod will do.")
+    stale = [match.pod for match in result.matches if match.stale]
+    if stale:
+        st.warning(f"Stale pods (their blocks as last seen): {', '.join(stale)}")
+    st.dataframe(
+        route_frame(result),
+        hide_index=True,
+        column_config={"share of prompt": st.column_config.ProgressColumn("share of prompt", format="percent")},
+        key="fleet_route_table",
+    )
+    st.caption(f"{len(token_ids):,} token ids: {token_ids[:24]}{' …' if len(token_ids) > 24 else ''}")

@@ -1,0 +1,164 @@
+"""Bulk writes of the fleet tables: the `storage.writer.RowWriter` of the fleet sink.
+
+    write_fleet_rows(connection, units)    every `FleetRows` of one writer batch, in one transaction
+
+Inserts go through storage.bulk (SQLite: one statement over a JSON array per table; PostgreSQL: COPY).
+The rows hold their JSON columns (hash lists, token ids) as Python lists: on SQLite the one JSON array
+of the rows carries them as they are (json_extract hands each column its JSON text), elsewhere each is
+encoded on its own first.
+Deletes of ended lifetimes go by primary key (source_id, n): on PostgreSQL one statement per batch,
+`... WHERE (source_id, n) IN (SELECT * FROM unnest(:sources, :ns))` (5x executemany's speed), elsewhere
+executemany of the statement compiled once (on SQLite a row-value IN over json_each scanned the whole
+source per statement, where executemany probes the key; SQLAlchemy's per-row parameter processing is
+skipped, as storage.bulk does). Copies changes (duplicated blocks only) and source closes are
+executemany.
+
+Order inside the transaction: the sources a unit needs (inserted unless present, as the writer does for
+runs, so a unit never waits on an earlier one that was lost), the inserts, the copies changes, then the
+deletes: a change or delete always finds the rows of earlier units of the batch, and changes are
+absolute (the last one of a lifetime is its state).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+
+from sqlalchemy import (
+    JSON,
+    BigInteger,
+    Connection,
+    Delete,
+    String,
+    Table,
+    Update,
+    bindparam,
+    delete,
+    func,
+    insert,
+    select,
+    tuple_,
+    update,
+)
+from sqlalchemy.dialects.postgresql import ARRAY
+
+from storage import bulk
+from storage.db import encode_json
+from storage.fleet_rows import FleetRows
+from storage.models import (
+    FLEET_BLOCK_COLUMNS,
+    FLEET_BLOCKS,
+    FLEET_EVENT_COLUMNS,
+    FLEET_EVENTS,
+    FLEET_EVICTION_COLUMNS,
+    FLEET_EVICTIONS,
+    FLEET_SOURCE_COLUMNS,
+    FLEET_SOURCES,
+)
+
+
+def write_fleet_rows(connection: Connection, units: Sequence[FleetRows]) -> None:
+    """Write the rows of `units` (in order) on `connection`, inside its transaction."""
+    _ensure_sources(connection, {row[0]: row for unit in units for row in unit.sources})
+    sqlite = connection.dialect.name == "sqlite"
+    for table, columns, rows in (
+        (FLEET_BLOCKS, FLEET_BLOCK_COLUMNS, [row for unit in units for row in unit.opened.values()]),
+        (FLEET_EVENTS, FLEET_EVENT_COLUMNS, [row for unit in units for row in unit.events]),
+        (FLEET_EVICTIONS, FLEET_EVICTION_COLUMNS, [row for unit in units for row in unit.evictions]),
+    ):
+        if not rows:
+            continue
+        if not sqlite:
+            rows = _json_encoded(table, columns, rows)
+        bulk.insert_rows(connection, table, columns, rows)
+    changes = {(source, n): copies for unit in units for source, n, copies in unit.changed}
+    if changes:
+        values = [{"key_source": s, "key_n": n, "new_copies": copies} for (s, n), copies in changes.items()]
+        connection.execute(_change_statement(), values)
+    ended = [row for unit in units for row in unit.ended]
+    if ended:
+        _delete_held(connection, ended)
+    below = [{"key_source": source, "key_n": n} for unit in units for source, n in unit.ended_below]
+    if below:
+        connection.execute(_delete_below_statement(), below)
+    closes = [{"key_source": source, "closed": at} for unit in units for source, at in unit.source_closes]
+    if closes:
+        statement = update(FLEET_SOURCES).where(FLEET_SOURCES.c.id == bindparam("key_source"))
+        connection.execute(statement.values(closed_at=bindparam("closed")), closes)
+
+
+def _json_encoded(table: Table, columns: Sequence[str], rows: list[list]) -> list[list]:
+    """`rows` with their JSON columns' lists encoded as JSON text."""
+    positions = [i for i, name in enumerate(columns) if isinstance(table.c[name].type, JSON)]
+    if not positions:
+        return rows
+    encoded = []
+    for row in rows:
+        row = list(row)
+        for i in positions:
+            if row[i] is not None:
+                row[i] = encode_json(row[i])
+        encoded.append(row)
+    return encoded
+
+
+def _ensure_sources(connection: Connection, rows: dict[str, tuple]) -> None:
+    """Insert the source rows that are not in the table yet (an earlier unit may have been lost)."""
+    if not rows:
+        return
+    present = set(connection.scalars(select(FLEET_SOURCES.c.id).where(FLEET_SOURCES.c.id.in_(list(rows)))))
+    missing = [dict(zip(FLEET_SOURCE_COLUMNS, row)) for source, row in rows.items() if source not in present]
+    if missing:
+        connection.execute(insert(FLEET_SOURCES), missing)
+
+
+def _delete_held(connection: Connection, keys: list[tuple]) -> None:
+    """Delete fleet_blocks rows by (source_id, n)."""
+    if connection.dialect.name == "postgresql":
+        sources, ns = (list(column) for column in zip(*keys))
+        connection.execute(_postgres_delete_statement(), {"key_sources": sources, "key_ns": ns})
+    else:
+        _driver_executemany(connection, _portable_delete_statement(), ("key_source", "key_n"), keys)
+
+
+def _driver_executemany(connection: Connection, statement, names: tuple[str, ...], rows: list[tuple]) -> None:
+    """`statement` compiled for the connection's dialect, run by the driver on row tuples (values of the
+    bound parameters `names`, in that order)."""
+    compiled = statement.compile(dialect=connection.dialect)
+    if compiled.positional:
+        order = [names.index(name) for name in compiled.positiontup]
+        parameters: list = rows if order == list(range(len(names))) else [tuple(row[i] for i in order) for row in rows]
+    else:
+        parameters = [dict(zip(names, row)) for row in rows]
+    connection.exec_driver_sql(compiled.string, parameters)
+
+
+@functools.cache
+def _postgres_delete_statement() -> Delete:
+    arrays = (bindparam("key_sources", type_=ARRAY(String)), bindparam("key_ns", type_=ARRAY(BigInteger)))
+    keys = func.unnest(*arrays).table_valued("source_id", "n").render_derived("keys")
+    pairs = select(keys.c.source_id, keys.c.n)
+    return delete(FLEET_BLOCKS).where(tuple_(FLEET_BLOCKS.c.source_id, FLEET_BLOCKS.c.n).in_(pairs))
+
+
+@functools.cache
+def _portable_delete_statement() -> Delete:
+    blocks = FLEET_BLOCKS.c
+    return delete(FLEET_BLOCKS).where(blocks.source_id == bindparam("key_source"), blocks.n == bindparam("key_n"))
+
+
+@functools.cache
+def _change_statement() -> Update:
+    blocks = FLEET_BLOCKS.c
+    return (
+        update(FLEET_BLOCKS)
+        .where(blocks.source_id == bindparam("key_source"), blocks.n == bindparam("key_n"))
+        .values(copies=bindparam("new_copies"))
+    )
+
+
+@functools.cache
+def _delete_below_statement() -> Delete:
+    """Every held row of a source numbered below n (a clear or a reset)."""
+    blocks = FLEET_BLOCKS.c
+    return delete(FLEET_BLOCKS).where(blocks.source_id == bindparam("key_source"), blocks.n < bindparam("key_n"))

@@ -1,0 +1,142 @@
+"""`python -m cli fleet watch | state`: the headless collector into the history, and what it stored.
+
+The watch runs as the operator runs it (a subprocess, stopped by a signal) against vLLM's own
+KVCacheManager published by vLLM's own ZmqEventPublisher; `state` then reads the database in-process.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from cli.__main__ import main
+from storage.db import db_engine
+from tests.fleet_history_support import held_copies
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def run_cli(capsys, *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+@pytest.mark.parametrize(
+    ("pod", "says"),
+    [
+        ("pod-a", "expected NAME=tcp://HOST:PORT"),
+        ("pod-a=http://10.0.0.5:5557", "endpoint 'http://10.0.0.5:5557'"),
+        ("pod-a=tcp://10.0.0.5:5557,replay", "unknown option 'replay'"),
+        ("pod-a=tcp://10.0.0.5:5557,color=red", "unknown option 'color=red'"),
+        ("pod-a=tcp://10.0.0.5:5557,metrics=ftp://x", "metrics_url 'ftp://x'"),
+        ("pod a=tcp://10.0.0.5:5557", "pod name 'pod a'"),
+    ],
+)
+def test_a_malformed_pod_is_refused_with_exit_status_2(capsys, tmp_path: Path, pod: str, says: str) -> None:
+    with pytest.raises(SystemExit) as stopped:
+        main(["fleet", "watch", "--pod", pod, "--db", f"sqlite:///{tmp_path / 'h.sqlite'}"])
+    assert stopped.value.code == 2
+    assert says in capsys.readouterr().err
+    assert not (tmp_path / "h.sqlite").exists()
+
+
+def test_two_pods_of_one_name_are_refused(capsys, tmp_path: Path) -> None:
+    pod = "a=tcp://127.0.0.1:5557"
+    code, _, err = run_cli(capsys, "fleet", "watch", "--pod", pod, "--pod", pod, "--db", f"sqlite:///{tmp_path / 'h'}")
+    assert code == 2 and "unique" in err
+
+
+def test_state_refuses_a_database_that_is_not_there_and_a_pod_it_never_saw(capsys, tmp_path: Path) -> None:
+    code, _, err = run_cli(capsys, "fleet", "state", "--db", f"sqlite:///{tmp_path / 'missing.sqlite'}")
+    assert code == 2 and "no database file" in err
+    assert not (tmp_path / "missing.sqlite").exists()
+
+
+def watch(url: str, *pods: str) -> subprocess.Popen:
+    """`python -m cli fleet watch` as an operator starts it, with a status line every 0.2 s."""
+    argv = [sys.executable, "-m", "cli", "fleet", "watch", "--db", url, "--status-every", "0.2"]
+    for pod in pods:
+        argv += ["--pod", pod]
+    environment = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    return subprocess.Popen(argv, cwd=ROOT, stderr=subprocess.PIPE, text=True, env=environment)
+
+
+def stop(process: subprocess.Popen, sig: int) -> tuple[int, str]:
+    process.send_signal(sig)
+    try:
+        _, err = process.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        raise
+    return process.returncode, err
+
+
+def test_watch_stores_vllms_feed_until_a_signal_and_state_prints_what_it_holds(capsys, db_url: str) -> None:
+    pytest.importorskip("vllm.v1.core.kv_cache_manager", reason="vLLM is installed by requirements-interop.txt")
+    from tests.fleet_support import VllmPod, wait_until
+
+    pod = VllmPod(num_blocks=16, block_size=4)
+    process = watch(db_url, f"{pod.name}={pod.endpoint},replay=tcp://127.0.0.1:{pod.replay_port},topic=kv-events")
+    engine = db_engine(db_url)
+    try:
+        a = pod.request(list(range(14)))
+        pod.allocate(a)
+        pod.publish()  # seq 0: the watcher recovers it by replay if it subscribed after it was sent
+        c, d = pod.request(list(range(200, 209))), pod.request(list(range(200, 209)))
+        lookups = pod.lookup(c), pod.lookup(d)
+        pod.allocate(c, lookups[0])
+        pod.allocate(d, lookups[1])
+        pod.free(a)
+        pod.publish()
+
+        def stored() -> dict:
+            try:
+                state = main(["fleet", "state", "--db", db_url, "--json"]) == 0 and json.loads(capsys.readouterr().out)
+            except (SystemExit, json.JSONDecodeError):
+                return {}
+            return state["pods"][0] if state and state["pods"] else {}
+
+        wait_until(lambda: stored().get("num_blocks") == sum(pod.cached().values()), "the watcher's rows", 60)
+        code, err = stop(process, signal.SIGTERM)
+    finally:
+        if process.poll() is None:
+            process.kill()
+        pod.close()
+
+    assert code == 0, err
+    lines = [line for line in err.splitlines() if line.startswith("fleet watch: ")]
+    assert len(lines) >= 3 and "pods 1/1 ready" in lines[-1] and "0 dropped" in lines[-1], err
+    code, out, _ = run_cli(capsys, "fleet", "state", "--db", db_url, "--pod", pod.name, "--json", "--hashes")
+    (state,) = json.loads(out)["pods"]
+    assert code == 0 and state["closed_at"] is not None  # the signal closed the source
+    cached = pod.cached()
+    assert state["num_blocks"] == sum(cached.values()) and state["num_hashes"] == len(cached)
+    assert sorted(map(int, state["hashes"])) == sorted(block_hash for _, _, block_hash in cached)
+    assert held_copies(engine, state["source_id"]) == cached
+    code, out, _ = run_cli(capsys, "fleet", "state", "--db", db_url)
+    assert code == 0 and out.startswith(f"{pod.name}: {sum(cached.values())} blocks held ({len(cached)} hashes)")
+    code, _, err = run_cli(capsys, "fleet", "state", "--db", db_url, "--pod", "nobody")
+    assert code == 2 and "no pod named nobody" in err
+    engine.dispose()
+
+
+def test_watch_stops_cleanly_on_sigint_with_nothing_to_watch(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path / 'h.sqlite'}"
+    process = watch(url, "quiet=tcp://127.0.0.1:9")  # nothing listens there: connecting forever
+    try:
+        for line in process.stderr:
+            if line.startswith("fleet watch: ") and "ready" in line:
+                break
+        code, err = stop(process, signal.SIGINT)
+    finally:
+        if process.poll() is None:
+            process.kill()
+    assert code == 0, err
+    assert "Traceback" not in err
