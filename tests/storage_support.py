@@ -31,6 +31,7 @@ from storage.writer_process import WriterProcess
 
 REPO = Path(__file__).resolve().parents[1]
 PG_URL_ENV = "PREFIX_CONSOLE_TEST_PG_URL"
+LATEST_REVISION = "0006"  # the newest migration: a database upgraded to head is at this revision
 BASE_TIME = 1_750_000_017.25  # not on a minute boundary, so time filters cut minutes
 NO_RETENTION = RetentionPolicy(max_age_days=None, max_events=None, max_evictions=None)
 FAST = {

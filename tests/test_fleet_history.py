@@ -40,7 +40,7 @@ from tests.fleet_history_support import (
     removed,
     stored,
 )
-from tests.storage_support import FAST, count_rows, wait_for
+from tests.storage_support import FAST, LATEST_REVISION, count_rows, wait_for
 
 U64_MAX = 2**64 - 1
 
@@ -72,7 +72,7 @@ def test_revision_0006_adds_the_fleet_tables_to_a_database_at_0003(db_url: str, 
 
     migrate.upgrade(engine)
 
-    assert migrate.current_revision(engine) == "0006"
+    assert migrate.current_revision(engine) == LATEST_REVISION
     assert count_rows(engine, RUNS) == 1
     with engine.connect() as connection:
         assert compare_metadata(MigrationContext.configure(connection), Base.metadata) == []

@@ -58,6 +58,7 @@ from storage.writer_process import WriterProcess
 from tests.storage_support import (
     BASE_TIME,
     FAST,
+    LATEST_REVISION,
     REASONS,
     REPO,
     RUN_INFO,
@@ -97,7 +98,7 @@ def test_the_schema_at_head_matches_the_models(db_url: str, engine_for) -> None:
     engine = engine_for(db_url)
     migrate.upgrade(engine)
     with engine.connect() as connection:
-        assert migrate.current_revision(engine) == "0006"
+        assert migrate.current_revision(engine) == LATEST_REVISION
         assert compare_metadata(MigrationContext.configure(connection), Base.metadata) == []
     migrate.upgrade(engine)  # a second upgrade is a no-op
 
@@ -166,7 +167,7 @@ def test_a_database_made_by_the_first_schema_upgrades_without_losing_rows(db_url
 
     migrate.upgrade(engine)
 
-    assert migrate.current_revision(engine) == "0006"
+    assert migrate.current_revision(engine) == LATEST_REVISION
     assert count_rows(engine, EVENTS) == 3
     assert queries.request_timeline(engine, "missing").empty
     recorded = queries.recent_requests(engine, "old").sort_values("request_id")

@@ -8,7 +8,7 @@ from sqlalchemy import column as sql_column
 from sqlalchemy import table as sql_table
 
 from storage import migrate, queries
-from tests.storage_support import BASE_TIME, RUN_INFO, request_view
+from tests.storage_support import BASE_TIME, LATEST_REVISION, RUN_INFO, request_view
 
 KEYS = bytes(range(32))  # two 16-byte keys
 CONTENT = bytes(range(100, 132))
@@ -57,7 +57,7 @@ def test_revision_0004_adds_empty_key_columns_to_a_database_with_requests(db_url
 
     migrate.upgrade(engine)
 
-    assert migrate.current_revision(engine) == "0004"
+    assert migrate.current_revision(engine) == LATEST_REVISION
     row = queries.recent_requests(engine, "old").iloc[0]
     assert row["prompt_tokens"] == 40 and row["block_keys"] is None and row["content_keys"] is None
     assert queries.prompt_chains(engine).empty  # rows from before the revision have no keys to analyse
