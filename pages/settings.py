@@ -13,7 +13,7 @@ import torch
 from sqlalchemy import make_url
 
 from app.hosting import get_host
-from app.ui import fmt_duration, fmt_time
+from app.ui import expect_in_history, fmt_duration, fmt_time
 from engine.config import DTYPES, MAX_BATCHED_TOKENS, MAX_BLOCK_SIZE, MAX_NUM_BLOCKS, EngineConfig
 from engine.model_runner import ModelRunner
 from engine.models import PRESETS
@@ -96,7 +96,8 @@ writer = host.writer_stats()
 st.caption(
     f"writer: {writer.written_events:,} events and {writer.written_requests:,} request records written in "
     f"{writer.written_batches:,} transactions · {writer.queued:,} rows queued · {writer.dropped:,} dropped · "
-    f"{writer.failed_batches:,} failed batches · {writer.pruned_rows:,} pruned by retention"
+    f"{writer.failed_batches:,} failed batches · {writer.pruned_rows:,} pruned by retention · lag "
+    f"{fmt_duration(writer.lag_s)} · {writer.restarts:,} writer restarts"
 )
 if host.schema_error:
     st.error(f"Schema upgrade failed at start: {host.schema_error}")
@@ -118,6 +119,7 @@ else:
     c = st.columns([1, 1, 4])
     if c[0].button("Confirm reset", type="primary", key="settings_reset_confirm"):
         result = engine.reset_cache()
+        expect_in_history(host, "the reset's evictions")
         state.pop("settings_confirm")
         if result.ok:
             flash("success", f"Prefix cache reset: {result.dropped_blocks:,} blocks evicted; the cache is empty.")
@@ -223,6 +225,7 @@ if state.get("settings_confirm") == "restart" and "settings_pending" in state:
         except Exception as exc:  # the old engine keeps serving; say why the new one did not start
             flash("error", f"Restart failed, the previous engine keeps running: {exc}")
         else:
+            expect_in_history(host, f"the new run {restarted.run_id}")
             flash("success", f"Engine restarted: run {restarted.run_id}, {restarted.engine.num_blocks:,} blocks.")
         st.rerun()
     if c[1].button("Cancel", key="settings_restart_cancel"):

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import time
-
 from engine.request import SamplingParams
 from tests.test_app_support import console_env, errors, host, no_exceptions, open_page, texts, wait_idle  # noqa: F401
 
@@ -66,8 +64,10 @@ def test_restart_asks_for_confirmation_then_starts_a_new_run(console_env):
     new = host().console
     assert new is not old and new.engine.num_blocks == 32 and new.run_id != old.run_id
     stale = old.engine.submit([5, 6, 7], PARAMS)  # a session still holding the old engine
-    time.sleep(0.5)
-    assert old.engine.get(stale).status == "waiting"  # its loop was stopped
+    fresh = new.engine.submit([5, 6, 7], PARAMS)
+    wait_idle()  # the new engine's loop ran its request meanwhile ...
+    assert new.engine.get(fresh).status == "finished"
+    assert old.engine.get(stale).status == "waiting"  # ... and nothing stepped the old one
     assert [s.value for s in at.success] == [f"Engine restarted: run {new.run_id}, 32 blocks."]
 
 

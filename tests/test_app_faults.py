@@ -1,0 +1,110 @@
+"""Console faults that need no engine change: each one is shown where an operator looks, and the engine
+keeps serving. A listener that raises, the writer process killed, the history's disk full, and an
+operator's read-your-writes wait (a page waits for the rows of the action just taken)."""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+
+from engine.request import SamplingParams
+from storage import migrate, queries
+from tests.storage_support import fill_disk, small_disk  # noqa: F401
+from tests.test_app_support import (  # noqa: F401
+    PAGES,
+    console_env,
+    errors,
+    flush_history,
+    host,
+    no_exceptions,
+    open_page,
+    texts,
+    wait_for,
+    wait_idle,
+)
+
+PARAMS = SamplingParams(max_new_tokens=4, ignore_eos=True)
+
+
+def warnings_and_errors(at) -> str:
+    return "\n".join([w.value for w in at.warning] + [e.value for e in at.error])
+
+
+def test_a_listener_that_raises_is_counted_shown_and_the_engine_keeps_serving(console_env, monkeypatch):
+    console = host().console
+
+    def broken(events) -> None:
+        raise RuntimeError("a bug in what the console keeps of each step")
+
+    monkeypatch.setattr(console.recent, "extend", broken)
+    request_id = console.engine.submit(list(range(10, 60)), PARAMS)
+    wait_idle()
+    assert console.engine.get(request_id).status == "finished" and console.engine.failure is None
+    failures = console.listener_errors
+    assert failures >= 1
+    flush_history()  # the history part of the listener ran before the broken part
+    assert request_id in set(queries.recent_requests(host().db, console.run_id)["request_id"])
+    at = open_page("overview")
+    no_exceptions(at)
+    assert f"{failures} engine-listener calls failed; see the server log." in errors(at)
+
+
+def test_a_killed_writer_process_is_shown_on_every_page_and_history_goes_on(console_env):
+    writer = host().writer
+    first_pid = writer.pid
+    os.kill(first_pid, signal.SIGKILL)
+    wait_for(lambda: writer.stats().restarts == 1 and writer.stats().schema_ready, "the writer process to restart")
+    console = host().console
+    request_id = console.engine.submit(list(range(10, 60)), PARAMS)
+    wait_idle()
+    flush_history()
+    assert writer.pid != first_pid
+    assert request_id in set(queries.recent_requests(host().db, console.run_id)["request_id"])
+    for name in PAGES:
+        at = open_page(name)
+        no_exceptions(at)
+        assert "history writer process stopped unexpectedly and was restarted (1 time)" in warnings_and_errors(at), name
+    metrics = {m.label: m.value for m in at.switch_page("../pages/overview.py").run().metric}
+    assert metrics["Writer restarts"] == "1"
+
+
+def test_a_full_history_disk_is_shown_on_every_page_and_the_engine_keeps_serving(
+    console_env, small_disk: Path, monkeypatch
+):
+    url = f"sqlite:///{small_disk / 'history.sqlite'}"
+    migrate.upgrade(url)
+    fill_disk(small_disk, leave_bytes=64 * 1024)  # room to open the history, not to grow it
+    monkeypatch.setenv("PREFIX_CONSOLE_DB_URL", url)
+    console = host().console
+    ids = [console.engine.submit([10 + i] + list(range(100, 147)), PARAMS) for i in range(20)]
+    wait_idle()
+    assert {console.engine.get(request_id).status for request_id in ids} == {"finished"}
+    writer = host().writer
+    wait_for(lambda: writer.stats().retrying and "full" in writer.stats().last_error, "the writer to hit the full disk")
+    for name in PAGES:
+        at = open_page(name)
+        no_exceptions(at)
+        assert "History database unavailable" in warnings_and_errors(at), name
+        assert "database or disk is full" in warnings_and_errors(at), name
+    assert console.engine.failure is None
+    writer.close(timeout_s=1)  # it gives up its rows after a second instead of retrying for two minutes
+    wait_for(lambda: writer.stats().queued == 0, "the writer to count what it gave up")
+    stats = writer.stats()
+    assert stats.dropped > 0 and stats.failed_batches >= 1
+
+
+def test_after_a_reset_the_evictions_page_waits_for_the_writer_and_shows_the_rows(console_env):
+    """Read-your-writes: no Refresh, no flush by the test; the page itself waits for the reset's rows."""
+    console_env(num_blocks=16)
+    engine = host().console.engine
+    engine.submit(list(range(10, 58)), PARAMS)  # 3 full blocks stay cached
+    wait_idle()
+    at = open_page("settings")
+    at.button(key="settings_reset").click().run()
+    at.button(key="settings_reset_confirm").click().run()
+    assert "Prefix cache reset: 3 blocks evicted; the cache is empty." in [s.value for s in at.success]
+    at = at.switch_page("../pages/evictions.py").run()
+    no_exceptions(at)
+    assert "3 evictions" in [h.value for h in at.subheader]
+    assert "has not stored" not in texts(at)
