@@ -14,6 +14,7 @@ import sys
 import time
 import urllib.request
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -42,6 +43,19 @@ def require_chromium() -> None:
     pytest.skip(message)
 
 
+@dataclass(frozen=True)
+class ConsoleServer:
+    """A running `streamlit run app`."""
+
+    url: str  # http://127.0.0.1:PORT
+    pid: int  # its process
+
+
+def server_threads(pid: int) -> int:
+    """Threads of process `pid` now (Linux: /proc)."""
+    return len(os.listdir(f"/proc/{pid}/task"))
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -49,15 +63,16 @@ def free_port() -> int:
 
 
 @pytest.fixture
-def console_server(tmp_path: Path) -> Iterator[str]:
-    """`streamlit run app` on a free loopback port; yields its URL."""
+def console_server(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[ConsoleServer]:
+    """`streamlit run app` on a free loopback port: a pool of 24 blocks of 16, or as many blocks as an
+    indirect parameter says."""
     require_chromium()
     ARTIFACTS.mkdir(exist_ok=True)
     port = free_port()
     env = {
         **os.environ,
         "PREFIX_CONSOLE_MODEL": "tiny-chat",
-        "PREFIX_CONSOLE_NUM_BLOCKS": "24",
+        "PREFIX_CONSOLE_NUM_BLOCKS": str(getattr(request, "param", 24)),
         "PREFIX_CONSOLE_BLOCK_SIZE": "16",
         "PREFIX_CONSOLE_DEVICE": "cpu",
         "PREFIX_CONSOLE_DB_URL": f"sqlite:///{tmp_path / 'history.sqlite'}",
@@ -85,7 +100,7 @@ def console_server(tmp_path: Path) -> Iterator[str]:
             if process.poll() is not None or time.monotonic() > deadline:
                 raise AssertionError(f"streamlit did not start; see {ARTIFACTS / 'browser-server.log'}")
             time.sleep(0.2)
-        yield url
+        yield ConsoleServer(url, process.pid)
     finally:
         process.terminate()
         try:
