@@ -86,7 +86,7 @@ def headline_numbers() -> None:
     c[5].metric("Retrying", "yes" if writer.retrying else "no")
     c[6].metric("Writer restarts", f"{writer.restarts:,}", help="Writer processes started again after one exited unexpectedly")
     if writer.last_error:
-        st.caption(f"Last database error: `{writer.last_error}`")
+        st.caption(f"Last writer error: `{writer.last_error}`")
     if console.listener_errors:
         st.error(f"{console.listener_errors} engine-listener calls failed; see the server log.")
 

@@ -102,7 +102,7 @@ st.caption(
 if host.schema_error:
     st.error(f"Schema upgrade failed at start: {host.schema_error}")
 if writer.last_error:
-    st.warning(f"Last database error: {writer.last_error}")
+    st.warning(f"Last writer error: {writer.last_error}")
 
 # ---------------------------------------------------------------- reset
 st.subheader("Reset the prefix cache")

@@ -466,8 +466,10 @@ class WriterProcess:
             for frame in [f for f in self._frames.values() if f.seq <= done_frame or f.seq in done]:
                 if frame.generation == child.generation:
                     self._forget_frame(frame)
-            if kind == "closed":
-                child.answered_close = True
+            if kind == "closed":  # it got every frame before close: what is still open belongs to a
+                child.answered_close = True  # killed predecessor the database could not tell about: dropped
+                for frame in list(self._frames.values()):
+                    self._forget_frame(frame)
             self._changed.notify_all()
 
     def child_exited(self, child: _Child, returncode: int) -> None:

@@ -1,6 +1,9 @@
 """Console faults that need no engine change: each one is shown where an operator looks, and the engine
 keeps serving. A listener that raises, the writer process killed, the history's disk full, and an
-operator's read-your-writes wait (a page waits for the rows of the action just taken)."""
+operator's read-your-writes wait (a page waits for the rows of the action just taken).
+
+Engine faults (NaN logits on one request; a restart from Settings while requests run) need the engine's
+rewrite and join this module with it (issue 14, phase B)."""
 
 from __future__ import annotations
 
