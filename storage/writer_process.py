@@ -495,12 +495,11 @@ class WriterProcess:
             delay = 0.0 if self._quick_exits < 2 else FIRST_RESTART_DELAY_S * 2 ** (self._quick_exits - 2)
         time.sleep(min(delay, MAX_RESTART_DELAY_S))
         with self._sending:
-            with self._lock:
-                self._restarts += 1
-                self._resolving = True
             new = self._start_child(child.generation + 1)
             with self._changed:
                 self._child = new
+                self._restarts += 1
+                self._resolving = True
                 closed = self._closed
                 self._changed.notify_all()
             new.listen()

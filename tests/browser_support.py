@@ -51,9 +51,24 @@ class ConsoleServer:
     pid: int  # its process
 
 
-def server_threads(pid: int) -> int:
-    """Threads of process `pid` now (Linux: /proc)."""
-    return len(os.listdir(f"/proc/{pid}/task"))
+def open_connections(server: ConsoleServer) -> int:
+    """Established TCP connections to the server's port that its process holds now (Linux: /proc)."""
+    inodes = set()
+    for fd in os.listdir(f"/proc/{server.pid}/fd"):
+        try:
+            target = os.readlink(f"/proc/{server.pid}/fd/{fd}")
+        except OSError:  # closed meanwhile
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[len("socket:[") : -1])
+    port = f"{int(server.url.rsplit(':', 1)[1]):04X}"
+    count = 0
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            fields = line.split()  # sl, local address:port, remote address:port, state, ..., inode at 9
+            if fields[1].endswith(f":{port}") and fields[3] == "01" and fields[9] in inodes:  # 01: ESTABLISHED
+                count += 1
+    return count
 
 
 def free_port() -> int:
