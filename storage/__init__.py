@@ -15,6 +15,7 @@ Imports no Streamlit and no torch, and from the engine only the types it persist
                 array), bulk_postgres (COPY, ON CONFLICT), executemany elsewhere.
     writer_process  `WriterProcess`: the same interface, with the EventWriter in a child process (what
                 the console and the CLI use: the database work never shares the engine's interpreter).
+    writer_child  that child (`python -m storage.writer_child`): an EventWriter fed from a pipe.
     recorder    `record_engine(engine, writer)`, `persistence_listener(writer)`: an engine's listener.
     frame_pipe  `FramePipe`: length-prefixed frames into a pipe without ever blocking the writer.
     rollups     per-minute eviction aggregates kept equal to the log.

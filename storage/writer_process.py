@@ -1,11 +1,11 @@
 """The history writer in a process of its own: the engine's process only encodes rows and writes bytes.
 
 `WriterProcess` has `EventWriter`'s interface and contract (see storage.writer) and runs an
-`EventWriter` in a child process (`python -m storage.writer_process`), so the database work (SQLite's
-inserts, the writer's Python and its hold on the GIL) never runs in the engine's interpreter: a writer
-thread's batches lengthened the engine steps they overlapped while the GIL went back and forth. The
-child still needs CPU time, so on a machine with fewer free cores than the engine can use, steps still
-feel it (see benchmarks/storage.py for the numbers).
+`EventWriter` in a child process (storage.writer_child), so the database work (SQLite's inserts, the
+writer's Python and its hold on the GIL) never runs in the engine's interpreter: a writer thread's
+batches lengthened the engine steps they overlapped while the GIL went back and forth. The child still
+needs CPU time, so on a machine with fewer free cores than the engine can use, steps still feel it (see
+benchmarks/storage.py for the numbers).
 
 Data flow, one way:
     engine thread: encode, hold --(one frame per batch_interval_s)--> pipe --> child: EventWriter
@@ -27,21 +27,23 @@ Data flow, one way:
       without waiting for more (its own `batch_interval_s` is 0: rows already waited here).
     * Frames of rows and of new runs are numbered. The child reports after every transaction which are
       done (written or dropped); `mark()` is the number of the frame that will carry the rows handed
-      over so far (or of the newest, when nothing is held), and
-      `wait(mark, timeout_s)` sends them at once, tells the child to hurry and waits for that report:
-      the console's read-your-writes. `stats().lag_s` is the age of the oldest row not done.
+      over so far (or of the newest, when nothing is held), and `wait(mark, timeout_s)` sends them at
+      once, tells the child to hurry and waits for that report: the console's read-your-writes.
+      `stats().lag_s` is the age of the oldest row not done.
     * Control frames (`start_run`, hurry, `close`) are never dropped; frames reach the child in order,
       so a run's rows always follow its run.
     * Counting: `written_*` are the child's (saved in the database inside every transaction, see
       storage.progress), `queued` is every row held or in a frame not done, and `dropped` is the rest of
       what was handed over. So written + queued + dropped == handed over, always, and exactly.
 
-Visibility latency (documented bound, measured in benchmarks/storage.py): a row is committed within
-`batch_interval_s` + 1/5 of it + the child's transaction times, about 0.7 s on an idle machine; the
-child runs at `child_niceness` (default 0, the engine's own priority), so that two CPU-bound processes
-beside the engine slow it by their fair share instead of starving it (at nice 19 it got ~1.5% of a
-busy core, and rows waited 5 s and more). The bound: p99 under 2 s, every row under 5 s, with two busy
-processes on two cores.
+Visibility latency (the documented bound; benchmarks/storage.py section 4 measures it, and
+tests/test_under_load.py holds it): a row is committed within `batch_interval_s` + 1/5 of it + the
+child's transaction times, at most ~0.7 s when the child keeps up. The child runs at `child_niceness`
+(default 0, the engine's own priority), so two CPU-bound processes beside the engine slow it by their
+fair share instead of starving it: at nice 19 it got ~1.5% of a busy core, and rows waited up to 17 s.
+The bound: p99 under 2 s and every row under 5 s, with two busy processes on this 2-core machine. The
+price: when the machine is oversubscribed, the child takes its CPU time when it needs it, from the
+engine too, instead of falling behind.
 
 Faults:
     * The child killed or crashed: the receiver thread sees its pipe close and starts a new child (at
@@ -60,12 +62,10 @@ from __future__ import annotations
 import os
 import pickle
 import secrets
-import signal
 import subprocess
 import sys
 import threading
 import time
-from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -73,7 +73,7 @@ from pathlib import Path
 from engine.events import Event
 from engine.snapshot import RequestView
 from storage.db import db_engine
-from storage.frame_pipe import FramePipe, read_frames, write_frame
+from storage.frame_pipe import FramePipe, read_frames
 from storage.rows import (
     EncodedEvents,
     checked_events,
@@ -82,12 +82,11 @@ from storage.rows import (
     join_encoded,
     view_without_prompt,
 )
-from storage.writer import EventWriter, RunInfo, WriterOptions, WriterStats, new_run_id
+from storage.writer import RunInfo, WriterOptions, WriterStats, new_run_id
 
 ROOT = Path(__file__).resolve().parents[1]
 PICKLE_PROTOCOL = pickle.HIGHEST_PROTOCOL
 EMPTY_EVENTS = EncodedEvents("[]", 0, ())
-CLOSE_FRAME = pickle.dumps(("close", None), PICKLE_PROTOCOL)  # what the child does when its parent is gone
 HURRY_FRAME = pickle.dumps(("hurry",), PICKLE_PROTOCOL)
 TICKS_PER_INTERVAL = 5  # the pipe's thread checks for held rows that are due this often per batch_interval_s
 QUICK_EXIT_S = 5.0  # a child that exits sooner than this after its start counts as a quick exit
@@ -136,7 +135,7 @@ class _Child:
         python_path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
         try:
             self.process = subprocess.Popen(
-                [sys.executable, "-m", "storage.writer_process", str(to_child_read), str(from_child_write)],
+                [sys.executable, "-m", "storage.writer_child", str(to_child_read), str(from_child_write)],
                 pass_fds=(to_child_read, from_child_write),
                 stdin=subprocess.DEVNULL,
                 env={**os.environ, "PYTHONPATH": python_path},
@@ -506,104 +505,3 @@ class WriterProcess:
             if closed:  # close went to the child that died: the new one still says what was committed
                 new.send_control(("close", self._close_timeout_s))
                 new.pipe.close()
-
-
-# ---- the child -----------------------------------------------------------------------------------
-
-
-class _FrameLedger:
-    """The child's map from the parent's frame numbers to its writer's marks."""
-
-    def __init__(self, writer: EventWriter) -> None:
-        self._writer = writer
-        self._lock = threading.Lock()
-        self._marks: deque[tuple[int, int]] = deque()  # (frame number, the writer's mark after it), queued frames
-        self._dropped: list[int] = []  # frames dropped at once (a full queue), not reported yet
-        self._done_frame = 0
-
-    def received(self, frame: int, queued: bool) -> None:
-        """`frame` was handed to the writer, which queued it (or dropped it at once)."""
-        with self._lock:
-            if queued:
-                self._marks.append((frame, self._writer.mark()))
-            else:
-                self._dropped.append(frame)
-
-    def report(self) -> tuple[WriterStats, int, tuple[int, ...]]:
-        """The writer's stats, the newest frame up to which every frame is written or dropped, and the
-        later frames dropped at once; all three consistent."""
-        stats = self._writer.stats()
-        with self._lock:
-            while self._marks and self._marks[0][1] <= stats.done_mark:
-                self._done_frame = self._marks.popleft()[0]
-            dropped, self._dropped = tuple(self._dropped), []
-            return stats, self._done_frame, dropped
-
-
-def serve(read_fd: int, write_fd: int) -> None:
-    """The child's main loop: run an EventWriter on what arrives, report its progress, answer close."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C in a terminal reaches the parent; it closes us
-    outbox = os.fdopen(write_fd, "wb")
-    send_lock = threading.Lock()
-
-    def send(message: tuple) -> None:
-        with send_lock:
-            try:
-                write_frame(outbox, pickle.dumps(message, PICKLE_PROTOCOL))
-            except OSError:  # the parent is gone; the writer still finishes what it has
-                pass
-
-    frames = read_frames(os.fdopen(read_fd, "rb"))
-    opening = next(frames, None)  # the first frame: ("open", url, options, writer id)
-    if opening is None:  # the parent died before it asked for anything
-        return
-    _, url, options, writer_id = pickle.loads(opening)
-    if options.child_niceness:
-        os.nice(options.child_niceness)  # after the imports: starting up is not slowed
-    # Rows reach the child once they have waited batch_interval_s on the engine side: write them now.
-    writer = EventWriter(url, replace(options, batch_interval_s=0.0), progress_key=writer_id)
-    ledger = _FrameLedger(writer)
-    closing = threading.Event()
-
-    def report() -> None:
-        """Report after every transaction (at most every poll_s while nothing is done) when anything changed."""
-        last = None
-        done_mark = 0
-        while not closing.is_set():
-            writer.wait_for_progress(done_mark, options.poll_s)
-            stats, done_frame, dropped = ledger.report()
-            key = (replace(stats, lag_s=0.0), done_frame)
-            if key != last or dropped:
-                send(("stats", stats, done_frame, dropped))
-                last = key
-            done_mark = stats.done_mark
-
-    threading.Thread(target=report, name="writer-stats", daemon=True).start()
-    while True:
-        # The parent died without closing when its pipe ends first: write what we have.
-        message = pickle.loads(next(frames, CLOSE_FRAME))
-        kind = message[0]
-        if kind == "rows":
-            _, frame, json, count, evictions, requests, superseded = message
-            encoded = EncodedEvents(json, count, tuple(map(Event._make, evictions)))
-            ledger.received(frame, writer.submit_frame(encoded, tuple(map(RequestView._make, requests)), superseded))
-        elif kind == "run":
-            _, frame, run_id, info = message
-            writer.start_run(info, run_id=run_id)
-            ledger.received(frame, queued=True)
-        elif kind == "runs":
-            writer.restore_runs(message[1])
-        elif kind == "hurry":
-            writer.hurry(writer.mark())
-        elif kind == "close":  # failing batches are given up after the parent's timeout; then wait for the end
-            if not writer.close(message[1]):
-                writer.close(None)
-            closing.set()
-            send(("closed", *ledger.report()))
-            return
-        else:
-            raise ValueError(f"unknown message {kind!r}")
-
-
-if __name__ == "__main__":
-    serve(int(sys.argv[1]), int(sys.argv[2]))

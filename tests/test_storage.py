@@ -641,7 +641,7 @@ def test_the_rollup_table_never_keeps_empty_minutes(history) -> None:
 
 
 def test_the_storage_package_imports_no_streamlit_and_no_torch() -> None:
-    modules = "storage.writer_process, storage.queries"
+    modules = "storage.writer_process, storage.writer_child, storage.queries"
     code = f"import sys, {modules}; print(sorted({{'streamlit', 'torch'}} & set(sys.modules)))"
     result = subprocess.run(
         [sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120, env=os.environ

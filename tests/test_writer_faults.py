@@ -500,13 +500,14 @@ def test_a_history_file_made_read_only_is_reported_and_every_row_counted(tmp_pat
 
 def test_a_submit_racing_close_is_written_unless_it_was_refused(tmp_path: Path, engine_for) -> None:
     """Regression: a submit taken in while close ran from another thread could be held after close had
-    sent its last frame, and never written (counted as dropped only once the child had exited; in about
-    half of these trials). Now a submit either joins close's last frame or is refused at the call: the only
-    rows dropped are those refused, and every other row is in the database."""
+    sent its last frame, and never written (counted as dropped only once the child had exited; in one to
+    five of ten trials, depending on the machine's load). Now a submit either joins close's last frame or
+    is refused at the call: the only rows dropped are those refused, and every other row is in the
+    database."""
     switch_interval = sys.getswitchinterval()
     sys.setswitchinterval(1e-6)  # switch threads as often as the interpreter can
     try:
-        for trial in range(8):
+        for trial in range(12):
             url = f"sqlite:///{tmp_path / f'history-{trial}.sqlite'}"
             writer = WriterProcess(url, WriterOptions(**FAST, item_rows=1, queue_items=100_000))
             writer.start_run(RUN_INFO)
@@ -521,7 +522,7 @@ def test_a_submit_racing_close_is_written_unless_it_was_refused(tmp_path: Path, 
 
             submitter = threading.Thread(target=submit_rows)
             submitter.start()
-            assert wait_for(lambda: len(refused) > 100 * trial, timeout_s=60)  # close somewhere mid-stream
+            assert wait_for(lambda: len(refused) > 50 * trial, timeout_s=60)  # close somewhere mid-stream
             assert writer.close(timeout_s=60)
             submitter.join(timeout=120)
             assert not submitter.is_alive()
