@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime, timezone
 from typing import TypeVar
 
@@ -34,6 +34,7 @@ class PendingWrite:
 
     mark: int  # the writer's mark right after the action (see storage.writer: mark, wait)
     what: str  # what the rows are, as a page says it ("the reset's evictions")
+    waited: bool = False  # a page already waited HISTORY_WAIT_S for them: later reads only look
 
 
 def kept(key: str, default: object) -> dict[str, object]:
@@ -92,24 +93,30 @@ def expect_in_history(host: ConsoleHost, what: str) -> None:
 def wait_for_history(host: ConsoleHost) -> None:
     """Call before reading the history: wait until the rows of this operator's last action are stored.
 
-    Shows a spinner while it waits, at most HISTORY_WAIT_S; then a warning that says what is missing and how
-    far behind the writer is, and a check that reruns the page once the rows are stored.
+    Shows a spinner while it waits, at most HISTORY_WAIT_S once per action; then (and on later reads until
+    the rows are in) a warning that says what is missing and how far behind the writer is, and a check
+    that reruns the page once the rows are stored.
     """
     pending: PendingWrite | None = st.session_state.get(PENDING_WRITE)
     if pending is None:
         return
-    if not host.writer.wait(pending.mark, timeout_s=0):
+    stored = host.writer.wait(pending.mark, timeout_s=0)
+    if not stored and not pending.waited:
         with st.spinner(f"Waiting for the history writer to store {pending.what}…"):
-            if not host.writer.wait(pending.mark, timeout_s=HISTORY_WAIT_S):
-                lag = fmt_duration(host.writer_stats().lag_s)
-                st.warning(
-                    f"The history writer has not stored {pending.what} yet: waited {HISTORY_WAIT_S:.0f} s, its oldest "
-                    f"unwritten row is {lag} old. This page shows what is stored so far and reloads once it is in."
-                )
-                _reload_once_stored(host, pending)
-                return
-    if st.session_state.get(PENDING_WRITE) == pending:
-        del st.session_state[PENDING_WRITE]
+            stored = host.writer.wait(pending.mark, timeout_s=HISTORY_WAIT_S)
+        if not stored:
+            pending = replace(pending, waited=True)
+            st.session_state[PENDING_WRITE] = pending
+    if stored:
+        if st.session_state.get(PENDING_WRITE) == pending:
+            del st.session_state[PENDING_WRITE]
+        return
+    lag = fmt_duration(host.writer_stats().lag_s)
+    st.warning(
+        f"The history writer has not stored {pending.what} yet (its oldest unwritten row is {lag} old). This "
+        "page shows what is stored so far and reloads once it is in."
+    )
+    _reload_once_stored(host, pending)
 
 
 @st.fragment(run_every=REFRESH_S)

@@ -11,9 +11,10 @@ import os
 import signal
 from pathlib import Path
 
+from app import ui
 from engine.request import SamplingParams
 from storage import migrate, queries
-from tests.storage_support import fill_disk, small_disk  # noqa: F401
+from tests.storage_support import fill_disk
 from tests.test_app_support import (  # noqa: F401
     PAGES,
     console_env,
@@ -111,3 +112,30 @@ def test_after_a_reset_the_evictions_page_waits_for_the_writer_and_shows_the_row
     no_exceptions(at)
     assert "3 evictions" in [h.value for h in at.subheader]
     assert "has not stored" not in texts(at)
+
+
+def test_a_page_that_waited_long_enough_says_what_is_missing_and_shows_it_once_stored(console_env, monkeypatch):
+    """The writer stopped (SIGSTOP) right after a reset: the Evictions page waits HISTORY_WAIT_S, says which
+    rows are missing and how far behind the writer is, and shows them once the writer runs again."""
+    monkeypatch.setattr(ui, "HISTORY_WAIT_S", 1.0)
+    console_env(num_blocks=16)
+    engine = host().console.engine
+    engine.submit(list(range(10, 58)), PARAMS)  # 3 full blocks stay cached
+    wait_idle()
+    flush_history()
+    writer = host().writer
+    os.kill(writer.pid, signal.SIGSTOP)
+    try:
+        at = open_page("settings")
+        at.button(key="settings_reset").click().run()
+        at.button(key="settings_reset_confirm").click().run()
+        at = at.switch_page("../pages/evictions.py").run()
+        no_exceptions(at)
+        assert "The history writer has not stored the reset's evictions yet" in warnings_and_errors(at)
+        assert "0 evictions" in [h.value for h in at.subheader]  # what is stored so far
+    finally:
+        os.kill(writer.pid, signal.SIGCONT)
+    wait_for(lambda: writer.stats().lag_s == 0.0, "the writer to catch up")
+    at.run()
+    assert "3 evictions" in [h.value for h in at.subheader]
+    assert "has not stored" not in warnings_and_errors(at)
