@@ -249,6 +249,28 @@ class Engine:
             self._publish(self.log.take(), [])
             return ResetResult(dropped, kept)
 
+    def abort_all(self, reason: str) -> list[RequestView]:
+        """End every request that is not done, for an engine about to be replaced (call `stop()` first).
+
+        Waiting and running requests become aborted with `reason`, retained ones released; afterwards no
+        request holds a block. Listeners see the changes like any step's. Returns the requests changed.
+        """
+        with self._lock:
+            changed = []
+            for request in self._requests.values():
+                if request.status in (RequestStatus.WAITING, RequestStatus.RUNNING):
+                    self.scheduler.stop_request(request, RequestStatus.ABORTED, reason)
+                elif request.status is RequestStatus.RETAINED:
+                    self.kv.free(request.request_id)
+                    request.status = RequestStatus.RELEASED
+                else:
+                    continue
+                self._generators.pop(request.request_id, None)
+                self._replay_logits.pop(request.request_id, None)
+                changed.append(request)
+            self._publish(self.log.take(), changed)
+            return [self._view(r) for r in changed]
+
     # ------------------------------------------------------------------ the loop
     def step(self) -> list[RequestView]:
         """Run one scheduling step and one forward. Returns the requests that finished in it."""
@@ -256,8 +278,8 @@ class Engine:
             self._step += 1
             self.log.step = self._step
             out = self.scheduler.schedule()
-            sampled = self._execute(out)
-            finished = self._postprocess(out, sampled)
+            sampled, failed = self._execute(out)
+            finished = self._postprocess(out, sampled, failed)
             changed = {c.request.request_id: c.request for c in out.chunks}
             changed.update((r.request_id, r) for r in out.preempted)
             events = self.log.take()
@@ -267,19 +289,25 @@ class Engine:
             self._publish(events, list(changed.values()))
             return [self._view(r) for r in finished]
 
-    def _execute(self, out: SchedulerOutput) -> dict[str, int]:
-        """Copy-on-write copies, then one forward over every chunk; returns sampled tokens by request."""
+    def _execute(self, out: SchedulerOutput) -> tuple[dict[str, int], set[str]]:
+        """Copy-on-write copies, then one forward over every chunk.
+
+        Returns:
+            The sampled token of each request whose chunk reached its context's end, and the requests
+            whose chunk came out non-finite (their K/V is already zeroed; see `_non_finite`).
+        """
         if any(out.copies):
             self.runner.copy_blocks(out.copies)
         if not out.chunks:
-            return {}
+            return {}, set()
         chunks = [
             SeqChunk(c.token_ids, c.start_pos, self.kv.slots(c.request.request_id, c.write_from)) for c in out.chunks
         ]
         logits = self.runner.execute(chunks)
-        ends = [i for i, c in enumerate(out.chunks) if c.reaches_end]
+        failed = self._non_finite(chunks, out.chunks, logits)
+        ends = [i for i, c in enumerate(out.chunks) if c.reaches_end and c.request.request_id not in failed]
         if not ends:
-            return {}
+            return {}, failed
         requests = [out.chunks[i].request for i in ends]
         if self.config.verify_replay:
             for i, request in zip(ends, requests):
@@ -288,14 +316,39 @@ class Engine:
         tokens = sample(
             logits[ends], [r.sampling for r in requests], [self._generators.get(r.request_id) for r in requests]
         )
-        return {r.request_id: t for r, t in zip(requests, tokens)}
+        return {r.request_id: t for r, t in zip(requests, tokens)}, failed
 
-    def _postprocess(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
+    def _non_finite(self, chunks: list[SeqChunk], scheduled: list[ScheduledChunk], logits: torch.Tensor) -> set[str]:
+        """The requests whose chunk's last-position logits hold a NaN or an infinity.
+
+        Every chunk's last row is checked, prefill chunks too: causal attention carries a non-finite K/V
+        to every later position, so the chunk that first computes one is caught before its blocks enter
+        the prefix index. Each such chunk's K/V is zeroed at once (`ModelRunner.clear_slots`), so what
+        its request computed never reaches another request through a reused block.
+        """
+        finite = torch.isfinite(logits).all(dim=-1).tolist()
+        failed = set()
+        for chunk, scheduled_chunk, ok in zip(chunks, scheduled, finite):
+            if not ok:
+                self.runner.clear_slots(chunk)
+                failed.add(scheduled_chunk.request.request_id)
+        return failed
+
+    def _postprocess(self, out: SchedulerOutput, sampled: dict[str, int], failed: set[str]) -> list[Request]:
+        """Account for every computed chunk; finish the requests that stop; fail those in `failed`."""
         finished = []
         now = time.time()
         for chunk in out.chunks:
-            self.scheduler.finish_chunk(chunk)
             request = chunk.request
+            if request.request_id in failed:
+                reason = f"non-finite logits (NaN or inf) at position {chunk.start_pos + len(chunk.token_ids) - 1}"
+                logger.warning("request %s failed: %s", request.request_id, reason)
+                self.scheduler.stop_request(request, RequestStatus.FAILED, reason)
+                self._generators.pop(request.request_id, None)
+                self._replay_logits.pop(request.request_id, None)
+                finished.append(request)
+                continue
+            self.scheduler.finish_chunk(chunk)
             token = sampled.get(request.request_id)
             if token is None:
                 continue

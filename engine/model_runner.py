@@ -83,7 +83,7 @@ class _Batch:
 
     rows: torch.Tensor  # [B * n] packed-sequence rows of the queries, chunk-major
     num_queries: int  # n: tokens per chunk
-    block_ids: torch.Tensor | None  # [B * M] blocks to gather, chunk-major, padded with block 0; None if causal
+    block_ids: torch.Tensor | None  # [B * M] blocks to gather, chunk-major, padded with its first; None if causal
     num_keys: int  # keys kept per chunk after the gather (<= M * block_size)
     mask: torch.Tensor | None  # [B, 1, n, num_keys] bool (True = visible); None with is_causal or all visible
     is_causal: bool  # a lone chunk whose visible keys are exactly its own tokens
@@ -179,13 +179,8 @@ class ModelRunner:
             end = chunk.start_pos + len(chunk.token_ids)
             token_ids.extend(chunk.token_ids)
             positions.extend(range(chunk.start_pos, end))
-            for g, table in enumerate(chunk.groups):
-                scratch = self.num_blocks[g] * size
-                ids, first = table.block_ids, table.first_block
-                slots[g].extend(
-                    scratch + p % size if p < table.write_from else ids[p // size - first] * size + p % size
-                    for p in range(chunk.start_pos, end)
-                )
+            for g in range(len(self.groups)):
+                slots[g].extend(self._slots(chunk, g))
             last_rows.append(len(token_ids) - 1)
         batches = tuple(self._plan_batches(chunks, g) for g in range(len(self.groups)))
         # One gather buffer per step, not one allocation per layer: a fresh multi-MB tensor is mapped and
@@ -208,6 +203,28 @@ class ModelRunner:
             paged_context=context,
         )
         return output.logits[0].float()
+
+    @torch.inference_mode()
+    def clear_slots(self, chunk: SeqChunk) -> None:
+        """Zero the K/V a computed chunk wrote, in every layer (for a chunk whose forward went non-finite).
+
+        Masked keys are still multiplied by their zero weight: a NaN left in a freed block's slots would
+        turn into NaN for the next request that gathers that block, so it must not outlive its request.
+        """
+        for g, kv in enumerate(self.kv):
+            slots = torch.tensor(self._slots(chunk, g), device=kv.device)
+            kv.view(*kv.shape[:2], -1, *kv.shape[-2:]).index_fill_(2, slots, 0)
+
+    def _slots(self, chunk: SeqChunk, g: int) -> list[int]:
+        """The cache slot each of the chunk's positions writes in KV group g (the scratch block below
+        `write_from`)."""
+        size, table = self.block_size, chunk.groups[g]
+        scratch = self.num_blocks[g] * size
+        ids, first = table.block_ids, table.first_block
+        return [
+            scratch + p % size if p < table.write_from else ids[p // size - first] * size + p % size
+            for p in range(chunk.start_pos, chunk.start_pos + len(chunk.token_ids))
+        ]
 
     @torch.inference_mode()
     def reference_logits(self, token_ids: list[int]) -> torch.Tensor:
@@ -257,7 +274,9 @@ class ModelRunner:
             table = chunk.groups[g]
             blocks = table.block_ids[span.first_block - table.first_block : span.end_block - table.first_block]
             self._check_blocks(g, blocks)
-            block_ids.extend(blocks + [0] * (num_gathered - len(blocks)))
+            # Padding repeats the chunk's own first block: masked, yet multiplied by zero weights, so it must
+            # be finite whatever another request of this step computed (a NaN there stays that request's).
+            block_ids.extend(blocks + [blocks[0]] * (num_gathered - len(blocks)))
         rows = [row + i for row, _ in members for i in range(num_queries)]
 
         first = spans[0]

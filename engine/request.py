@@ -19,6 +19,8 @@ class RequestStatus(str, enum.Enum):
     FINISHED = "finished"  # done; its blocks were released
     RELEASED = "released"  # a retained request that an operator released
     REJECTED = "rejected"  # refused (too large for the pool, ...); never held blocks
+    FAILED = "failed"  # stopped by an error of its own (non-finite logits); its blocks were freed
+    ABORTED = "aborted"  # stopped unfinished because its engine was shut down (a restart); blocks freed
 
 
 class HitSource(str, enum.Enum):

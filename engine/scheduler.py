@@ -207,17 +207,36 @@ class Scheduler:
     def finish_request(self, request: Request, reason: str) -> None:
         """Take a finished request out of the running set; free its blocks unless it is retained."""
         self.running.remove(request)
+        self._end(request, RequestStatus.RETAINED if request.retain else RequestStatus.FINISHED, reason)
+
+    def stop_request(self, request: Request, status: RequestStatus, reason: str) -> None:
+        """End a waiting or running request unfinished (`status` FAILED or ABORTED); its blocks are freed.
+
+        Raises:
+            ValueError: a request that is neither waiting nor running, or a status that is not an end.
+        """
+        if status not in (RequestStatus.FAILED, RequestStatus.ABORTED):
+            raise ValueError(f"a stopped request ends failed or aborted, not {status.value}")
+        if request in self.running:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        else:
+            raise ValueError(f"request {request.request_id!r} is {request.status.value}: neither waiting nor running")
+        self._end(request, status, reason)
+
+    def _end(self, request: Request, status: RequestStatus, reason: str) -> None:
+        """Record the end (status, reason, time, final tables) and free the blocks unless retained."""
+        request.status = status
         request.finish_reason = reason
         request.finish_time = time.time()
-        request.final_block_tables = self.kv.block_ids(request.request_id)
-        if request.retain:
-            request.status = RequestStatus.RETAINED
-        else:
-            request.status = RequestStatus.FINISHED
-            self.kv.free(request.request_id)
+        if self.kv.has_table(request.request_id):
+            request.final_block_tables = self.kv.block_ids(request.request_id)
+            if status is not RequestStatus.RETAINED:
+                self.kv.free(request.request_id)
         self._log.emit(
             EventKind.FINISH,
             request_id=request.request_id,
             tokens=len(request.output_token_ids),
-            detail={"reason": reason, "output_tokens": len(request.output_token_ids)},
+            detail={"reason": reason, "output_tokens": len(request.output_token_ids), "status": status.value},
         )

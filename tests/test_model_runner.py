@@ -197,3 +197,33 @@ def test_malformed_chunks_are_refused(pair, chunk_args):
     runner, _ = pair("tiny-llama")
     with pytest.raises(ValueError):
         runner.execute([SeqChunk.of_table(*chunk_args)])
+
+
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-mistral"])
+def test_a_nan_in_a_block_no_chunk_holds_never_reaches_a_padded_decode_batch(pair, name):
+    """Regression: decode batches padded their gathers with block 0, masked yet multiplied by zero
+    weights, so a NaN another request of the same step wrote into block 0 made every shorter decode NaN."""
+    runner, reference = pair(name)
+    blocks = [b for b in shuffled_blocks(14) if b != 0]
+    contexts = [tokens(n, 20 + n) for n in (3, 14, 8)]
+    tables = [blocks[0:1], blocks[1:5], blocks[5:7]]
+    for context, table in zip(contexts, tables):
+        runner.execute([chunk(runner, context[:-1], 0, table)])
+    for kv in runner.kv:
+        kv[:, :, 0] = float("nan")
+    logits = runner.execute([chunk(runner, c[-1:], len(c) - 1, t) for c, t in zip(contexts, tables)])
+    for row, context in zip(logits, contexts):
+        assert_close(row, reference_logits(reference, context)[-1])
+
+
+def test_clear_slots_zeroes_exactly_what_a_chunk_wrote(pair):
+    runner, _ = pair("tiny-llama")
+    kept, cleared = chunk(runner, tokens(6, 1), 0, [3, 4]), chunk(runner, tokens(5, 2), 0, [7, 8])
+    runner.execute([kept, cleared])
+    before = runner.kv[0].clone()
+    runner.clear_slots(cleared)
+    after = runner.kv[0]
+    assert after[:, :, 7].eq(0).all() and after[:, :, 8, :1].eq(0).all()  # positions 0..4: block 7, slot 0 of 8
+    assert before[:, :, 7].ne(0).any()  # they held K/V before
+    after[:, :, 7:9] = before[:, :, 7:9]
+    assert torch.equal(after, before)  # nothing else changed
