@@ -54,6 +54,7 @@ ENV_ATTENTION = "PREFIX_CONSOLE_ATTENTION"  # attention override: "sliding:W" or
 HISTORY_SAMPLES = 3600  # PoolStats samples kept for the Overview charts
 HISTORY_INTERVAL_S = 0.5  # at most one sample per this many seconds
 RECENT_EVENTS = 50_000  # block events kept for the Blocks inspector
+RESTART_REASON = "the engine was restarted"  # finish reason of the requests a restart aborts
 BLOCK_EVENT_KINDS = frozenset({EventKind.ALLOCATE, EventKind.CACHE, EventKind.COW, EventKind.EVICT})
 
 
@@ -193,15 +194,17 @@ class ConsoleHost:
         """Replace the running engine with one built from `config` (a new storage run).
 
         The new engine is built first: when that fails (a bad model path, not enough memory) the old
-        one keeps serving and the error propagates. Requests of the old engine are dropped.
+        one keeps serving and the error propagates. The old engine's unfinished requests end aborted
+        (retained ones released), recorded under the old run, so no block of it stays held.
         """
         with self._lock:
             if self._closed:
                 raise RuntimeError("the console host is shut down")
             old = self._console
             engine = Engine(config)
-            old.active = False
             old.engine.stop()
+            old.engine.abort_all(RESTART_REASON)  # its listener is still active: the ends are recorded
+            old.active = False
             self._console = self._launch(config, engine)
             return self._console
 

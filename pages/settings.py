@@ -213,7 +213,8 @@ if state.get("settings_confirm") == "restart" and "settings_pending" in state:
         f"Restart the shared engine as **{new.model}**, {new.num_blocks:,} blocks × {new.block_size} tokens, "
         f"{new.dtype} on {new.device}"
         + (f" (about {needed / 2**20:,.0f} MiB of KV)" if needed is not None else "")
-        + "? Every request and cached block is dropped for every operator."
+        + "? For every operator: unfinished requests end aborted, retained ones are released and the cache "
+        "starts empty."
     )
     c = st.columns([1, 1, 4])
     if c[0].button("Confirm restart", type="primary", key="settings_restart_confirm"):

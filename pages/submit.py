@@ -14,7 +14,7 @@ from engine.engine import RequestRejected
 from engine.prompts import first_divergence
 from engine.request import SamplingParams
 
-DONE = ("retained", "finished", "released", "rejected")  # statuses whose record is final (until a release)
+DONE = ("retained", "finished", "released", "rejected", "failed", "aborted")  # statuses whose record is final (until a release)
 
 host = get_host()
 console = host.console

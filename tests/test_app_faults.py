@@ -1,9 +1,7 @@
-"""Console faults that need no engine change: each one is shown where an operator looks, and the engine
-keeps serving. A listener that raises, the writer process killed, the history's disk full, and an
-operator's read-your-writes wait (a page waits for the rows of the action just taken).
-
-Engine faults (NaN logits on one request; a restart from Settings while requests run) need the engine's
-rewrite and join this module with it (issue 14, phase B)."""
+"""Console faults: each one is shown where an operator looks, and the engine keeps serving. A listener
+that raises, the writer process killed, the history's disk full, an operator's read-your-writes wait (a
+page waits for the rows of the action just taken), a request whose logits go NaN, and a restart from
+Settings while requests run. The engine-level NaN tests are in tests/test_engine_faults.py."""
 
 from __future__ import annotations
 
@@ -11,7 +9,10 @@ import os
 import signal
 from pathlib import Path
 
+import torch
+
 from app import ui
+from app.hosting import RESTART_REASON
 from engine.request import SamplingParams
 from storage import migrate, queries
 from tests.storage_support import fill_disk
@@ -29,6 +30,7 @@ from tests.test_app_support import (  # noqa: F401
 )
 
 PARAMS = SamplingParams(max_new_tokens=4, ignore_eos=True)
+LONG = SamplingParams(max_new_tokens=1500, ignore_eos=True)  # runs for seconds: still running at a restart
 
 
 def warnings_and_errors(at) -> str:
@@ -139,3 +141,50 @@ def test_a_page_that_waited_long_enough_says_what_is_missing_and_shows_it_once_s
     at.run()
     assert "3 evictions" in [h.value for h in at.subheader]
     assert "has not stored" not in warnings_and_errors(at)
+
+
+def test_a_request_whose_logits_go_nan_is_recorded_failed_and_the_console_keeps_serving(console_env):
+    """NaN injected through the weights: token 7's embedding row of the served model is set to NaN."""
+    console = host().console
+    with torch.no_grad():
+        console.engine.loaded.model.get_input_embeddings().weight[7] = float("nan")
+    bad = console.engine.submit([10, 11, 7, 12], PARAMS)
+    good = console.engine.submit(list(range(10, 60)), PARAMS)
+    wait_idle()
+    assert console.engine.failure is None
+    assert (console.engine.get(bad).status, console.engine.get(good).status) == ("failed", "finished")
+    console.engine.check_invariants()
+    assert console.engine.stats().used_blocks == 0
+    flush_history()
+    stored = queries.recent_requests(host().db, console.run_id).set_index("request_id")
+    assert stored.loc[bad, "status"] == "failed"
+    assert stored.loc[bad, "finish_reason"] == "non-finite logits (NaN or inf) at position 3"
+    assert stored.loc[good, "status"] == "finished"
+
+
+def test_a_restart_while_requests_run_ends_them_aborted_in_history_and_leaks_no_block(console_env):
+    console_env(num_blocks=256)
+    old = host().console
+    retained = old.engine.submit(list(range(10, 60)), PARAMS, retain=True)
+    wait_idle()
+    running = [old.engine.submit([20 + i] + list(range(100, 130)), LONG) for i in range(3)]
+    wait_for(lambda: all(old.engine.get(rid).output_token_ids for rid in running), "the requests to decode")
+    at = open_page("settings")
+    next(b for b in at.button if b.label == "Restart with these settings…").click().run()
+    at.button(key="settings_restart_confirm").click().run()
+    no_exceptions(at)
+    assert host().console is not old
+
+    ended = {rid: old.engine.get(rid) for rid in (retained, *running)}
+    assert ended[retained].status == "released"
+    for rid in running:
+        assert (ended[rid].status, ended[rid].finish_reason) == ("aborted", RESTART_REASON)
+        assert 0 < len(ended[rid].output_token_ids) < LONG.max_new_tokens
+    old.engine.check_invariants()
+    stats = old.engine.stats()
+    assert (stats.used_blocks, stats.num_running, stats.num_waiting, stats.num_retained) == (0, 0, 0, 0)
+    flush_history()
+    stored = queries.recent_requests(host().db, old.run_id).set_index("request_id")
+    for rid, view in ended.items():
+        assert (stored.loc[rid, "status"], stored.loc[rid, "finish_reason"]) == (view.status, view.finish_reason)
+        assert len(stored.loc[rid, "output_token_ids"]) == len(view.output_token_ids)
