@@ -195,7 +195,8 @@ class ConsoleHost:
 
         The new engine is built first: when that fails (a bad model path, not enough memory) the old
         one keeps serving and the error propagates. The old engine's unfinished requests end aborted
-        (retained ones released), recorded under the old run, so no block of it stays held.
+        (retained ones released), recorded under the old run, so no block of it stays held; a session
+        that still holds it is refused with a message when it submits.
         """
         with self._lock:
             if self._closed:
@@ -203,7 +204,7 @@ class ConsoleHost:
             old = self._console
             engine = Engine(config)
             old.engine.stop()
-            old.engine.abort_all(RESTART_REASON)  # its listener is still active: the ends are recorded
+            old.engine.retire(RESTART_REASON)  # its listener is still active: the ends are recorded
             old.active = False
             self._console = self._launch(config, engine)
             return self._console

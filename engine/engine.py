@@ -125,6 +125,7 @@ class Engine:
         self._thread: threading.Thread | None = None
         self._stopping = False
         self.failure: BaseException | None = None  # set when the background loop died
+        self._retired: str | None = None  # why this engine takes no new requests (see `retire`)
 
     @property
     def tokenizer(self):
@@ -158,7 +159,7 @@ class Engine:
 
         Raises:
             ValueError: bad input (empty or out-of-vocabulary tokens, a taken id, a context longer
-                than the model's); nothing is recorded.
+                than the model's) or a retired engine; nothing is recorded.
             RequestRejected: the request can never fit in the pool; it is recorded as rejected.
         """
         sampling = sampling or SamplingParams()
@@ -186,7 +187,7 @@ class Engine:
 
         Raises:
             ValueError: unknown parent, a parent that holds no KV (waiting, finished without retain,
-                released), or an empty or invalid suffix; nothing changes.
+                released), an empty or invalid suffix, or a retired engine; nothing changes.
         """
         sampling = sampling or SamplingParams()
         with self._lock:
@@ -249,13 +250,16 @@ class Engine:
             self._publish(self.log.take(), [])
             return ResetResult(dropped, kept)
 
-    def abort_all(self, reason: str) -> list[RequestView]:
-        """End every request that is not done, for an engine about to be replaced (call `stop()` first).
+    def retire(self, reason: str) -> list[RequestView]:
+        """End every request that is not done and refuse new ones, for an engine being replaced (call
+        `stop()` first).
 
         Waiting and running requests become aborted with `reason`, retained ones released; afterwards no
-        request holds a block. Listeners see the changes like any step's. Returns the requests changed.
+        request holds a block, and `submit` and `fork` raise `ValueError` naming `reason`. Listeners see
+        the changes like any step's. Returns the requests changed.
         """
         with self._lock:
+            self._retired = reason
             changed = []
             for request in self._requests.values():
                 if request.status in (RequestStatus.WAITING, RequestStatus.RUNNING):
@@ -537,6 +541,8 @@ class Engine:
             listener(events, views)
 
     def _claim_id(self, request_id: str | None) -> str:
+        if self._retired is not None:
+            raise ValueError(f"this engine takes no new requests: {self._retired}; reload the page for the new one")
         if request_id is None:
             request_id = f"req-{next(self._ids)}"
             while request_id in self._requests:

@@ -1,5 +1,5 @@
 """Engine faults a console must survive, on a real tiny model (fp32, CPU), and a property test of the
-engine's invariants under random submits, forks, releases, resets, NaN requests and restart aborts.
+engine's invariants under random submits, forks, releases, resets, NaN requests and a retire (restart).
 
 Non-finite logits are injected through the weights: one row of the input embedding (token POISON) is
 set to NaN, as a corrupted checkpoint row or an fp16 overflow would leave it. Every request whose
@@ -124,9 +124,9 @@ _MODEL: list[LoadedModel] = []  # one poisoned model for every example (each eng
 
 class EngineFaultMachine(RuleBasedStateMachine):
     """Random submits and forks (some holding POISON, some sampled), releases, steps, resets and the
-    aborts of a restart, on a 16-block pool (preemptions are common). After every rule: the engine's
+    retire of a restart, on a 16-block pool (preemptions are common). After every rule: the engine's
     invariants hold, the block memory is finite, nothing cached holds POISON, exactly the poisoned
-    requests fail, and after `abort_all` no request holds a block."""
+    requests fail, and after `retire` no request holds a block and no new one is taken."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -134,6 +134,7 @@ class EngineFaultMachine(RuleBasedStateMachine):
             _MODEL.append(poisoned_model(None))
         self.engine = poisoned_engine(None, num_blocks=16, loaded=_MODEL[0])
         self.poisoned: set[str] = set()
+        self.retired = False  # after `retire` every submit is refused
 
     def _params(self, sampled: bool, new: int) -> SamplingParams:
         return SamplingParams(max_new_tokens=new, temperature=0.9 if sampled else 0.0, seed=1, ignore_eos=True)
@@ -144,6 +145,10 @@ class EngineFaultMachine(RuleBasedStateMachine):
         prompt = stem + tail
         if poison_at is not None:
             prompt.insert(min(poison_at, len(prompt)), POISON)
+        if self.retired:
+            with pytest.raises(ValueError, match="takes no new requests: restart"):
+                self.engine.submit(prompt, self._params(sampled, new), retain=retain)
+            return
         try:
             rid = self.engine.submit(prompt, self._params(sampled, new), retain=retain)
         except RequestRejected:
@@ -182,8 +187,9 @@ class EngineFaultMachine(RuleBasedStateMachine):
         self.engine.reset_cache()
 
     @rule()
-    def abort_all(self):
-        self.engine.abort_all("restart")
+    def retire(self):
+        self.engine.retire("restart")
+        self.retired = True
         stats = self.engine.stats()
         assert (stats.used_blocks, stats.num_running, stats.num_waiting, stats.num_retained) == (0, 0, 0, 0)
 
