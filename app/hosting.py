@@ -6,9 +6,10 @@
 
 The engine steps on its own background thread. A listener, called on that thread after every step,
 feeds the storage writer process (through `storage.recorder.persistence_listener`: events and request
-views of the current run), a bounded ring of `PoolStats` samples for the Overview charts and a bounded
-ring of recent block events for the Blocks inspector. Nothing here calls `st.*` except the cached
-constructor at the bottom, so the engine thread never touches Streamlit.
+views of the current run) and a bounded ring of `PoolStats` samples for the Overview charts. Block
+histories are read back from the database (storage.queries.block_timelines), not kept here. Nothing here
+calls `st.*` except the cached constructor at the bottom, so the engine thread never touches Streamlit.
+The engine is warmed up (one throwaway forward) before it serves, so the first request is not slower.
 
 Configuration comes from environment variables (see `config_from_env`) and, after a restart, from the
 Settings page. The history database is `storage.db.default_db_url(data_dir)`: $PREFIX_CONSOLE_DB_URL, else
@@ -31,9 +32,10 @@ from pathlib import Path
 import streamlit as st
 from sqlalchemy import Engine as DbEngine
 
+from app.loading import ENV_MODEL, HOST_STARTED
 from engine.config import DEFAULT_MODEL, EngineConfig
 from engine.engine import Engine
-from engine.events import Event, EventKind
+from engine.events import Event
 from engine.snapshot import PoolStats, RequestView
 from storage import migrate
 from storage.db import db_engine, default_db_url
@@ -43,7 +45,6 @@ from storage.writer_process import WriterProcess
 
 logger = logging.getLogger(__name__)
 
-ENV_MODEL = "PREFIX_CONSOLE_MODEL"
 ENV_NUM_BLOCKS = "PREFIX_CONSOLE_NUM_BLOCKS"
 ENV_BLOCK_SIZE = "PREFIX_CONSOLE_BLOCK_SIZE"
 ENV_DEVICE = "PREFIX_CONSOLE_DEVICE"
@@ -53,9 +54,7 @@ ENV_ATTENTION = "PREFIX_CONSOLE_ATTENTION"  # attention override: "sliding:W" or
 
 HISTORY_SAMPLES = 3600  # PoolStats samples kept for the Overview charts
 HISTORY_INTERVAL_S = 0.5  # at most one sample per this many seconds
-RECENT_EVENTS = 50_000  # block events kept for the Blocks inspector
 RESTART_REASON = "the engine was restarted"  # finish reason of the requests a restart aborts
-BLOCK_EVENT_KINDS = frozenset({EventKind.ALLOCATE, EventKind.CACHE, EventKind.COW, EventKind.EVICT})
 
 
 def config_from_env(environ: Mapping[str, str] | None = None) -> EngineConfig:
@@ -107,38 +106,6 @@ class StatsHistory:
             return list(self._samples)
 
 
-class RecentEvents:
-    """The most recent block-level events (allocate, cache, copy-on-write, evict), oldest first."""
-
-    def __init__(self, maxlen: int = RECENT_EVENTS) -> None:
-        self._events: deque[Event] = deque(maxlen=maxlen)
-        self._lock = threading.Lock()
-
-    def extend(self, events: list[Event]) -> None:
-        kept = [e for e in events if e.kind in BLOCK_EVENT_KINDS]
-        if kept:
-            with self._lock:
-                self._events.extend(kept)
-
-    def for_block(self, block_id: int, group: str) -> list[Event]:
-        """Events about one block of one KV group: allocated, cached, evicted, copied from or into.
-
-        Multi-block events (allocate, cache) list their blocks in `block_ids`.
-        """
-        with self._lock:
-            events = list(self._events)
-        return [
-            e
-            for e in events
-            if e.detail.get("group") == group
-            and (e.block_id == block_id or e.detail.get("src_block") == block_id or block_id in e.detail.get("block_ids", ()))
-        ]
-
-    @property
-    def capacity(self) -> int:
-        return self._events.maxlen or 0
-
-
 @dataclass
 class Console:
     """One running engine and what the console keeps about it in memory."""
@@ -148,7 +115,6 @@ class Console:
     run_id: str  # the storage run its events and requests are written under
     started_at: float  # epoch seconds
     history: StatsHistory = field(default_factory=StatsHistory)
-    recent: RecentEvents = field(default_factory=RecentEvents)
     listener_errors: int = 0  # listener calls that raised (logged; the engine keeps stepping)
     active: bool = True  # False once a restart replaced it; its listener then ignores late calls
 
@@ -222,6 +188,7 @@ class ConsoleHost:
 
     def _launch(self, config: EngineConfig, engine: Engine | None = None) -> Console:
         engine = engine or Engine(config)
+        engine.warm_up()  # the first request would otherwise pay a first forward's one-time costs
         started = time.time()
         run_id = self.writer.start_run(run_info(engine, started))
         console = Console(config=config, engine=engine, run_id=run_id, started_at=started)
@@ -238,7 +205,6 @@ class ConsoleHost:
                 return
             try:
                 persist(events, views)
-                console.recent.extend(events)
                 console.history.offer(time.time(), console.engine.stats())
             except Exception:  # a listener must never stop the engine; counted and shown instead
                 console.listener_errors += 1
@@ -252,6 +218,7 @@ def get_host() -> ConsoleHost:
     """The process-wide host (created on first use, shared by every session)."""
     host = ConsoleHost.from_env()
     atexit.register(_shutdown_at_exit, weakref.ref(host))  # on_release is not guaranteed at server shutdown
+    HOST_STARTED.set()
     return host
 
 

@@ -6,21 +6,29 @@ Run from the repository root with `streamlit run app`. This entry lists the page
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:  # `streamlit run app` puts only app/ on the path; the pages import engine/, storage/
     sys.path.insert(0, str(ROOT))
+# Before torch loads (OpenMP reads it once): threads that spin at barriers made the console's requests
+# 5-10x slower whenever the Streamlit server, the writer child or another process wanted a core
+# (benchmarks/first_request.py measures it).
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import streamlit as st  # noqa: E402
 
-from app.hosting import get_host  # noqa: E402
-from app.ui import health_banners  # noqa: E402
+from app.loading import loading_notice  # noqa: E402  (light: the heavy imports come after the notice)
 
 PAGES = ROOT / "pages"
 
 st.set_page_config(page_title="prefix-console", page_icon=":material/memory:", layout="wide")
+notice = loading_notice()  # shown only while the engine is not up yet: the first visit waits seconds
+
+from app.hosting import get_host  # noqa: E402  (imports torch and transformers)
+from app.ui import health_banners  # noqa: E402
 
 navigation = st.navigation(
     {
@@ -32,6 +40,7 @@ navigation = st.navigation(
             st.Page(PAGES / "replay.py", title="Replay", icon=":material/replay:"),
         ],
         "History": [st.Page(PAGES / "evictions.py", title="Evictions", icon=":material/delete_sweep:")],
+        "Plan": [st.Page(PAGES / "capacity_planner.py", title="Capacity planner", icon=":material/insights:")],
         "Admin": [st.Page(PAGES / "settings.py", title="Settings", icon=":material/settings:")],
     }
 )
@@ -39,8 +48,10 @@ navigation = st.navigation(
 try:
     host = get_host()
 except Exception as exc:  # a bad environment or a model that fails to load: say so, run no page
+    notice.empty()
     st.error(f"The engine could not start: {exc}")
     st.stop()
+notice.empty()
 
 console = host.console
 with st.sidebar:

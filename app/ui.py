@@ -131,6 +131,13 @@ def fmt_time(epoch: float | None) -> str:
     return datetime.fromtimestamp(epoch, tz=timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
 
 
+def fmt_clock(epoch: float | None) -> str:
+    """Time of day in UTC to the millisecond ("23:14:18.042"): the events of one block are close together."""
+    if epoch is None:
+        return "—"
+    return datetime.fromtimestamp(epoch, tz=timezone.utc).strftime("%H:%M:%S.%f")[:12]
+
+
 def fmt_duration(seconds: float | None) -> str:
     if seconds is None:
         return "—"

@@ -1,11 +1,14 @@
 """Block bookkeeping throughput: this engine's KV cache manager next to transformers' cache allocators.
 
+A report, not a goal: the pool is built to be simple to read (an intrusive linked-list LRU, chain keys as
+a list of bytes, no cached enum members); the speed that counts is replaying a real workload.
+
 Four operations per context length, on the same pool size, block size and token ids for both sides:
 
     lookup    hash the prompt block by block and find every block of a fully cached context
               ours: `KVCacheManager.find_prefix_hit`      theirs: `CacheAllocator.match_prefix_blocks`
     allocate  give a new context its blocks on a cold cache, then key its full blocks
-              ours: `allocate_slots` + `cache_full_blocks`
+              ours: `allocate` (which checks `can_allocate` first) + `cache_full_blocks`
               theirs: `needs_new_sectors` + `allocate_cache_to_request` + `mark_complete_blocks`
     fork      give a child a table sharing every block of a prefilled parent
               ours: `fork`                                theirs: `fork_blocks`
@@ -60,14 +63,14 @@ OPS = ("lookup", "allocate", "fork", "release")
 NOTES = {
     "lookup": "theirs trusts a 64-bit blake2b hit; ours hashes under a namespace root (xxh3-128) and "
     "confirms each hit's token ids and parent key",
-    "allocate": "ours also keeps LRU metadata, checks the chain parent and emits one ALLOCATE and one CACHE "
-    "event per call, each listing its blocks",
+    "allocate": "ours also checks the pool first, stamps each block, checks the chain parent and emits one "
+    "ALLOCATE and one CACHE event per call, each listing its blocks",
     "fork": "contexts are whole blocks, so both sides share every block and copy nothing (with a partial "
     "tail theirs takes a fresh block for a copy at fork time; ours shares it until the first write); "
     "ours emits one FORK event",
-    "release": "theirs keeps unreferenced hashed blocks in a dict that is evicted all at once; ours queues the "
-    "released blocks, tail first, in an LRU with lazy deletion (dead entries are compacted in bulk), stamps "
-    "each block's last use and emits one RELEASE event listing the blocks",
+    "release": "theirs keeps unreferenced hashed blocks in a dict that is evicted all at once; ours links the "
+    "released blocks, tail first, into an LRU queue threaded through the blocks (a doubly linked list: O(1) "
+    "removal on a later hit), stamps each block's last use and emits one RELEASE event listing the blocks",
 }
 
 Thunk = Callable[[], None]
@@ -102,7 +105,7 @@ class Ours:
         self.manager = KVCacheManager(BlockPool(num_blocks, BLOCK_SIZE, self.log), self.namespace, self.log)
 
     def prefill(self, request_id: str, tokens: list[int]) -> None:
-        assert self.manager.allocate_slots(request_id, tokens)
+        self.manager.allocate(request_id, tokens)
         self.manager.cache_full_blocks(request_id)
         self.log.take()  # the engine drains its events every step
 
@@ -116,7 +119,7 @@ class Ours:
         return run
 
     def allocate_thunk(self, contexts: list[tuple[str, list[int]]]) -> Thunk:
-        allocate, cache = self.manager.allocate_slots, self.manager.cache_full_blocks
+        allocate, cache = self.manager.allocate, self.manager.cache_full_blocks
 
         def run() -> None:
             for request_id, tokens in contexts:

@@ -574,8 +574,9 @@ def main() -> int:
     started = time.perf_counter()
     data_dir = resolve_data_dir(args.data_dir)
 
-    loaded = load_model(s.model, dtype="float32", device="auto", data_dir=data_dir, seed=0,
-                        attention_override=f"hybrid:{s.window}")
+    loaded = load_model(
+        EngineConfig(model=s.model, device="auto", data_dir=data_dir, attention_override=f"hybrid:{s.window}")
+    )
     systems = [System(spec, loaded, s, data_dir) for spec in SYSTEMS]
     sizes = Sizes(loaded, systems[0].engine, s.block_size)
     texts = Texts(loaded, s)

@@ -1,6 +1,8 @@
 """`python -m cli COMMAND ...`: one dispatcher, one module per command.
 
-    run-trace   replay a JSONL workload through the engine (cli/run_trace.py)
+    run-trace       replay a JSONL workload through the engine (cli/run_trace.py)
+    analyze         what a cache of given sizes would hit on a workload, and why it misses (cli/analyze.py)
+    block-history   one block's reference-count history from the history database (cli/block_history.py)
 
 A command module exposes `add_parser(subparsers)`, which adds its subcommand and sets `run` as that
 parser's default, and `run(args) -> int`, the exit status. Command modules import at the top only what
@@ -11,17 +13,21 @@ light; what a command runs it imports in `run`.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
 from types import ModuleType
 
-from cli import run_trace
+from cli import analyze, block_history, run_trace
 
-COMMANDS: tuple[ModuleType, ...] = (run_trace,)
+COMMANDS: tuple[ModuleType, ...] = (run_trace, analyze, block_history)
 
 
 def main(argv: Sequence[str] | None = None, *, prog: str = "python -m cli", commands=COMMANDS) -> int:
     """Parse `argv` (default: sys.argv[1:]), run the chosen command and return its exit status."""
+    # OpenMP threads that spin at barriers made forwards many times slower whenever another process
+    # shared the cores (benchmarks/first_request.py); torch reads this when a command first loads it.
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     parser = argparse.ArgumentParser(prog=prog)
     subparsers = parser.add_subparsers(dest="command", required=True)
     for command in commands:

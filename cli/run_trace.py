@@ -17,6 +17,7 @@ import sys
 from typing import Any
 
 from engine.config import DEFAULT_MODEL, EngineConfig
+from engine.eviction import EvictionPolicyName
 
 NAME = "run-trace"
 
@@ -27,6 +28,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--model", default=DEFAULT_MODEL, help="preset name or local model directory")
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--num-blocks", type=int, default=None)
+    parser.add_argument(
+        "--eviction-policy", choices=[p.value for p in EvictionPolicyName], default=EvictionPolicyName.LRU.value,
+        help="which evictable block the pool gives up first (engine/eviction.py)",
+    )  # fmt: skip
     parser.add_argument("--device", default="auto")
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--seed", type=int, default=0)
@@ -93,6 +98,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         dtype=args.dtype,
         block_size=args.block_size,
         num_blocks=args.num_blocks,
+        eviction_policy=EvictionPolicyName(args.eviction_policy),
         seed=args.seed,
         attention_override=args.attention_override,
         window_backtrack=args.window_backtrack,

@@ -6,8 +6,12 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from engine.eviction import EvictionPolicyName
+from engine.kv_memory import DTYPE_BYTES
+
 DEFAULT_MODEL = "smollm2"
-DTYPES = ("float32", "float16", "bfloat16")
+DTYPES = tuple(DTYPE_BYTES)
+DATA_DIR_ENV = "PREFIX_CONSOLE_DATA_DIR"
 
 # Bounds on every size an operator can type (console and CLI validate against these).
 MAX_BLOCK_SIZE = 256
@@ -17,8 +21,9 @@ MAX_BATCHED_TOKENS = 1 << 16
 
 
 def default_data_dir() -> Path:
-    """Where converted weights and the SQLite history live: $PREFIX_CONSOLE_DATA_DIR or ./data."""
-    return Path(os.environ.get("PREFIX_CONSOLE_DATA_DIR", "data")).resolve()
+    """Where converted weights and the SQLite history live: $PREFIX_CONSOLE_DATA_DIR, or ./data when it is
+    unset or empty (an empty path would resolve to the working directory itself)."""
+    return Path(os.environ.get(DATA_DIR_ENV) or "data").resolve()
 
 
 @dataclass(frozen=True)
@@ -37,6 +42,7 @@ class EngineConfig:
     kv_memory_mb: int | None = None  # pool size as a memory budget (converted to blocks)
     max_num_batched_tokens: int = 2048  # per-step token budget (chunked prefill + decode)
     max_num_seqs: int = 64  # most requests running at once
+    eviction_policy: EvictionPolicyName = EvictionPolicyName.LRU  # which evictable block goes first (engine/eviction.py)
     seed: int = 0  # seeds random-weight presets and default sampling
     attention_override: str | None = None  # "sliding:W" (all layers) or "hybrid:W" (even layers sliding)
     window_backtrack: int = 0  # sliding layers: extra tokens of window state kept when caching
@@ -45,6 +51,11 @@ class EngineConfig:
     data_dir: Path | None = None  # None -> default_data_dir()
 
     def __post_init__(self) -> None:
+        try:  # a name ("reuse-lru") is accepted and stored as the enum
+            object.__setattr__(self, "eviction_policy", EvictionPolicyName(self.eviction_policy))
+        except ValueError:
+            names = ", ".join(policy.value for policy in EvictionPolicyName)
+            raise ValueError(f"eviction_policy must be one of {names}, got {self.eviction_policy!r}") from None
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         if not 1 <= self.block_size <= MAX_BLOCK_SIZE:

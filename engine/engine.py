@@ -7,8 +7,9 @@
     engine.run_until_idle()
     engine.get(b).output_token_ids
 
-One step reads in three lines: schedule, run the model, post-process. Every public method takes one
-lock, so commands from other threads (the console) land between steps and snapshots are consistent.
+One step reads in three lines: schedule, run the model, post-process (see `step`). Every public
+method takes one lock, so commands from other threads (the console) land between steps and snapshots
+are consistent.
 `start()` runs steps on a background thread whenever there is work; it never touches Streamlit.
 Listeners get each step's events and the requests that changed, on the engine thread, after the step.
 """
@@ -26,22 +27,25 @@ import torch
 
 from engine.block_pool import BlockPool
 from engine.config import EngineConfig
+from engine.errors import require
 from engine.events import Event, EventKind, EventLog
+from engine.eviction import make_eviction_policy
 from engine.kv_cache_manager import KVCacheManager
 from engine.kv_coordinator import KVCoordinator
 from engine.kv_groups import WindowPolicy
-from engine.model_runner import ModelRunner, SeqChunk
+from engine.model_runner import GroupSlots, ModelRunner, SeqChunk
 from engine.models import LoadedModel, load_model
 from engine.namespace import CacheNamespace
 from engine.request import HitSource, Request, RequestStatus, SamplingParams
 from engine.sampler import sample
 from engine.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
-from engine.verify import divergence
-from engine.snapshot import BlockView, EngineSnapshot, GroupStats, PoolStats, RequestView
+from engine.snapshot import EngineSnapshot, PoolStats, RequestView, block_views, pool_stats
+from engine.verify import ReplayVerifier
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_NUM_BLOCKS = 1024
+WARM_UP_TOKENS = 256  # prefill length of `Engine.warm_up`: about a typical prompt
 MAX_REQUEST_ID_LEN = 128
 Listener = Callable[[list[Event], list[RequestView]], None]
 
@@ -76,18 +80,10 @@ def pool_size(config: EngineConfig, loaded: LoadedModel) -> int:
 class Engine:
     def __init__(self, config: EngineConfig, *, loaded: LoadedModel | None = None) -> None:
         self.config = config
-        self.loaded = loaded or load_model(
-            config.model,
-            dtype=config.dtype,
-            device=config.device,
-            data_dir=config.resolved_data_dir,
-            seed=config.seed,
-            attention_override=config.attention_override,
-        )
+        self.loaded = loaded or load_model(config)
         num_blocks = pool_size(config, self.loaded)
         self.runner = ModelRunner(self.loaded, num_blocks, config.block_size)
         self.log = EventLog()
-        window_policy = WindowPolicy(config.window_backtrack, config.allow_approximate_replay)
         self.namespace = CacheNamespace(
             model_id=self.loaded.model_id,
             weights_revision=self.loaded.weights_revision,
@@ -97,7 +93,14 @@ class Engine:
         )
         managers = [
             KVCacheManager(
-                BlockPool(num_blocks, config.block_size, self.log, group=spec.name, chained=spec.window is None),
+                BlockPool(
+                    num_blocks,
+                    config.block_size,
+                    self.log,
+                    group=spec.name,
+                    chained=spec.window is None,
+                    eviction=make_eviction_policy(config.eviction_policy, num_blocks),
+                ),
                 self.namespace,
                 self.log,
                 window=spec.window,
@@ -105,20 +108,16 @@ class Engine:
             )
             for spec in self.runner.groups
         ]
+        window_policy = WindowPolicy(config.window_backtrack, config.allow_approximate_replay)
         self.kv = KVCoordinator(self.runner.groups, managers, window_policy, self.log)
-        self.scheduler = Scheduler(
-            self.kv,
-            self.log,
-            max_num_batched_tokens=config.max_num_batched_tokens,
-            max_num_seqs=config.max_num_seqs,
-        )
+        self.scheduler = Scheduler(config, self.kv, self.log, self.loaded.eos_token_ids)
+        # Only when asked for: it keeps logits of approximate replays and recomputes them when they finish.
+        self._verifier = ReplayVerifier(self.runner, self.log) if config.verify_replay else None
         self.vocab_size = int(self.loaded.model.config.vocab_size)
         self.max_model_len = int(self.loaded.max_position_embeddings)
         self._requests: dict[str, Request] = {}
-        self._generators: dict[str, torch.Generator] = {}
-        self._replay_logits: dict[str, list[torch.Tensor]] = {}  # approximate replays under verification
+        self._generators: dict[str, torch.Generator] = {}  # seeded sampling of running requests
         self._ids = itertools.count()
-        self._step = 0
         self._listeners: list[Listener] = []
         self._lock = threading.RLock()
         self._work = threading.Condition(self._lock)
@@ -188,8 +187,47 @@ class Engine:
         Raises:
             ValueError: unknown parent, a parent that holds no KV (waiting, finished without retain,
                 released), an empty or invalid suffix, or a retired engine; nothing changes.
+            RequestRejected: the child can never fit in the pool; it is recorded as rejected.
+        """
+        ids = None if request_id is None else [request_id]
+        return self.fork_many(parent_id, [suffix_token_ids], sampling, request_ids=ids, retain=retain)[0]
+
+    def fork_many(
+        self,
+        parent_id: str,
+        suffixes: list[list[int]],
+        sampling: SamplingParams | None = None,
+        *,
+        request_ids: list[str] | None = None,
+        retain: bool = False,
+    ) -> list[str]:
+        """Queue one child per suffix (as `fork` does), all within one hold of the engine lock.
+
+        No step runs between the children, so they all share the parent's blocks before any of them
+        writes: a shared partial tail reaches reference count 1 + len(suffixes), and each child's
+        copy-on-write comes in a later step. Every child is checked before any is created.
+
+        Args:
+            parent_id: a running or retained request.
+            suffixes: one child's suffix tokens each.
+            sampling: how every child samples (default `SamplingParams()`).
+            request_ids: the children's ids, one per suffix; None lets the engine assign them.
+            retain: whether the children keep their blocks after finishing.
+
+        Returns:
+            The children's ids, in the order of `suffixes`.
+
+        Raises:
+            ValueError: as `fork`, for any child, or `request_ids` that do not pair up with the suffixes
+                or repeat; nothing changes.
+            RequestRejected: a child can never fit in the pool; it is recorded as rejected and no child
+                is created.
         """
         sampling = sampling or SamplingParams()
+        if request_ids is not None and len(request_ids) != len(suffixes):
+            raise ValueError(f"{len(request_ids)} request ids for {len(suffixes)} suffixes")
+        if not suffixes:
+            raise ValueError("give at least one fork suffix")
         with self._lock:
             parent = self._requests.get(parent_id)
             if parent is None:
@@ -199,30 +237,32 @@ class Engine:
                     f"cannot fork {parent_id!r}: it is {parent.status.value}; only running or retained requests "
                     "hold KV to share"
                 )
-            rid = self._claim_id(request_id)
-            suffix = self._check_tokens(suffix_token_ids, "fork suffix")
-            context = parent.all_token_ids + suffix
-            self._check_length(len(context), sampling)
-            child = Request(
-                rid,
-                context,
-                sampling,
-                parent_id=parent_id,
-                retain=retain,
-                salt=parent.salt,
-                hit_source=HitSource.FORK,
-                arrival_time=time.time(),
-                cacheable=parent.cacheable,
-            )
-            if self._blocks_for(len(context), sampling) > self.num_blocks:
-                self._enqueue(child)  # records the rejection and raises
-            shared = self.kv.fork(parent_id, rid)
-            child.num_computed_tokens = shared
-            child.cached_tokens = shared
-            child.replay_from = shared
-            child.replay_mode = "fork"
-            self._enqueue(child)
-            return rid
+            children: list[Request] = []
+            for i, suffix_token_ids in enumerate(suffixes):
+                wanted = None if request_ids is None else request_ids[i]
+                rid = self._claim_id(wanted, taken={c.request_id for c in children})
+                suffix = self._check_tokens(suffix_token_ids, "fork suffix")
+                context = parent.all_token_ids + suffix
+                self._check_length(len(context), sampling)
+                child = Request(
+                    rid,
+                    context,
+                    sampling,
+                    parent_id=parent_id,
+                    retain=retain,
+                    salt=parent.salt,
+                    hit_source=HitSource.FORK,
+                    arrival_time=time.time(),
+                    cacheable=parent.cacheable,
+                )
+                children.append(child)
+            for child in children:
+                if self._blocks_for(child.num_prompt_tokens, sampling) > self.num_blocks:
+                    self._enqueue(child)  # records the rejection and raises
+            for child in children:
+                child.seeded_by_fork(self.kv.fork(parent_id, child.request_id), self.kv.ready_mode)
+                self._enqueue(child)
+            return [child.request_id for child in children]
 
     def release(self, request_id: str) -> None:
         """Release a retained request's blocks (or make a running retained request free them at the end).
@@ -236,10 +276,10 @@ class Engine:
                 raise ValueError(f"unknown request {request_id!r}")
             if request.status is RequestStatus.RETAINED:
                 self.kv.free(request_id)
-                request.status = RequestStatus.RELEASED
-                self._publish([], [request])
+                request.released()
+                self._publish(self.log.take(), [request])  # its RELEASE events leave now, not with the next step
             elif request.status in (RequestStatus.RUNNING, RequestStatus.WAITING) and request.retain:
-                request.retain = False
+                request.release_when_finished()
             else:
                 raise ValueError(f"request {request_id!r} is {request.status.value}: nothing to release")
 
@@ -266,130 +306,109 @@ class Engine:
                     self.scheduler.stop_request(request, RequestStatus.ABORTED, reason)
                 elif request.status is RequestStatus.RETAINED:
                     self.kv.free(request.request_id)
-                    request.status = RequestStatus.RELEASED
+                    request.released()
                 else:
                     continue
-                self._generators.pop(request.request_id, None)
-                self._replay_logits.pop(request.request_id, None)
+                self._let_go(request)
                 changed.append(request)
             self._publish(self.log.take(), changed)
             return [self._view(r) for r in changed]
 
+    def warm_up(self, num_tokens: int = WARM_UP_TOKENS) -> None:
+        """Run the model on throwaway tokens, a prefill of `num_tokens` and then a one-token decode, so
+        that the first request does not pay a first forward's one-time costs (kernel and thread-pool
+        start-up, the allocator growing to a forward's working set).
+
+        Both forwards write their K/V only to the runner's scratch slots and read blocks no request
+        holds: no block, table, request, counter or event changes, and no later output differs.
+
+        Raises:
+            RuntimeError: requests are queued or hold blocks (warm up right after construction).
+        """
+        with self._lock:
+            if self.scheduler.has_work or any(m.pool.num_free < m.pool.num_blocks for m in self.kv.managers):
+                raise RuntimeError("warm up an engine before it serves requests")
+            bs = self.config.block_size
+            num_tokens = max(1, min(num_tokens, self.num_blocks * bs - 1, self.max_model_len - 1))
+            blocks = list(range(min(self.num_blocks, -(-(num_tokens + 1) // bs))))
+            tokens = [i % self.vocab_size for i in range(num_tokens + 1)]
+            for start, end in ((0, num_tokens), (num_tokens, num_tokens + 1)):
+                groups = tuple(GroupSlots(blocks, 0, end) for _ in self.kv.managers)  # write_from = end: scratch only
+                self.runner.execute([SeqChunk(tokens[start:end], start, groups)])
+
     # ------------------------------------------------------------------ the loop
     def step(self) -> list[RequestView]:
-        """Run one scheduling step and one forward. Returns the requests that finished in it."""
+        """Run one scheduling step and one forward. Returns the requests that ended in it (finished or failed)."""
         with self._lock:
-            self._step += 1
-            self.log.step = self._step
+            self.log.step += 1
             out = self.scheduler.schedule()
-            sampled, failed = self._execute(out)
-            finished = self._postprocess(out, sampled, failed)
-            changed = {c.request.request_id: c.request for c in out.chunks}
-            changed.update((r.request_id, r) for r in out.preempted)
-            events = self.log.take()
-            for event in events:
-                if event.kind is EventKind.COW:
-                    self._requests[event.request_id].cow_copies += 1
-            self._publish(events, list(changed.values()))
+            sampled, failed = self._run_model(out)
+            finished = self.scheduler.postprocess(out, sampled, failed)
+            self._end_step(out, finished)
             return [self._view(r) for r in finished]
 
-    def _execute(self, out: SchedulerOutput) -> tuple[dict[str, int], set[str]]:
+    def _run_model(self, out: SchedulerOutput) -> tuple[dict[str, int], dict[str, str]]:
         """Copy-on-write copies, then one forward over every chunk.
 
         Returns:
-            The sampled token of each request whose chunk reached its context's end, and the requests
-            whose chunk came out non-finite (their K/V is already zeroed; see `_non_finite`).
+            The sampled token of each request whose chunk reached its context's end, and why each request
+            whose chunk came out non-finite fails (its K/V is already zeroed; see `_non_finite`).
         """
         if any(out.copies):
             self.runner.copy_blocks(out.copies)
         if not out.chunks:
-            return {}, set()
-        chunks = [
-            SeqChunk(c.token_ids, c.start_pos, self.kv.slots(c.request.request_id, c.write_from)) for c in out.chunks
-        ]
+            return {}, {}
+        chunks = [self._runner_chunk(chunk) for chunk in out.chunks]
         logits = self.runner.execute(chunks)
-        failed = self._non_finite(chunks, out.chunks, logits)
+        failed = self._non_finite(out.chunks, chunks, logits)
         ends = [i for i, c in enumerate(out.chunks) if c.reaches_end and c.request.request_id not in failed]
         if not ends:
             return {}, failed
         requests = [out.chunks[i].request for i in ends]
-        if self.config.verify_replay:
-            for i, request in zip(ends, requests):
-                if request.replay_mode == "approximate":
-                    self._replay_logits.setdefault(request.request_id, []).append(logits[i].cpu())
-        tokens = sample(
-            logits[ends], [r.sampling for r in requests], [self._generators.get(r.request_id) for r in requests]
-        )
+        if self._verifier is not None:
+            self._verifier.capture(requests, logits[ends])
+        generators = [self._generators.get(r.request_id) for r in requests]
+        tokens = sample(logits[ends], [r.sampling for r in requests], generators)
         return {r.request_id: t for r, t in zip(requests, tokens)}, failed
 
-    def _non_finite(self, chunks: list[SeqChunk], scheduled: list[ScheduledChunk], logits: torch.Tensor) -> set[str]:
-        """The requests whose chunk's last-position logits hold a NaN or an infinity.
+    def _non_finite(
+        self, scheduled: list[ScheduledChunk], chunks: list[SeqChunk], logits: torch.Tensor
+    ) -> dict[str, str]:
+        """Why each request whose chunk's last-position logits hold a NaN or an infinity fails.
 
         Every chunk's last row is checked, prefill chunks too: causal attention carries a non-finite K/V
         to every later position, so the chunk that first computes one is caught before its blocks enter
         the prefix index. Each such chunk's K/V is zeroed at once (`ModelRunner.clear_slots`), so what
         its request computed never reaches another request through a reused block.
         """
-        finite = torch.isfinite(logits).all(dim=-1).tolist()
-        failed = set()
-        for chunk, scheduled_chunk, ok in zip(chunks, scheduled, finite):
-            if not ok:
-                self.runner.clear_slots(chunk)
-                failed.add(scheduled_chunk.request.request_id)
+        failed = {}
+        for chunk, runner_chunk, finite in zip(scheduled, chunks, torch.isfinite(logits).all(dim=-1).tolist()):
+            if not finite:
+                self.runner.clear_slots(runner_chunk)
+                position = chunk.start_pos + len(chunk.token_ids) - 1
+                reason = f"non-finite logits (NaN or inf) at position {position}"
+                logger.warning("request %s failed: %s", chunk.request.request_id, reason)
+                failed[chunk.request.request_id] = reason
         return failed
 
-    def _postprocess(self, out: SchedulerOutput, sampled: dict[str, int], failed: set[str]) -> list[Request]:
-        """Account for every computed chunk; finish the requests that stop; fail those in `failed`."""
-        finished = []
-        now = time.time()
-        for chunk in out.chunks:
-            request = chunk.request
-            if request.request_id in failed:
-                reason = f"non-finite logits (NaN or inf) at position {chunk.start_pos + len(chunk.token_ids) - 1}"
-                logger.warning("request %s failed: %s", request.request_id, reason)
-                self.scheduler.stop_request(request, RequestStatus.FAILED, reason)
-                self._generators.pop(request.request_id, None)
-                self._replay_logits.pop(request.request_id, None)
-                finished.append(request)
-                continue
-            self.scheduler.finish_chunk(chunk)
-            token = sampled.get(request.request_id)
-            if token is None:
-                continue
-            request.output_token_ids.append(token)
-            request.prefilling = False
-            if request.first_token_time is None:
-                request.first_token_time = now
-            reason = self._stop_reason(request, token)
-            if reason is not None:
-                self.scheduler.finish_request(request, reason)
-                self._generators.pop(request.request_id, None)
-                self._verify_replay(request)
-                finished.append(request)
-        return finished
+    def _runner_chunk(self, chunk: ScheduledChunk) -> SeqChunk:
+        """The runner's input for one chunk: per group, the request's table and where the chunk writes."""
+        tables = self.kv.group_tables(chunk.request.request_id)
+        groups = tuple(GroupSlots(t.block_ids, t.first_block, w) for t, w in zip(tables, chunk.write_from))
+        return SeqChunk(chunk.token_ids, chunk.start_pos, groups)
 
-    def _verify_replay(self, request: Request) -> None:
-        """For an approximate replay under verification: recompute from scratch, record the divergence."""
-        recorded = self._replay_logits.pop(request.request_id, None)
-        if not recorded:
-            return
-        tokens = request.all_token_ids
-        n = len(recorded)
-        reference = self.runner.reference_logits(tokens[:-1])[-n:].cpu()
-        request.replay_divergence = divergence(torch.stack(recorded[-n:]), reference).as_dict()
-        self.log.emit(
-            EventKind.REPLAY,
-            request_id=request.request_id,
-            tokens=request.replayed_tokens,
-            detail={"mode": request.replay_mode, "verified": True, **request.replay_divergence},
-        )
+    def _end_step(self, out: SchedulerOutput, finished: list[Request]) -> None:
+        """Let go of what ended requests held here (and verify their replays), then tell listeners."""
+        for request in finished:
+            self._let_go(request)
+        self._publish(self.log.take(), out.changed)
 
-    def _stop_reason(self, request: Request, token: int) -> str | None:
-        if not request.sampling.ignore_eos and token in self.loaded.eos_token_ids:
-            return "eos"
-        if len(request.output_token_ids) >= request.sampling.max_new_tokens:
-            return "length"
-        return None
+    def _let_go(self, request: Request) -> None:
+        """Drop what the engine kept for a request that ended: its generator and its captured replay
+        logits (verified first when it finished; see `ReplayVerifier.verify`)."""
+        self._generators.pop(request.request_id, None)
+        if self._verifier is not None:
+            self._verifier.verify(request)
 
     def has_work(self) -> bool:
         with self._lock:
@@ -451,82 +470,26 @@ class Engine:
     def stats(self) -> PoolStats:
         """Counters summed over the KV groups, with each group's own numbers in `groups`."""
         with self._lock:
-            groups = tuple(
-                GroupStats(
-                    name=m.pool.group,
-                    window=m.window,
-                    num_blocks=m.pool.num_blocks,
-                    free_blocks=m.pool.num_free,
-                    cached_blocks=m.pool.num_cached,
-                    evictable_blocks=m.pool.num_evictable,
-                    used_blocks=m.pool.num_blocks - m.pool.num_allocatable,
-                    logical_blocks=m.num_logical_blocks(),
-                    evictions=m.pool.num_evictions,
-                    cow_copies=m.num_cow_copies,
-                    window_released_blocks=m.num_window_released,
-                )
-                for m in self.kv.managers
-            )
-            statuses = [r.status for r in self._requests.values()]
-
-            def total(field: str) -> int:
-                return sum(getattr(g, field) for g in groups)
-
-            return PoolStats(
-                num_blocks=total("num_blocks"),
-                block_size=self.config.block_size,
-                free_blocks=total("free_blocks"),
-                cached_blocks=total("cached_blocks"),
-                evictable_blocks=total("evictable_blocks"),
-                used_blocks=total("used_blocks"),
-                logical_blocks=total("logical_blocks"),
-                evictions=total("evictions"),
-                cow_copies=total("cow_copies"),
-                preemptions=self.scheduler.num_preemptions,
-                prefix_query_tokens=self.scheduler.prefix_query_tokens,
-                prefix_hit_tokens=self.scheduler.prefix_hit_tokens,
-                steps=self._step,
-                num_waiting=len(self.scheduler.waiting),
-                num_running=len(self.scheduler.running),
-                num_retained=statuses.count(RequestStatus.RETAINED),
-                groups=groups,
-            )
+            return pool_stats(self.kv, self.scheduler, self._requests.values(), self.log.step)
 
     def snapshot(self) -> EngineSnapshot:
         """Every block of every KV group, every request and the counters, all from the same moment."""
         with self._lock:
-            blocks = tuple(
-                BlockView(
-                    block_id=b.block_id,
-                    group=manager.pool.group,
-                    state=manager.pool.state_of(b),
-                    ref_count=b.ref_count,
-                    num_tokens=len(b.token_ids),
-                    token_ids=tuple(b.token_ids),
-                    key=b.key.hex() if b.key else None,
-                    parent_key=b.parent_key.hex() if b.parent_key else None,
-                    start_pos=b.start_pos,
-                    created_at=b.created_at,
-                    last_used=b.last_used,
-                    hit_count=b.hit_count,
-                    holders=tuple(holders.get(b.block_id, ())),
-                )
-                for manager in self.kv.managers
-                for holders in (manager.holders(),)
-                for b in manager.pool.blocks
-            )
-            return EngineSnapshot(time.time(), self.stats(), blocks, tuple(self._view(r) for r in self._requests.values()))
+            views = tuple(self._view(r) for r in self._requests.values())
+            return EngineSnapshot(time.time(), self.stats(), block_views(self.kv), views)
 
     def check_invariants(self) -> None:
+        """Raise InvariantError if a KV invariant is broken or a request's table disagrees with its status."""
         with self._lock:
             self.kv.check_invariants()
             for request in self._requests.values():
+                rid = request.request_id
                 holds = request.status in (RequestStatus.RUNNING, RequestStatus.RETAINED) or (
-                    request.status is RequestStatus.WAITING and self.kv.has_table(request.request_id)
+                    request.status is RequestStatus.WAITING and self.kv.has_table(rid)
                 )
-                assert holds == self.kv.has_table(request.request_id), f"{request.request_id}: table mismatch"
+                require(holds == self.kv.has_table(rid), f"{rid}: table mismatch")
                 if holds:
-                    assert self.kv.num_tokens(request.request_id) == request.num_computed_tokens
+                    require(self.kv.num_tokens(rid) == request.num_computed_tokens, f"{rid}: computed tokens mismatch")
 
     # ------------------------------------------------------------------ helpers
     def _view(self, request: Request) -> RequestView:
@@ -540,7 +503,9 @@ class Engine:
         for listener in self._listeners:
             listener(events, views)
 
-    def _claim_id(self, request_id: str | None) -> str:
+    def _claim_id(self, request_id: str | None, taken: set[str] | frozenset[str] = frozenset()) -> str:
+        """A free request id: `request_id` checked, or the next "req-N"; `taken` are ids claimed but not
+        yet recorded (the other children of one `fork_many`). A retired engine claims none (ValueError)."""
         if self._retired is not None:
             raise ValueError(f"this engine takes no new requests: {self._retired}; reload the page for the new one")
         if request_id is None:
@@ -549,7 +514,7 @@ class Engine:
                 request_id = f"req-{next(self._ids)}"
         if not isinstance(request_id, str) or not 0 < len(request_id) <= MAX_REQUEST_ID_LEN:
             raise ValueError(f"request ids are non-empty strings of at most {MAX_REQUEST_ID_LEN} characters")
-        if request_id in self._requests:
+        if request_id in self._requests or request_id in taken:
             raise ValueError(f"request id {request_id!r} is already taken")
         return request_id
 
@@ -577,26 +542,17 @@ class Engine:
         self._requests[request.request_id] = request
         needed = self._blocks_for(request.num_prompt_tokens, request.sampling)
         if needed > self.num_blocks:
-            request.status = RequestStatus.REJECTED
-            request.finish_reason = "too large for the pool"
+            request.rejected("too large for the pool")
             reason = f"needs {needed} blocks for its context and new tokens; the whole pool has {self.num_blocks}"
-            self.log.emit(
-                EventKind.REJECT,
-                request_id=request.request_id,
-                tokens=request.num_prompt_tokens,
-                detail={"reason": reason},
-            )
+            detail = {"reason": reason}
+            self.log.emit(EventKind.REJECT, detail, request_id=request.request_id, tokens=request.num_prompt_tokens)
             self._publish(self.log.take(), [request])
             raise RequestRejected(f"request {request.request_id!r} rejected: {reason}")
         if request.sampling.temperature > 0:
             seed = request.sampling.seed if request.sampling.seed is not None else self.config.seed
             self._generators[request.request_id] = torch.Generator().manual_seed(seed)
         self.scheduler.add(request)
-        self.log.emit(
-            EventKind.SUBMIT,
-            request_id=request.request_id,
-            tokens=request.num_prompt_tokens,
-            detail={"parent_id": request.parent_id},
-        )
+        detail = {"parent_id": request.parent_id}
+        self.log.emit(EventKind.SUBMIT, detail, request_id=request.request_id, tokens=request.num_prompt_tokens)
         self._publish(self.log.take(), [request])
         self._work.notify_all()

@@ -8,3 +8,9 @@ class InvariantError(RuntimeError):
 
     Raised by every `check_invariants`; never an `AssertionError`, so `python -O` checks the same things.
     """
+
+
+def require(condition: bool, message: str) -> None:
+    """Raise `InvariantError(message)` unless `condition` holds: an assert that `python -O` keeps."""
+    if not condition:
+        raise InvariantError(message)

@@ -34,7 +34,7 @@ class EventKind(str, enum.Enum):
 class EvictReason(str, enum.Enum):
     """Why a cached block lost its key."""
 
-    LRU = "lru"  # the allocator needed a block and this was the least recently used cached one
+    LRU = "lru"  # the allocator needed a block and this was the eviction policy's victim (LRU by default)
     RESET = "reset"  # an operator reset the prefix cache
     PARENT_EVICTED = "parent_evicted"  # its chain parent left the index, so its key can never match
     WINDOW = "window"  # sliding-layer state dropped outside the retained window
@@ -68,15 +68,20 @@ class Event(NamedTuple):
 #   ALLOCATE: block_ids (every block handed out by one call, in table order), group.
 #   RELEASE: block_ids (in release order: last table entry first), freed (how many reached ref 0), group.
 #   CACHE:  block_ids, keys (hex, one per block), start_pos (first block), end_pos (last block's end), group.
-#   HIT:    cached_tokens, num_blocks.          FORK: parent_id, shared_blocks, group.
+#   HIT:    cached_tokens, num_blocks, block_ids (the blocks shared, in table order), group.
+#   FORK:   parent_id, shared_blocks, block_ids (the parent's blocks the child now shares, in table order), group.
 #   COW:    src_block, dst_block, num_slots, group.
-#   RESET:  dropped_blocks, ok (bool: False when referenced blocks kept it from being complete).
+#   RESET:  dropped_blocks, ok (bool: False when referenced blocks kept it from being complete), kept_blocks.
 #   SCHEDULE: cached_tokens, computed_tokens, hit_source.   PREEMPT: num_computed_tokens.
 #   REJECT: reason.   FINISH: reason ("length" | "eos" | "stop"), output_tokens.
-#   REPLAY: h, s, e, r, mode, replayed_tokens.   WINDOW_RELEASE: num_blocks, group.
-
-
-_new_tuple = tuple.__new__
+#   REPLAY: h, s, e, r, mode (ReplayMode value), replayed_tokens; a verification adds verified and the
+#           Divergence fields (engine/verify.py).
+#   WINDOW_RELEASE: num_blocks, block_ids, group.
+#
+# Every change of a block's reference count is named by exactly one event's block_ids: ALLOCATE sets it
+# to 1, HIT and FORK add one, RELEASE drops one (a COW is the ALLOCATE of its copy and the RELEASE of
+# its source, which it names). storage/block_history.py rebuilds a block's life from these alone;
+# tests/test_block_history.py replays the pools' own events against their counts.
 
 
 class EventLog:
@@ -84,36 +89,35 @@ class EventLog:
 
     The block pool, the KV cache manager and the engine all append to one log; the engine drains it
     once per step with `take()`. Appending never blocks and never does I/O.
+
+    A log made with `recording=False` keeps nothing, and the block pool skips building the events it
+    would emit per block (ALLOCATE, RELEASE, EVICT): for replays that only count hits (the workload
+    analyzer), where building those events was most of the pool's time.
     """
 
-    def __init__(self, clock: Callable[[], float] = time.time) -> None:
-        self.step = 0  # set by the engine at the start of every step
+    def __init__(self, clock: Callable[[], float] = time.time, *, recording: bool = True) -> None:
+        self.step = 0  # the engine step counter: the engine advances it at the start of every step
         self.clock = clock  # the time source of events and of the block pool's stamps
+        self.recording = recording  # False: emit keeps nothing (see the class docstring)
         self._events: list[Event] = []
 
     def emit(
         self,
         kind: EventKind,
+        detail: dict[str, Any],
+        *,
         request_id: str | None = None,
         block_id: int | None = None,
         tokens: int = 0,
-        detail: dict[str, Any] | None = None,
         at: float | None = None,
     ) -> None:
         """Append one event. `detail` holds the kind's fields (see the table above); the log keeps it.
-        `at` is the event's time when the caller has just read `clock` for the same change."""
-        # tuple.__new__ skips the NamedTuple's Python-level __new__ (half the cost of an event); the
-        # values are in field order.
-        fields = (
-            kind,
-            self.step,
-            self.clock() if at is None else at,
-            request_id,
-            block_id,
-            tokens,
-            {} if detail is None else detail,
-        )
-        self._events.append(_new_tuple(Event, fields))
+        `at` is the event's time when the caller has just read `clock` for the same change (so a block's
+        stamp and its event agree)."""
+        if not self.recording:
+            return
+        now = self.clock() if at is None else at
+        self._events.append(Event(kind, self.step, now, request_id, block_id, tokens, detail))
 
     def take(self) -> list[Event]:
         """Return every event appended since the last call, oldest first, and forget them."""

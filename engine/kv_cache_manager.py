@@ -16,26 +16,25 @@ Invariants (checked by `check_invariants`, on top of the pool's):
     table entries (over running and retained requests) that point at it;
   * a block shared by several tables holds the same tokens for all of them, so a write into a shared
     partial block always copies it first (copy-on-write); the holder left alone writes in place;
-  * `table.key(i)` is the chained key of logical block i's tokens under the table's namespace root, for
-    i < `table.num_keys` (keys are stored back to back in one bytearray, see `BlockTable.keys`);
-  * `table.block_ids[i]` is `table.blocks[i].block_id` (kept beside the blocks so that releases, events
-    and snapshots read the ids without a pass over the blocks).
+  * `table.keys[i]` is the chained key of logical block i's tokens under the table's namespace root, for
+    every i < len(table.keys); those blocks are full;
+  * `table.block_ids[i]` is `table.blocks[i].block_id` (kept beside the blocks so that the runner reads a
+    table's ids every step without a pass over its blocks).
+
+Each change is a check and a commit: `can_allocate` / `allocate` for a new table, `can_append` /
+`append` to grow one. The check answers; the commit raises `NoFreeBlocksError` (nothing changed) when
+called without room.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from operator import attrgetter
 from typing import NamedTuple, Sequence
 
-from engine.block_pool import KEY_SIZE, Block, BlockPool, chain_key
+from engine.block_pool import Block, BlockPool, NoFreeBlocksError, chain_key
+from engine.errors import require
 from engine.events import EventKind, EventLog, EvictReason
 from engine.namespace import CacheNamespace
-
-
-_block_id = attrgetter("block_id")
-# Per-call event kinds, read once: an enum member read through its class costs ~0.2 us on Python 3.11.
-_HIT, _FORK, _CACHE, _COW = EventKind.HIT, EventKind.FORK, EventKind.CACHE, EventKind.COW
 
 
 class TableStart(NamedTuple):
@@ -59,27 +58,21 @@ class BlockTable:
 
     root_key: bytes  # namespace root (with the request's salt) its keys hang from
     blocks: list[Block] = field(default_factory=list)  # logical blocks offset, offset + 1, ...
-    # Keys of logical blocks [0, num_keys), all full, back to back (KEY_SIZE bytes each): one object however
-    # long the chain, so a fork copies bytes and a release frees them without touching a key object.
-    keys: bytearray = field(default_factory=bytearray)
+    keys: list[bytes] = field(default_factory=list)  # chain keys of logical blocks [0, len(keys)), all full
     offset: int = 0  # logical index of blocks[0]; earlier blocks were released (sliding window only)
     # Retention bookkeeping: logical blocks [0, retired) are not this table's to drop from the cache, either
     # because it already did (they left the retained tail) or because it shared them from another chain.
     retired: int = 0
     block_ids: list[int] = field(default_factory=list)  # blocks[i].block_id, changed with `blocks`
 
-    @property
-    def num_keys(self) -> int:
-        return len(self.keys) // KEY_SIZE
-
-    def key(self, i: int) -> bytes:
-        """The chain key of logical block i (i < num_keys)."""
-        return bytes(self.keys[i * KEY_SIZE : (i + 1) * KEY_SIZE])
-
     def num_tokens(self, block_size: int) -> int:
         if not self.blocks:
             return self.offset * block_size
         return (self.offset + len(self.blocks) - 1) * block_size + len(self.blocks[-1].token_ids)
+
+    def extend(self, blocks: Sequence[Block]) -> None:
+        self.blocks.extend(blocks)
+        self.block_ids.extend(block.block_id for block in blocks)
 
 
 class KVCacheManager:
@@ -126,14 +119,19 @@ class KVCacheManager:
         return request_id in self._tables
 
     def block_ids(self, request_id: str) -> list[int]:
-        """The physical blocks the request holds, in logical order (from its offset)."""
+        """A copy of the physical blocks the request holds, in logical order (from its offset)."""
         table = self._tables.get(request_id)
         return [] if table is None else list(table.block_ids)
 
-    def offset(self, request_id: str) -> int:
-        """Logical index of the request's first held block (0 unless a window released earlier ones)."""
-        table = self._tables.get(request_id)
-        return 0 if table is None else table.offset
+    def live_block_ids(self, request_id: str) -> tuple[list[int], int]:
+        """The request's block ids and the logical index of the first, without a copy: the list is the
+        table's own, for reading before the table next changes (the runner's input of one step)."""
+        table = self._tables[request_id]
+        return table.block_ids, table.offset
+
+    def chain_keys(self, request_id: str) -> list[bytes]:
+        """A copy of the chain keys of the request's full blocks, logical block 0 first."""
+        return list(self._tables[request_id].keys)
 
     def num_tokens(self, request_id: str) -> int:
         """Slots filled in the request's table (0 when it has none)."""
@@ -161,16 +159,15 @@ class KVCacheManager:
         """The longest run of leading full blocks of `token_ids` found in the prefix index.
 
         Capped at `(len(token_ids) - 1) // block_size` blocks so at least one token is always computed
-        to produce logits. Has no side effects; pass the result to `allocate_slots`.
+        to produce logits. Has no side effects; pass the result to `allocate`.
         """
         bs = self.block_size
         max_blocks = (len(token_ids) - 1) // bs
         parent = self.root_key(salt)
-        lookup = self.pool.lookup
         hits: list[Block] = []
         for start in range(0, max_blocks * bs, bs):
             chunk = token_ids[start : start + bs]
-            block = lookup(chain_key(parent, chunk), parent, chunk)
+            block = self.pool.lookup(chain_key(parent, chunk), parent, chunk)
             if block is None:
                 break
             hits.append(block)
@@ -178,25 +175,13 @@ class KVCacheManager:
         return hits
 
     # ------------------------------------------------------------------ allocation
-    def num_blocks_needed(self, request_id: str, num_new_tokens: int, hits: Sequence[Block] = ()) -> int:
-        """Blocks `allocate_slots` would take from the allocatable pool for these new tokens."""
-        bs = self.block_size
-        table = self._tables.get(request_id)
-        need = 0
-        tail_room = 0
-        if table is not None and table.blocks:
-            tail = table.blocks[-1]
-            tail_room = bs - len(tail.token_ids)
-            if tail_room and tail.ref_count > 1 and num_new_tokens:
-                need += 1  # copy-on-write of the shared partial tail
-        overflow = num_new_tokens - tail_room
-        if overflow > 0:
-            need += -(-overflow // bs)
-        # Hit blocks that sit in the evictable LRU stop being allocatable once touched.
-        need += sum(1 for b in hits if b.ref_count == 0)
-        return need
+    def can_allocate(self, num_new_tokens: int, hits: Sequence[Block] = ()) -> bool:
+        """Whether `allocate` can give a new table these hits and `num_new_tokens` slots after them."""
+        # Evictable hit blocks stop being allocatable once touched.
+        num_evictable_hits = sum(1 for block in hits if block.ref_count == 0)
+        return self.pool.can_allocate(-(-num_new_tokens // self.block_size) + num_evictable_hits)
 
-    def allocate_slots(
+    def allocate(
         self,
         request_id: str,
         new_token_ids: list[int],
@@ -204,65 +189,94 @@ class KVCacheManager:
         hits: Sequence[Block] = (),
         salt: str | None = None,
         start: TableStart | None = None,
-    ) -> bool:
-        """Reserve slots for `new_token_ids` after the request's current tokens.
+    ) -> None:
+        """Give a new request its table: share `hits`, then reserve slots for `new_token_ids` after them.
 
         Args:
-            request_id: the request; a table is created on first call.
+            request_id: the request; it must hold no table yet.
             new_token_ids: tokens whose KV the next forward computes, in position order.
-            hits: cached blocks to share (first call only): logical blocks from the table's start on.
-            salt: tenant salt (first call only).
-            start: where a new sliding-group table starts (first call only); default: logical block 0.
+            hits: cached blocks to share: logical blocks from the table's start on.
+            salt: tenant salt.
+            start: where a new sliding-group table starts; default: logical block 0.
 
-        Returns:
-            False, changing nothing, when the pool cannot supply the blocks; True once reserved.
+        Raises:
+            ValueError: the request already has a table, or a full-group table would not start at block 0.
+            NoFreeBlocksError: `can_allocate` says no; nothing changes.
         """
-        if self.num_blocks_needed(request_id, len(new_token_ids), hits) > self.pool.num_allocatable:
-            return False
-        table = self._tables.get(request_id)
-        if table is None:
-            table = self._tables[request_id] = BlockTable(root_key=self.root_key(salt))
-            if start is not None:
-                if self.window is None and start.offset:
-                    raise RuntimeError("a full-attention table always starts at block 0")
-                table.offset = start.offset
-                table.keys = bytearray(b"".join(start.chain_keys[: start.offset + len(hits)]))
-            table.retired = table.offset + len(hits)  # shared state stays under its own chain's retention
-        elif hits or start is not None:
-            raise RuntimeError("prefix hits can only seed a new table")
+        if request_id in self._tables:
+            raise ValueError(f"request {request_id!r} already has a block table")
+        if start is not None and start.offset and self.window is None:
+            raise ValueError("a full-attention table always starts at block 0")
+        if not self.can_allocate(len(new_token_ids), hits):
+            raise NoFreeBlocksError(f"{request_id}: not enough blocks for {len(new_token_ids)} new tokens")
+        table = BlockTable(root_key=self.root_key(salt))
+        if start is not None:
+            table.offset = start.offset
+            table.keys = list(start.chain_keys[: start.offset + len(hits)])
+        else:
+            table.keys = [block.key for block in hits]  # type: ignore[misc]
+        table.retired = table.offset + len(hits)  # shared state stays under its own chain's retention
+        self._tables[request_id] = table
         if hits:
             self.pool.touch_blocks(hits)
-            table.blocks.extend(hits)
-            table.block_ids.extend(map(_block_id, hits))
-            if start is None:
-                table.keys += b"".join([block.key for block in hits])  # type: ignore[misc]
-            self._log.emit(
-                _HIT,
-                request_id=request_id,
-                block_id=hits[-1].block_id,
-                tokens=len(hits) * self.block_size,
-                detail={"cached_tokens": len(hits) * self.block_size, "num_blocks": len(hits)},
-            )
-        self._append(table, request_id, new_token_ids)
-        return True
+            table.extend(hits)
+            tokens = len(hits) * self.block_size
+            ids = [block.block_id for block in hits]
+            detail = {"cached_tokens": tokens, "num_blocks": len(hits), "block_ids": ids, "group": self.pool.group}
+            self._log.emit(EventKind.HIT, detail, request_id=request_id, block_id=ids[-1], tokens=tokens)
+        self._fill(table, request_id, new_token_ids)
 
-    def _append(self, table: BlockTable, request_id: str, token_ids: list[int]) -> None:
-        """Fill the partial tail (copying it first if shared), then whole new blocks, in position order."""
+    def can_append(self, request_id: str, num_new_tokens: int) -> bool:
+        """Whether `append` can reserve `num_new_tokens` more slots in the request's table."""
+        return self.pool.can_allocate(self._blocks_to_append(self._tables[request_id], num_new_tokens))
+
+    def append(self, request_id: str, token_ids: list[int]) -> int:
+        """Reserve slots for `token_ids` after the request's current tokens.
+
+        Returns:
+            Copy-on-write copies made (1 when the first token went into a shared partial tail, else 0).
+
+        Raises:
+            KeyError: the request has no table.
+            NoFreeBlocksError: `can_append` says no; nothing changes.
+        """
+        table = self._tables[request_id]
+        if not self.pool.can_allocate(self._blocks_to_append(table, len(token_ids))):
+            raise NoFreeBlocksError(f"{request_id}: not enough blocks for {len(token_ids)} more tokens")
+        return self._fill(table, request_id, token_ids)
+
+    def _blocks_to_append(self, table: BlockTable, num_new_tokens: int) -> int:
+        """Blocks `append` takes from the pool: new blocks past the tail's room, plus a copy of a shared tail."""
+        bs = self.block_size
+        need, tail_room = 0, 0
+        if table.blocks:
+            tail = table.blocks[-1]
+            tail_room = bs - len(tail.token_ids)
+            if tail_room and tail.ref_count > 1 and num_new_tokens:
+                need += 1  # copy-on-write of the shared partial tail
+        overflow = num_new_tokens - tail_room
+        if overflow > 0:
+            need += -(-overflow // bs)
+        return need
+
+    def _fill(self, table: BlockTable, request_id: str, token_ids: list[int]) -> int:
+        """Fill the partial tail (copying it first if shared), then whole new blocks, in position order.
+        The caller has checked that the pool has the blocks. Returns the copies made."""
         bs = self.block_size
         start = table.num_tokens(bs)
         filled = 0  # how many of token_ids are placed
+        copies = 0
         if token_ids and table.blocks and len(table.blocks[-1].token_ids) < bs:
             tail = table.blocks[-1]
             if tail.ref_count > 1:
                 tail = self._copy_on_write(table, request_id)
+                copies = 1
             filled = min(bs - len(tail.token_ids), len(token_ids))
             tail.token_ids.extend(token_ids[:filled])
         num_new = -(-(len(token_ids) - filled) // bs)
         if num_new > 0:
-            rest = token_ids[filled:] if filled else token_ids
-            new_blocks = self.pool.allocate_blocks(num_new, request_id, start + filled, rest)
-            table.blocks.extend(new_blocks)
-            table.block_ids.extend(map(_block_id, new_blocks))
+            table.extend(self.pool.allocate_blocks(num_new, request_id, start + filled, token_ids[filled:]))
+        return copies
 
     def _copy_on_write(self, table: BlockTable, request_id: str) -> Block:
         old = table.blocks[-1]
@@ -273,18 +287,13 @@ class KVCacheManager:
         self.pool.free_blocks([old], request_id)
         self._copies.append(BlockCopy(old.block_id, new.block_id, len(new.token_ids)))
         self.num_cow_copies += 1
-        self._log.emit(
-            _COW,
-            request_id=request_id,
-            block_id=new.block_id,
-            tokens=len(new.token_ids),
-            detail={
-                "src_block": old.block_id,
-                "dst_block": new.block_id,
-                "num_slots": len(new.token_ids),
-                "group": self.pool.group,
-            },
-        )
+        detail = {
+            "src_block": old.block_id,
+            "dst_block": new.block_id,
+            "num_slots": len(new.token_ids),
+            "group": self.pool.group,
+        }
+        self._log.emit(EventKind.COW, detail, request_id=request_id, block_id=new.block_id, tokens=len(new.token_ids))
         return new
 
     def take_copies(self) -> list[BlockCopy]:
@@ -302,61 +311,74 @@ class KVCacheManager:
         """
         table = self._tables[request_id]
         bs = self.block_size
-        blocks, keys, root_key, offset = table.blocks, table.keys, table.root_key, table.offset
-        lookup, cache, chained = self.pool.lookup, self.pool.cache, self.pool.chained
-        first = table.num_keys
-        assert first >= offset, "a released block was never keyed"
+        blocks, keys, offset = table.blocks, table.keys, table.offset
+        first = len(keys)
+        if first < offset:
+            raise RuntimeError(f"{request_id}: a released block was never keyed")
         cached: list[Block] = []
-        key = table.key(first - 1) if first else root_key  # the chain so far ends here
+        key = keys[-1] if keys else table.root_key  # the chain so far ends here
         for i in range(first, offset + len(blocks)):
             block = blocks[i - offset]
             if len(block.token_ids) < bs:
                 break
             parent_key, key = key, chain_key(key, block.token_ids)
-            keys += key
+            keys.append(key)
             if not offer:
                 continue
             parent = None
-            if i and chained:
+            if i and self.pool.chained:
                 parent = blocks[i - 1]
                 if parent.key != parent_key:  # our previous block is a duplicate: find the indexed twin
-                    grandparent_key = table.key(i - 2) if i > 1 else root_key
-                    parent = lookup(parent_key, grandparent_key, parent.token_ids)
+                    grandparent_key = keys[i - 2] if i > 1 else table.root_key
+                    parent = self.pool.lookup(parent_key, grandparent_key, parent.token_ids)
                     if parent is None:
                         continue  # the chain above left the index; this block could never be matched
-            if cache(block, key, parent, parent_key):
+            if self.pool.can_cache(block, key, parent, parent_key):
+                self.pool.cache(block, key, parent, parent_key)
                 cached.append(block)
         if cached:
-            self._log.emit(
-                _CACHE,
-                request_id=request_id,
-                block_id=cached[0].block_id,
-                tokens=len(cached) * bs,
-                detail={
-                    "block_ids": [b.block_id for b in cached],
-                    "keys": [b.key.hex() for b in cached],
-                    "start_pos": cached[0].start_pos,
-                    "end_pos": cached[-1].start_pos + bs,
-                    "group": self.pool.group,
-                },
-            )
+            detail = {
+                "block_ids": [b.block_id for b in cached],
+                "keys": [b.key.hex() for b in cached],  # type: ignore[union-attr]
+                "start_pos": cached[0].start_pos,
+                "end_pos": cached[-1].start_pos + bs,
+                "group": self.pool.group,
+            }
+            tokens = len(cached) * bs
+            self._log.emit(EventKind.CACHE, detail, request_id=request_id, block_id=cached[0].block_id, tokens=tokens)
 
     def fork(self, parent_id: str, child_id: str) -> int:
-        """Give `child_id` a table that shares every block of the parent's. Returns shared tokens."""
+        """Give `child_id` a table that shares every block of the parent's. Returns shared tokens.
+
+        Raises:
+            ValueError: the child already has a table. KeyError: the parent has none. Nothing changes.
+        """
         if child_id in self._tables:
             raise ValueError(f"request {child_id!r} already has a block table")
         parent = self._tables.get(parent_id)
         if parent is None:
             raise KeyError(f"request {parent_id!r} holds no blocks to fork from")
         # Inherited blocks stay under the parent's retention: the child's are retired up to its tail.
-        blocks, offset = parent.blocks[:], parent.offset
-        ids = parent.block_ids[:]
-        child = BlockTable(parent.root_key, blocks, parent.keys[:], offset, offset + len(blocks), ids)
-        self.pool.share_held_blocks(blocks)
+        offset = parent.offset
+        child = BlockTable(
+            parent.root_key,
+            blocks=parent.blocks[:],
+            keys=parent.keys[:],
+            offset=offset,
+            retired=offset + len(parent.blocks),
+            block_ids=parent.block_ids[:],
+        )
+        self.pool.share_held_blocks(child.blocks)
         self._tables[child_id] = child
         shared = child.num_tokens(self.block_size)
-        detail = {"parent_id": parent_id, "shared_blocks": len(ids), "group": self.pool.group}
-        self._log.emit(_FORK, child_id, ids[-1] if ids else None, shared, detail)
+        detail = {
+            "parent_id": parent_id,
+            "shared_blocks": len(child.blocks),
+            "block_ids": child.block_ids[:],
+            "group": self.pool.group,
+        }
+        last = child.block_ids[-1] if child.block_ids else None
+        self._log.emit(EventKind.FORK, detail, request_id=child_id, block_id=last, tokens=shared)
         return shared
 
     def free(self, request_id: str) -> None:
@@ -367,11 +389,9 @@ class KVCacheManager:
         table = self._tables.pop(request_id, None)
         if table is None:
             return
-        end_pos = 0 if self.window is None else table.num_tokens(self.block_size)
-        # The table is gone: its lists are reversed in place and handed over (the ids become the event's).
-        table.blocks.reverse()
-        table.block_ids.reverse()
-        self.pool.free_blocks(table.blocks, request_id, table.block_ids)
+        end_pos = table.num_tokens(self.block_size)
+        table.blocks.reverse()  # the table is gone: its list is handed over, last block first
+        self.pool.free_blocks(table.blocks, request_id)
         if self.window is not None:
             self._retire(table, end_pos, request_id, held=False)
 
@@ -395,13 +415,10 @@ class KVCacheManager:
         dropped_ids, table.block_ids = table.block_ids[:num_drop], table.block_ids[num_drop:]
         table.offset += num_drop
         self.num_window_released += num_drop
-        self.pool.free_blocks(dropped, request_id, dropped_ids)
+        self.pool.free_blocks(dropped, request_id)
+        detail = {"num_blocks": num_drop, "block_ids": dropped_ids, "group": self.pool.group}
         self._log.emit(
-            EventKind.WINDOW_RELEASE,
-            request_id=request_id,
-            block_id=dropped_ids[0],
-            tokens=num_drop * bs,
-            detail={"num_blocks": num_drop, "block_ids": list(dropped_ids), "group": self.pool.group},
+            EventKind.WINDOW_RELEASE, detail, request_id=request_id, block_id=dropped_ids[0], tokens=num_drop * bs
         )
         self._retire(table, next_pos, request_id, held=True)
         return num_drop
@@ -416,9 +433,9 @@ class KVCacheManager:
             held: True while the table is live: only blocks it already released are considered.
         """
         limit = max(0, end_pos - self.retain_tokens) // self.block_size  # type: ignore[operator]
-        limit = min(limit, table.offset if held else table.num_keys)
+        limit = min(limit, table.offset if held else len(table.keys))
         for i in range(table.retired, limit):
-            block = self.pool.cached_block(table.key(i))
+            block = self.pool.cached_block(table.keys[i])
             if block is not None and block.ref_count == 0:
                 self.pool.evict(block, EvictReason.WINDOW, request_id)
         table.retired = max(table.retired, limit)
@@ -426,11 +443,8 @@ class KVCacheManager:
     def reset_prefix_cache(self) -> tuple[int, int]:
         """Drop every unreferenced cached block. Returns (dropped, still cached because referenced)."""
         dropped, kept = self.pool.reset()
-        self._log.emit(
-            EventKind.RESET,
-            tokens=0,
-            detail={"dropped_blocks": dropped, "ok": kept == 0, "kept_blocks": kept},
-        )
+        detail = {"dropped_blocks": dropped, "ok": kept == 0, "kept_blocks": kept}
+        self._log.emit(EventKind.RESET, detail)
         return dropped, kept
 
     # ------------------------------------------------------------------ inspection
@@ -443,25 +457,23 @@ class KVCacheManager:
         return out
 
     def check_invariants(self) -> None:
-        """Raise AssertionError if a pool or table invariant (module docstrings) is broken."""
+        """Raise InvariantError if a pool or table invariant (module docstrings) is broken."""
         self.pool.check_invariants()
         refs: dict[int, int] = {}
         bs = self.block_size
         for rid, table in self._tables.items():
-            assert self.window is not None or table.offset == 0, f"{rid}: a full table lost leading blocks"
+            require(self.window is not None or table.offset == 0, f"{rid}: a full table lost leading blocks")
             for i, block in enumerate(table.blocks):
                 refs[block.block_id] = refs.get(block.block_id, 0) + 1
-                assert block.start_pos == (table.offset + i) * bs, f"{rid}: block {block.block_id} misplaced"
+                require(block.start_pos == (table.offset + i) * bs, f"{rid}: block {block.block_id} misplaced")
                 if i < len(table.blocks) - 1:
-                    assert len(block.token_ids) == bs, f"{rid}: a non-tail block is partial"
-            assert table.block_ids == [b.block_id for b in table.blocks], f"{rid}: block ids out of step"
-            assert len(table.keys) % KEY_SIZE == 0, f"{rid}: a key is cut short"
-            assert table.offset <= table.num_keys <= table.offset + len(table.blocks)
-            for i in range(table.offset, table.num_keys):
-                parent = table.key(i - 1) if i else table.root_key
+                    require(len(block.token_ids) == bs, f"{rid}: a non-tail block is partial")
+            require(table.block_ids == [b.block_id for b in table.blocks], f"{rid}: block ids out of step")
+            require(table.offset <= len(table.keys) <= table.offset + len(table.blocks), f"{rid}: keys miscounted")
+            for i in range(table.offset, len(table.keys)):
+                parent = table.keys[i - 1] if i else table.root_key
                 block = table.blocks[i - table.offset]
-                assert table.key(i) == chain_key(parent, block.token_ids), f"{rid}: key chain broken"
+                require(table.keys[i] == chain_key(parent, block.token_ids), f"{rid}: key chain broken")
         for block in self.pool.blocks:
-            assert block.ref_count == refs.get(block.block_id, 0), (
-                f"block {block.block_id}: ref_count {block.ref_count} != {refs.get(block.block_id, 0)} holders"
-            )
+            held = refs.get(block.block_id, 0)
+            require(block.ref_count == held, f"block {block.block_id}: ref_count {block.ref_count} != {held} holders")

@@ -1,8 +1,10 @@
 """Keeps the KV groups of one engine in step.
 
 Pure Python: no torch. Every request has a table in every group or in none. Allocation is all or
-nothing across groups: the coordinator checks that each group can supply its blocks before any of
-them changes. A full-attention model has one group and behaves exactly like a single manager.
+nothing across groups, as a check and a commit: `can_admit` / `admit` give a new request its tables,
+`can_append` / `append` grow them; the check answers whether every group can supply its blocks, and the
+commit (which raises `NoFreeBlocksError`, nothing changed, when called without room) changes them all.
+A full-attention model has one group and behaves exactly like a single manager.
 
 Per group, a chunk writes K/V only for positions at or after the group's `write_from`: during an
 exact or approximate replay the full group already holds [r, h), so only the sliding group writes there.
@@ -10,17 +12,21 @@ exact or approximate replay the full group already holds [r, h), so only the sli
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
-from engine.block_pool import Block
+from engine.block_pool import Block, NoFreeBlocksError
+from engine.errors import require
 from engine.events import EventKind, EventLog
 from engine.kv_cache_manager import BlockCopy, KVCacheManager, TableStart
+from engine.namespace import CONTENT_ROOT_KEY
+from engine.request import PromptKeys
 from engine.kv_groups import (
     FULL,
     SLIDING,
     HitPlan,
     KVGroupSpec,
+    ReplayMode,
+    WindowHit,
     WindowPolicy,
     chain_keys_of,
     plan_sliding_only_hit,
@@ -28,13 +34,28 @@ from engine.kv_groups import (
 )
 
 
-@dataclass(frozen=True, slots=True)
-class GroupSlots:
-    """One group's view of a scheduled chunk, for the runner."""
+class Reservation(NamedTuple):
+    """What `admit` or `append` reserved for one chunk."""
+
+    write_from: tuple[int, ...]  # per group: the first position the chunk writes (see the module docstring)
+    num_copies: int  # copy-on-write copies made (a shared partial tail written into), over all groups
+
+
+class GroupTable(NamedTuple):
+    """One group's table of one request, as plain data for the runner."""
 
     block_ids: list[int]  # physical blocks of logical blocks first_block, first_block + 1, ...
-    first_block: int  # logical index of block_ids[0]; keys before first_block * block_size are not visible
-    write_from: int  # positions below this already hold K/V in this group: the chunk does not write them
+    first_block: int  # logical index of block_ids[0]
+
+
+class _GroupAdmission(NamedTuple):
+    """One group's share of an admission."""
+
+    manager: KVCacheManager
+    skip: int  # leading tokens of the first chunk this group already holds (hit blocks), so does not write
+    hits: Sequence[Block]
+    start: TableStart | None
+    write_from: int
 
 
 class KVCoordinator:
@@ -58,16 +79,40 @@ class KVCoordinator:
     def sliding(self) -> KVCacheManager | None:
         return self._by_name.get(SLIDING)
 
+    @property
+    def ready_mode(self) -> ReplayMode:
+        """The mode of a hit that needs no replay in this model (a fork child's, for one)."""
+        return ReplayMode.FULL if self.sliding is None else ReplayMode.READY
+
     # ------------------------------------------------------------------ reading
     def has_table(self, request_id: str) -> bool:
         return self.managers[0].has_table(request_id)
 
     def num_tokens(self, request_id: str) -> int:
-        """Tokens whose K/V every group holds (the request's computed length)."""
-        return max(m.num_tokens(request_id) for m in self.managers)
+        """Tokens whose K/V every group holds (the request's computed length). During a replay that takes
+        more than one chunk the full group holds more (its hit reaches h); the sliding group's is the length."""
+        return min(m.num_tokens(request_id) for m in self.managers)
 
-    def block_ids(self, request_id: str) -> dict[str, list[int]]:
-        return {m.pool.group: m.block_ids(request_id) for m in self.managers}
+    def block_ids(self, request_id: str) -> dict[str, tuple[int, ...]]:
+        """Per group, the blocks the request holds (a copy; empty where it holds none)."""
+        return {
+            m.pool.group: tuple(m.live_block_ids(request_id)[0]) if m.has_table(request_id) else ()
+            for m in self.managers
+        }
+
+    def prompt_keys(self, request_id: str, prompt_token_ids: Sequence[int]) -> PromptKeys:
+        """What the history keeps of a request's prompt (engine/request.py's `PromptKeys`): its table's
+        chain keys of the prompt's full blocks (every group chains the same keys), and their content keys.
+        Call while the request holds its tables and has computed its prompt."""
+        num = len(prompt_token_ids) // self.block_size
+        chain = self.managers[0].chain_keys(request_id)[:num]
+        require(len(chain) == num, f"{request_id}: the prompt's full blocks are not all keyed")
+        content = chain_keys_of(list(prompt_token_ids), CONTENT_ROOT_KEY, self.block_size, num)
+        return PromptKeys(b"".join(chain), b"".join(content))
+
+    def group_tables(self, request_id: str) -> tuple[GroupTable, ...]:
+        """Per group, the request's table as the runner reads it in this step (the lists are not copied)."""
+        return tuple(GroupTable(*m.live_block_ids(request_id)) for m in self.managers)
 
     # ------------------------------------------------------------------ hits
     def plan_hit(self, token_ids: list[int], salt: str | None) -> HitPlan:
@@ -78,40 +123,42 @@ class KVCoordinator:
         if sliding is None:
             hits = full.find_prefix_hit(token_ids, salt)  # type: ignore[union-attr]
             h = len(hits) * bs
-            keys = [b.key for b in hits]  # type: ignore[misc]
-            return HitPlan(h, 0, 0, h, "full" if h else "none", keys, full_hits=hits)
+            mode = ReplayMode.FULL if h else ReplayMode.NONE
+            keys = [b.key for b in hits]
+            return HitPlan(h=h, s=0, e=0, r=h, mode=mode, chain_keys=keys, full_hits=hits)  # type: ignore[arg-type]
         root = self.managers[0].root_key(salt)
         for manager in self.managers[1:]:
             manager.root_key(salt)
         if full is not None:
             full_hits = full.find_prefix_hit(token_ids, salt)
-            keys = [b.key for b in full_hits]  # type: ignore[misc]
+            keys = [b.key for b in full_hits]
             h_blocks = len(full_hits)
         else:
             full_hits = []
             keys = chain_keys_of(token_ids, root, bs, max_blocks)
             h_blocks = max_blocks
-        sliding_blocks = self._sliding_blocks(token_ids, keys[:h_blocks], root)
+        sliding_blocks = self._sliding_blocks(token_ids, keys[:h_blocks], root)  # type: ignore[arg-type]
         present = [b is not None for b in sliding_blocks]
         window = sliding.window
+        hit: WindowHit
         if full is not None:
-            h, s, e, r, mode = plan_window_hit(h_blocks, present, window, bs, self.policy)  # type: ignore[arg-type]
+            hit = plan_window_hit(h_blocks, present, window, bs, self.policy)  # type: ignore[arg-type]
         else:
-            h, s, e, r, mode = plan_sliding_only_hit(present, window, bs)  # type: ignore[arg-type]
-        if mode == "approximate":
-            offset = r // bs
+            hit = plan_sliding_only_hit(present, window, bs)  # type: ignore[arg-type]
+        if hit.mode is ReplayMode.APPROXIMATE:
+            offset = hit.r // bs
         else:
-            offset = max(0, r - window + 1) // bs  # type: ignore[operator]
+            offset = max(0, hit.r - window + 1) // bs  # type: ignore[operator]
         return HitPlan(
-            h,
-            s,
-            e,
-            r,
-            mode,
-            keys[: max(h_blocks, r // bs)],
-            full_hits=full_hits[: h // bs],
+            h=hit.h,
+            s=hit.s,
+            e=hit.e,
+            r=hit.r,
+            mode=hit.mode,
+            chain_keys=keys[: max(h_blocks, hit.r // bs)],  # type: ignore[arg-type]
+            full_hits=full_hits[: hit.h // bs],
             sliding_offset=offset,
-            sliding_hits=[b for b in sliding_blocks[offset : r // bs]],  # type: ignore[misc]
+            sliding_hits=sliding_blocks[offset : hit.r // bs],  # type: ignore[arg-type]
         )
 
     def _sliding_blocks(self, token_ids: list[int], keys: list[bytes], root: bytes) -> list[Block | None]:
@@ -122,66 +169,76 @@ class KVCoordinator:
             found.append(lookup(key, parent, token_ids[i * bs : (i + 1) * bs]))
         return found
 
-    # ------------------------------------------------------------------ allocation
-    def admit(self, request_id: str, token_ids: list[int], plan: HitPlan, salt: str | None) -> tuple[int, ...] | None:
+    # ------------------------------------------------------------------ admission and growth
+    def can_admit(self, plan: HitPlan, num_tokens: int) -> bool:
+        """Whether `admit` can give a new request its tables: the plan's hits and a first chunk of
+        `num_tokens` tokens from position `plan.r`."""
+        return all(
+            group.manager.can_allocate(max(0, num_tokens - group.skip), group.hits) for group in self._admission(plan)
+        )
+
+    def admit(self, request_id: str, token_ids: list[int], plan: HitPlan, salt: str | None) -> Reservation:
         """First allocation of a new request: share the plan's hits, reserve slots for `token_ids`.
 
         `token_ids` are the tokens of the first chunk, starting at position `plan.r`.
 
-        Returns:
-            Per group, the first position the chunk writes; None (nothing changed) when the pool lacks blocks.
+        Raises:
+            NoFreeBlocksError: `can_admit` says no; no group changes.
         """
-        starts = []
+        if not self.can_admit(plan, len(token_ids)):
+            raise NoFreeBlocksError(f"{request_id}: not enough blocks to admit {len(token_ids)} tokens")
+        groups = self._admission(plan)
+        for group in groups:
+            new = token_ids[group.skip :]
+            group.manager.allocate(request_id, new, hits=group.hits, salt=salt, start=group.start)
+        if plan.mode in (ReplayMode.EXACT, ReplayMode.APPROXIMATE):
+            detail = {
+                "h": plan.h,
+                "s": plan.s,
+                "e": plan.e,
+                "r": plan.r,
+                "mode": plan.mode.value,
+                "replayed_tokens": plan.replayed_tokens,
+            }
+            self._log.emit(EventKind.REPLAY, detail, request_id=request_id, tokens=plan.replayed_tokens)
+        return Reservation(tuple(group.write_from for group in groups), 0)
+
+    def _admission(self, plan: HitPlan) -> list[_GroupAdmission]:
+        """Per group: the full group shares the hits [0, h) and writes from h; the sliding group shares
+        its window blocks up to r and writes from r (the first chunk starts at r)."""
+        groups = []
         for manager in self.managers:
             if manager.window is None:
                 hits, start, first = plan.full_hits, None, plan.h
             else:
                 hits, first = plan.sliding_hits, plan.r
                 start = TableStart(plan.sliding_offset, plan.chain_keys)
-            new = token_ids[max(0, first - plan.r) :]
-            starts.append((manager, new, hits, start, max(first, plan.r)))
-        if any(m.num_blocks_needed(request_id, len(new), hits) > m.pool.num_allocatable for m, new, hits, _, _ in starts):
-            return None
-        for manager, new, hits, start, _ in starts:
-            assert manager.allocate_slots(request_id, new, hits=hits, salt=salt, start=start)
-        if plan.mode in ("exact", "approximate"):
-            self._log.emit(
-                EventKind.REPLAY,
-                request_id=request_id,
-                tokens=plan.replayed_tokens,
-                detail={
-                    "h": plan.h,
-                    "s": plan.s,
-                    "e": plan.e,
-                    "r": plan.r,
-                    "mode": plan.mode,
-                    "replayed_tokens": plan.replayed_tokens,
-                },
-            )
-        return tuple(write_from for *_, write_from in starts)
+            groups.append(_GroupAdmission(manager, max(0, first - plan.r), hits, start, max(first, plan.r)))
+        return groups
 
-    def allocate(self, request_id: str, start_pos: int, token_ids: list[int]) -> tuple[int, ...] | None:
+    def can_append(self, request_id: str, start_pos: int, num_tokens: int) -> bool:
+        """Whether `append` can reserve a chunk of `num_tokens` tokens at `start_pos` in every group."""
+        for manager in self.managers:
+            skip = max(0, manager.num_tokens(request_id) - start_pos)
+            if not manager.can_append(request_id, max(0, num_tokens - skip)):
+                return False
+        return True
+
+    def append(self, request_id: str, start_pos: int, token_ids: list[int]) -> Reservation:
         """Reserve slots for a chunk at `start_pos` of a request that already has tables.
 
-        Returns:
-            Per group, the first position the chunk writes; None (nothing changed) when blocks are short.
+        Raises:
+            NoFreeBlocksError: `can_append` says no; no group changes.
         """
-        plans = []
+        if not self.can_append(request_id, start_pos, len(token_ids)):
+            raise NoFreeBlocksError(f"{request_id}: not enough blocks for {len(token_ids)} more tokens")
+        write_from = []
+        num_copies = 0
         for manager in self.managers:
             held = manager.num_tokens(request_id)
-            skip = max(0, held - start_pos)
-            plans.append((manager, token_ids[skip:], max(held, start_pos)))
-        if any(m.num_blocks_needed(request_id, len(new)) > m.pool.num_allocatable for m, new, _ in plans):
-            return None
-        for manager, new, _ in plans:
-            assert manager.allocate_slots(request_id, new)
-        return tuple(write_from for *_, write_from in plans)
-
-    def slots(self, request_id: str, write_from: tuple[int, ...]) -> tuple[GroupSlots, ...]:
-        """Per group, the request's table as the runner reads it."""
-        return tuple(
-            GroupSlots(m.block_ids(request_id), m.offset(request_id), w) for m, w in zip(self.managers, write_from)
-        )
+            num_copies += manager.append(request_id, token_ids[max(0, held - start_pos) :])
+            write_from.append(max(held, start_pos))
+        return Reservation(tuple(write_from), num_copies)
 
     def take_copies(self) -> tuple[list[BlockCopy], ...]:
         return tuple(m.take_copies() for m in self.managers)
@@ -200,8 +257,8 @@ class KVCoordinator:
             manager.release_outside_window(request_id)
 
     def fork(self, parent_id: str, child_id: str) -> int:
-        shared = [m.fork(parent_id, child_id) for m in self.managers]
-        return max(shared)
+        """Give the child a table sharing the parent's in every group. Returns the tokens every group shares."""
+        return min(m.fork(parent_id, child_id) for m in self.managers)
 
     def free(self, request_id: str) -> None:
         for manager in self.managers:
@@ -212,7 +269,8 @@ class KVCoordinator:
         return sum(d for d, _ in results), sum(k for _, k in results)
 
     def check_invariants(self) -> None:
+        """Raise InvariantError if a group's invariants are broken or a request has tables in some groups only."""
         for manager in self.managers:
             manager.check_invariants()
         tables = [set(m.tables()) for m in self.managers]
-        assert all(t == tables[0] for t in tables), "a request has tables in some groups only"
+        require(all(t == tables[0] for t in tables), "a request has tables in some groups only")

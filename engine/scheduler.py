@@ -1,10 +1,12 @@
-"""Continuous batching: which tokens of which requests the next forward computes.
+"""Continuous batching: which tokens of which requests the next forward computes, and what its results do.
 
 Pure Python: no torch. Each step the scheduler fills a token budget, running requests first (decodes
 and unfinished prefill chunks, oldest first), then waiting requests (oldest first). A request that
 cannot get blocks waits; when a running request cannot grow, the newest running request is preempted:
 its blocks are released and it goes back to the front of the queue, to be recomputed later (usually
-a prefix hit, since its full blocks stay cached).
+a prefix hit, since its full blocks stay cached). After the forward, `postprocess` accounts for the
+computed chunks, appends the sampled tokens and finishes the requests that stop; a request whose
+forward went non-finite fails instead, and `stop_request` ends one unfinished (failed or aborted).
 
 Invariant between steps: for every running or retained request, its block table holds exactly
 `num_computed_tokens` tokens, and those are its context's first tokens.
@@ -15,11 +17,52 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass
+from typing import Collection, Mapping
 
+from engine.config import EngineConfig
 from engine.events import EventKind, EventLog
 from engine.kv_cache_manager import BlockCopy
 from engine.kv_coordinator import KVCoordinator
-from engine.request import HitSource, Request, RequestStatus
+from engine.kv_groups import HitPlan
+from engine.request import Request, RequestStatus
+
+
+@dataclass(slots=True)
+class ReuseCounters:
+    """Prompt tokens reused and computed, counted the way vLLM's metrics count them (in tokens).
+
+    Three kinds of admission are kept apart, so that no number claims more reuse than happened:
+
+        prefix lookup   a new request's prompt looked up in the prefix index (vLLM's
+                        `prefix_cache_queries` / `prefix_cache_hits`); a hit counts only the tokens that
+                        were not computed: the replay boundary r, not the hit position h (a sliding-window
+                        hit replayed from r = 0 saved nothing)
+        fork            a child's context shared from its parent's table (not an index lookup)
+        re-admission    a preempted request looked up again; its reuse is its own recomputation, not a
+                        prefix hit (vLLM #25780), so it is counted here and nowhere else
+    """
+
+    prefix_query_tokens: int = 0  # prompt tokens of new requests looked up in the prefix index
+    prefix_hit_tokens: int = 0  # of which reused from the index and not computed (r per request)
+    replayed_tokens: int = 0  # hit tokens computed again to rebuild sliding-window state (h - r)
+    fork_query_tokens: int = 0  # context tokens of fork children at their first admission
+    fork_shared_tokens: int = 0  # of which shared from the parent and not computed
+    preempted_query_tokens: int = 0  # context tokens of preempted requests looked up again on re-admission
+    preempted_hit_tokens: int = 0  # of which found in the cache (their own blocks, mostly)
+
+    def count_admission(self, request: Request, plan: HitPlan | None, start: int, *, first_time: bool) -> None:
+        """Count one admission: `plan` is its hit plan (None for a fork child's first admission) and
+        `start` the position its first chunk starts at."""
+        if not first_time:
+            self.preempted_query_tokens += request.num_tokens
+            self.preempted_hit_tokens += start
+        elif plan is None:
+            self.fork_query_tokens += request.num_prompt_tokens
+            self.fork_shared_tokens += start
+        else:
+            self.prefix_query_tokens += request.num_prompt_tokens
+            self.prefix_hit_tokens += start
+            self.replayed_tokens += plan.replayed_tokens
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,23 +85,20 @@ class SchedulerOutput:
     chunks: list[ScheduledChunk]
     copies: tuple[list[BlockCopy], ...]  # per KV group: copy-on-write copies to execute before the forward
     preempted: list[Request]
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(len(c.token_ids) for c in self.chunks)
+    changed: list[Request]  # every request this step changes: those with a chunk, then the preempted
 
 
 class Scheduler:
-    def __init__(self, kv: KVCoordinator, log: EventLog, *, max_num_batched_tokens: int, max_num_seqs: int):
+    def __init__(self, config: EngineConfig, kv: KVCoordinator, log: EventLog, eos_token_ids: Collection[int]):
         self.kv = kv
         self._log = log
-        self.max_num_batched_tokens = max_num_batched_tokens
-        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = config.max_num_batched_tokens
+        self.max_num_seqs = config.max_num_seqs
+        self.eos_token_ids = frozenset(eos_token_ids)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
-        self.prefix_query_tokens = 0  # prompt tokens looked up at first admission
-        self.prefix_hit_tokens = 0  # of which found in the cache (prefix index or fork)
+        self.counters = ReuseCounters()
 
     @property
     def has_work(self) -> bool:
@@ -66,9 +106,6 @@ class Scheduler:
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
-
-    def remove_waiting(self, request: Request) -> None:
-        self.waiting.remove(request)
 
     # ------------------------------------------------------------------ scheduling
     def schedule(self) -> SchedulerOutput:
@@ -79,84 +116,83 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            n = min(budget, request.num_tokens - request.num_computed_tokens)
-            tokens = request.all_token_ids[request.num_computed_tokens : request.num_computed_tokens + n]
-            write_from = self._grow(request, tokens, preempted)
-            if write_from is None:
+            start = request.num_computed_tokens
+            n = min(budget, request.num_tokens - start)
+            if not self._make_room(request, n, preempted):
                 break  # it preempted itself: it was the newest, nothing runs after it
-            chunks.append(ScheduledChunk(request, tokens, request.num_computed_tokens, write_from))
+            tokens = request.tokens(start, start + n)
+            reservation = self.kv.append(request.request_id, start, tokens)
+            request.reserved(reservation.num_copies)
+            chunks.append(ScheduledChunk(request, tokens, start, reservation.write_from))
             budget -= n
             i += 1
 
         while self.waiting and budget > 0 and not preempted and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
-            chunk = self._admit(request, budget)
-            if chunk is None:
+            plan = self._plan(request)
+            if not self._can_admit(request, plan, budget):
                 break
             self.waiting.popleft()
             self.running.append(request)
-            chunks.append(chunk)
-            budget -= len(chunk.token_ids)
+            chunks.append(self._admit(request, plan, budget))
+            budget -= len(chunks[-1].token_ids)
 
-        return SchedulerOutput(chunks, self.kv.take_copies(), preempted)
+        changed = [chunk.request for chunk in chunks] + preempted
+        return SchedulerOutput(chunks, self.kv.take_copies(), preempted, changed)
 
-    def _grow(self, request: Request, tokens: list[int], preempted: list[Request]) -> tuple[int, ...] | None:
-        """Reserve slots for a running request, preempting the newest running requests as needed.
-
-        Returns the chunk's per-group write positions, or None when the request had to preempt itself.
-        """
-        while (write_from := self.kv.allocate(request.request_id, request.num_computed_tokens, tokens)) is None:
+    def _make_room(self, request: Request, num_tokens: int, preempted: list[Request]) -> bool:
+        """Preempt the newest running requests until the request's next chunk fits. Returns False when
+        the request had to preempt itself."""
+        while not self.kv.can_append(request.request_id, request.num_computed_tokens, num_tokens):
             victim = self.running[-1]
             self._preempt(victim)
             preempted.append(victim)
             if victim is request:
-                return None
-        return write_from
+                return False
+        return True
 
-    def _admit(self, request: Request, budget: int) -> ScheduledChunk | None:
-        """Reserve blocks for a waiting request's first chunk, or return None (nothing changed)."""
-        kv = self.kv
-        rid = request.request_id
-        if kv.has_table(rid):  # a fork child: its tables were shared at fork time
-            start = kv.num_tokens(rid)
-            tokens = request.all_token_ids[start : start + min(budget, request.num_tokens - start)]
-            write_from = kv.allocate(rid, start, tokens)
-            plan = None
-        else:
-            plan = kv.plan_hit(request.all_token_ids, request.salt)
-            if self._computed_by_another(request, plan.r):
-                return None  # wait: next step this request hits the blocks another one is computing now
-            start = plan.r
-            tokens = request.all_token_ids[start : start + min(budget, request.num_tokens - start)]
-            write_from = kv.admit(rid, tokens, plan, request.salt)
-        if write_from is None:
+    def _plan(self, request: Request) -> HitPlan | None:
+        """A waiting request's hit plan; None for a fork child, whose tables it shares with its parent."""
+        if self.kv.has_table(request.request_id):
             return None
+        return self.kv.plan_hit(request.all_token_ids, request.salt)
+
+    def _first_chunk_start(self, request: Request, plan: HitPlan | None) -> int:
+        """Where a waiting request's first chunk starts: its replay boundary, or (a fork child) the end of
+        the tokens its shared tables hold."""
+        return self.kv.num_tokens(request.request_id) if plan is None else plan.r
+
+    def _can_admit(self, request: Request, plan: HitPlan | None, budget: int) -> bool:
+        """Whether a waiting request can start now (`plan`: its hit plan; None for a fork child with tables)."""
+        start = self._first_chunk_start(request, plan)
+        n = min(budget, request.num_tokens - start)
+        if plan is None:
+            return self.kv.can_append(request.request_id, start, n)
+        if self._computed_by_another(request, plan.r):
+            return False  # wait: next step this request hits the blocks another one is computing now
+        return self.kv.can_admit(plan, n)
+
+    def _admit(self, request: Request, plan: HitPlan | None, budget: int) -> ScheduledChunk:
+        """Reserve blocks for a waiting request's first chunk (`_can_admit` said yes)."""
+        rid = request.request_id
+        start = self._first_chunk_start(request, plan)
+        tokens = request.tokens(start, start + min(budget, request.num_tokens - start))
+        if plan is None:
+            reservation = self.kv.append(rid, start, tokens)
+        else:
+            reservation = self.kv.admit(rid, tokens, plan, request.salt)
         first_time = request.first_scheduled_time is None
-        request.status = RequestStatus.RUNNING
-        request.num_computed_tokens = start
+        request.admitted(start, plan, time.time())
+        request.reserved(reservation.num_copies)
+        self.counters.count_admission(request, plan, start, first_time=first_time)
         if first_time:
-            request.first_scheduled_time = time.time()
-            if plan is not None:
-                request.cached_tokens = plan.h
-                request.hit_source = HitSource.PREFIX if plan.h else HitSource.NONE
-                request.window_start, request.window_end = plan.s, plan.e
-                request.replay_from, request.replay_mode = plan.r, plan.mode
-                request.replayed_tokens = plan.replayed_tokens
-            if plan is not None:  # every (re)admission decides afresh whether its state is exact
-                request.cacheable = plan.mode != "approximate"
-            self.prefix_query_tokens += request.num_prompt_tokens
-            self.prefix_hit_tokens += request.cached_tokens
-            self._log.emit(
-                EventKind.SCHEDULE,
-                request_id=rid,
-                tokens=request.num_prompt_tokens,
-                detail={
-                    "cached_tokens": request.cached_tokens,
-                    "computed_tokens": request.num_prompt_tokens - start,
-                    "hit_source": request.hit_source.value,
-                },
-            )
-        return ScheduledChunk(request, tokens, start, write_from)
+            detail = {
+                "cached_tokens": request.cached_tokens,
+                "computed_tokens": request.num_prompt_tokens - start,
+                "hit_source": request.hit_source.value,
+            }
+            self._log.emit(EventKind.SCHEDULE, detail, request_id=rid, tokens=request.num_prompt_tokens)
+        return ScheduledChunk(request, tokens, start, reservation.write_from)
 
     def _computed_by_another(self, request: Request, hit_end: int) -> bool:
         """True when a running request is still prefilling the block of this prompt that follows its hit.
@@ -167,76 +203,103 @@ class Scheduler:
         """
         bs = self.kv.block_size
         end = hit_end + bs
-        tokens = request.all_token_ids
-        if end > (len(tokens) - 1) // bs * bs:  # past the hit cap: no further block could be reused
+        if end > (request.num_tokens - 1) // bs * bs:  # past the hit cap: no further block could be reused
             return False
-        head = tokens[:end]
+        head = request.tokens(0, end)
         return any(
             other.prefilling
             and other.salt == request.salt
             and other.num_computed_tokens < end
-            and other.all_token_ids[:end] == head
+            and other.num_tokens >= end
+            and other.tokens(0, end) == head
             for other in self.running
         )
 
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
         self.kv.free(request.request_id)
-        self._log.emit(
-            EventKind.PREEMPT,
-            request_id=request.request_id,
-            tokens=request.num_computed_tokens,
-            detail={"num_computed_tokens": request.num_computed_tokens},
-        )
-        request.status = RequestStatus.WAITING
-        request.num_computed_tokens = 0
-        request.preemptions += 1
-        request.prefilling = True
+        detail = {"num_computed_tokens": request.num_computed_tokens}
+        self._log.emit(EventKind.PREEMPT, detail, request_id=request.request_id, tokens=request.num_computed_tokens)
+        request.preempted()
         self.num_preemptions += 1
         self.waiting.appendleft(request)
 
     # ------------------------------------------------------------------ after the forward
-    def finish_chunk(self, chunk: ScheduledChunk) -> None:
-        """Account for a computed chunk: its KV is now in the blocks; full blocks enter the index."""
-        request = chunk.request
-        request.num_computed_tokens += len(chunk.token_ids)
-        if request.prefilling:
-            request.computed_tokens += len(chunk.token_ids)
-        self.kv.finish_chunk(request.request_id, cacheable=request.cacheable)
+    def postprocess(
+        self, out: SchedulerOutput, sampled: dict[str, int], failed: Mapping[str, str] | None = None
+    ) -> list[Request]:
+        """Account for the forward over `out`: computed chunks enter the cache, sampled tokens are
+        appended, requests that stop finish, and requests whose forward went wrong fail. Returns the
+        requests that ended (finished or failed), in chunk order.
 
-    def finish_request(self, request: Request, reason: str) -> None:
+        Args:
+            out: this step's schedule.
+            sampled: the token sampled for each request whose chunk reached its context's end.
+            failed: why each request in it failed (request id -> reason), for chunks whose forward came
+                out non-finite: such a chunk is not computed, its request ends FAILED and its blocks are
+                freed, none of them cached.
+        """
+        failed = failed or {}
+        finished = []
+        now = time.time()
+        for chunk in out.chunks:
+            request = chunk.request
+            if request.request_id in failed:
+                self.stop_request(request, RequestStatus.FAILED, failed[request.request_id])
+                finished.append(request)
+                continue
+            request.chunk_computed(len(chunk.token_ids))
+            self.kv.finish_chunk(request.request_id, cacheable=request.cacheable)
+            token = sampled.get(request.request_id)
+            if token is None:
+                continue
+            request.append_token(token, now)
+            reason = self._stop_reason(request, token)
+            if reason is not None:
+                self._finish(request, reason, now)
+                finished.append(request)
+        return finished
+
+    def _stop_reason(self, request: Request, token: int) -> str | None:
+        if not request.sampling.ignore_eos and token in self.eos_token_ids:
+            return "eos"
+        if len(request.output_token_ids) >= request.sampling.max_new_tokens:
+            return "length"
+        return None
+
+    def _finish(self, request: Request, reason: str, now: float) -> None:
         """Take a finished request out of the running set; free its blocks unless it is retained."""
         self.running.remove(request)
-        self._end(request, RequestStatus.RETAINED if request.retain else RequestStatus.FINISHED, reason)
+        rid = request.request_id
+        keys = self.kv.prompt_keys(rid, request.prompt_token_ids)
+        request.finished(reason, self.kv.block_ids(rid), now, prompt_keys=keys)
+        self._end(request)
 
     def stop_request(self, request: Request, status: RequestStatus, reason: str) -> None:
         """End a waiting or running request unfinished (`status` FAILED or ABORTED); its blocks are freed.
 
         Raises:
-            ValueError: a request that is neither waiting nor running, or a status that is not an end.
+            ValueError: a request that is neither waiting nor running, or a status that is not such an
+                end; nothing changes.
         """
-        if status not in (RequestStatus.FAILED, RequestStatus.ABORTED):
-            raise ValueError(f"a stopped request ends failed or aborted, not {status.value}")
+        rid = request.request_id
         if request in self.running:
-            self.running.remove(request)
+            queue = self.running
         elif request in self.waiting:
-            self.waiting.remove(request)
+            queue = self.waiting
         else:
-            raise ValueError(f"request {request.request_id!r} is {request.status.value}: neither waiting nor running")
-        self._end(request, status, reason)
+            raise ValueError(f"request {rid!r} is {request.status.value}: neither waiting nor running")
+        tables = self.kv.block_ids(rid) if self.kv.has_table(rid) else {}
+        request.stopped(status, reason, tables, time.time())  # raises on a wrong status, before any change
+        queue.remove(request)
+        self._end(request)
 
-    def _end(self, request: Request, status: RequestStatus, reason: str) -> None:
-        """Record the end (status, reason, time, final tables) and free the blocks unless retained."""
-        request.status = status
-        request.finish_reason = reason
-        request.finish_time = time.time()
-        if self.kv.has_table(request.request_id):
-            request.final_block_tables = self.kv.block_ids(request.request_id)
-            if status is not RequestStatus.RETAINED:
-                self.kv.free(request.request_id)
-        self._log.emit(
-            EventKind.FINISH,
-            request_id=request.request_id,
-            tokens=len(request.output_token_ids),
-            detail={"reason": reason, "output_tokens": len(request.output_token_ids), "status": status.value},
-        )
+    def _end(self, request: Request) -> None:
+        """What every end shares, after the request's own transition: its blocks are freed unless it is
+        retained, and a FINISH event records how it ended (its status and reason)."""
+        rid = request.request_id
+        if request.status is not RequestStatus.RETAINED and self.kv.has_table(rid):
+            self.kv.free(rid)
+        num_output = len(request.output_token_ids)
+        detail = {"reason": request.finish_reason, "output_tokens": num_output, "status": request.status.value}
+        self._log.emit(EventKind.FINISH, detail, request_id=rid, tokens=num_output)

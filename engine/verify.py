@@ -2,9 +2,17 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING
 
 import torch
+
+from engine.events import EventKind, EventLog
+from engine.request import ReplayMode, Request, RequestStatus
+
+if TYPE_CHECKING:
+    from engine.model_runner import ModelRunner
 
 
 @dataclass(frozen=True)
@@ -36,3 +44,39 @@ def divergence(replayed: torch.Tensor, reference: torch.Tensor) -> Divergence:
         max_kl=kl.max().item(),
         top1_agreement=(replayed.argmax(-1) == reference.argmax(-1)).float().mean().item(),
     )
+
+
+class ReplayVerifier:
+    """Measures every approximate replay against a from-scratch forward (the engine builds one only when
+    `verify_replay` is on).
+
+    `capture` keeps the logits each approximately replayed request sampled from; when the request finishes,
+    `verify` recomputes its whole context with transformers' own attention (under the engine lock, so
+    the step that finishes it takes that much longer), records the divergence on the request and emits a
+    REPLAY event with it.
+    """
+
+    def __init__(self, runner: ModelRunner, log: EventLog) -> None:
+        self._runner = runner
+        self._log = log
+        self._logits: dict[str, list[torch.Tensor]] = {}  # request id -> sampled-from rows, in order
+
+    def capture(self, requests: Sequence[Request], logits: torch.Tensor) -> None:
+        """Keep row i of `logits` (what requests[i] samples from) for the approximately replayed ones."""
+        for request, row in zip(requests, logits):
+            if request.replay_mode is ReplayMode.APPROXIMATE:
+                self._logits.setdefault(request.request_id, []).append(row.cpu())
+
+    def verify(self, request: Request) -> None:
+        """For a finished request with captured logits: compare them with a from-scratch forward. A
+        request that ended unfinished (failed, aborted) only has its logits dropped."""
+        recorded = self._logits.pop(request.request_id, None)
+        if not recorded or request.status not in (RequestStatus.FINISHED, RequestStatus.RETAINED):
+            return
+        # After a preemption the last sampled positions were sampled again: the final rows are the outputs'.
+        n = min(len(recorded), len(request.output_token_ids))
+        reference = self._runner.reference_logits(request.all_token_ids[:-1])[-n:].cpu()
+        measured = divergence(torch.stack(recorded[-n:]), reference).as_dict()
+        request.replay_verified(measured)
+        detail = {"mode": request.replay_mode.value, "verified": True, **measured}
+        self._log.emit(EventKind.REPLAY, detail, request_id=request.request_id, tokens=request.replayed_tokens)

@@ -1,4 +1,5 @@
-"""Blocks: every physical KV block, live; click one to inspect it; compare block tables side by side."""
+"""Blocks: every physical KV block, live; each block's life from the history; a request's blocks over time;
+block tables side by side; and the guided scenario "Sharing and copy-on-write"."""
 
 from __future__ import annotations
 
@@ -9,9 +10,14 @@ from app import charts
 from app.frames import HOLDING, align_tables, block_category, block_counts
 from app.hosting import get_host
 from app.prompting import decode, token_pieces
-from app.ui import REFRESH_S, age, fmt_time, kept
+from app.scenario import ScenarioError, ScenarioRun, SharingScenario
+from app.ui import REFRESH_S, SLOW_REFRESH_S, age, fmt_clock, fmt_time, kept, read_history, wait_for_history
+from storage import queries
 
 LARGE_POOL = 4096  # pools above this refresh less often
+MAX_STACKED = 16  # blocks one stacked timeline draws
+NO_HIGHLIGHT = "(none)"
+SCENARIO_PAUSE_S = 0.8  # between the scenario's actions, so the timeline is seen filling in
 
 host = get_host()
 console = host.console
@@ -36,29 +42,161 @@ def on_grid_select() -> None:
         state["blocks_inspect_id"] = block_id
 
 
+def history_table(frame: pd.DataFrame) -> None:
+    """A block history's rows, every word of them (no cut-off detail column); a `block` column when the
+    frame holds several blocks' rows."""
+    table = pd.DataFrame(
+        {
+            **({"block": frame["block"]} if "block" in frame else {}),
+            "step": frame["step"],
+            "time (UTC)": [fmt_clock(t) for t in frame["time"]],
+            "event": frame["event"],
+            "request": frame["request_id"].fillna("—"),
+            "what happened": [c + (f" — {m}" if m else "") for c, m in zip(frame["change"], frame["marker"])],
+            "ref count": frame["ref_count"],
+            "holders after": [", ".join(h) or "none" for h in frame["holders"]],
+        }
+    )
+    st.dataframe(
+        table,
+        hide_index=True,
+        column_config={
+            "what happened": st.column_config.TextColumn(width="large"),
+            "holders after": st.column_config.TextColumn(width="medium"),
+        },
+        height=min(420, 38 + 35 * len(table)),
+    )
+
+
+def stacked(timelines: dict[int, queries.BlockTimeline], key: str, titles: dict[int, str] | None = None) -> None:
+    """The timelines of several blocks on one step axis (`key`: the chart's, unique on the page)."""
+    shown = [(block_id, t) for block_id, t in timelines.items() if not t.rows.empty][:MAX_STACKED]
+    if not shown:
+        st.caption("No stored events for these blocks yet (the history writer commits about every second).")
+        return
+    titles = titles or {}
+    figure = charts.block_timelines([(titles.get(b, f"block {b}"), t.rows) for b, t in shown])
+    st.plotly_chart(figure, key=key, width="stretch")
+    with st.expander("Every change of these blocks, with the holders after it"):
+        rows = pd.concat([t.rows.assign(block=b) for b, t in shown]).sort_values(["event_id", "block"], kind="stable")
+        history_table(rows)
+    if any(not t.complete for _, t in shown):
+        st.caption("Part of this history was pruned: each block is drawn from its first stored allocation.")
+
+
+# ---------------------------------------------------------------- page
 st.title("Blocks")
 st.caption(
     f"{num_blocks:,} physical blocks of {block_size} token slots per KV group; block id = row × "
-    f"{charts.grid_columns(num_blocks)} + column. Click a cell (or type an id) to inspect it."
+    f"{charts.grid_columns(num_blocks)} + column. Click a cell (or type an id) to inspect it and see its life."
 )
+
+# ---------------------------------------------------------------- guided scenario
+with st.container(border=True):
+    st.markdown("#### Guided scenario: sharing and copy-on-write")
+    st.markdown(
+        "Two requests share one full block and one half-full block, then append different tokens: what "
+        "happens to the reference counts, when is a block copied, and when can the old block safely be "
+        "reused? One click plays it on this engine — a parent of one full and one half-full block, two "
+        "forks appending different tokens, the parent's release — with new request ids and a cache "
+        "namespace of its own, so nobody else's requests or cached blocks are touched, and releases all "
+        "it made at the end."
+    )
+    scenario_slot = st.empty()
+
+    def show_scenario(run: ScenarioRun) -> None:
+        """Redraw the scenario's timeline and sentences (after each of its actions, and on later reruns)."""
+        with scenario_slot.container():
+            timelines = read_history(
+                queries.block_timelines, host.db, console.run_id, run.blocks, groups[0], run.request_ids
+            ) or {}
+            titles = {}
+            if run.full_block is not None:
+                titles[run.full_block] = f"block {run.full_block}: the full block, shared"
+            if run.tail_block is not None:
+                titles[run.tail_block] = f"block {run.tail_block}: the parent's half-full tail"
+            for child, copy in zip(run.children, run.copies):
+                titles[copy] = f"block {copy}: {child}'s copy of the tail"
+            stacked(timelines, f"blocks_scenario_chart_{len(run.steps)}", titles)
+            for number, step in enumerate(run.steps, start=1):
+                st.markdown(f"**{number}.** {step.text}")
+
+    c = st.columns([1, 3])
+    if c[0].button("Run the scenario", type="primary", key="blocks_scenario_go"):
+        scenario = SharingScenario(engine, lambda: host.writer.flush(timeout_s=30), wait_s=SCENARIO_PAUSE_S)
+        try:
+            with st.spinner("Playing the scenario on the shared engine…"):
+                state["blocks_scenario"] = scenario.run(on_action=show_scenario)
+        except ScenarioError as exc:
+            st.error(f"The scenario stopped: {exc}. Everything it created was released.")
+    elif state.get("blocks_scenario") is not None:
+        run = state["blocks_scenario"]
+        if any(v.request_id == run.parent for v in engine.requests()):
+            show_scenario(run)
+        else:
+            state["blocks_scenario"] = None  # the engine was restarted: its blocks are another run's
+    c[1].caption(
+        "The timeline is read back from the history database, like every block's below: the same "
+        "events, so it is also there after a restart (`python -m cli block-history`)."
+    )
+
+# ---------------------------------------------------------------- the pool
 if state.get("blocks_group") not in groups:
     state["blocks_group"] = groups[0]
-c = st.columns([1, 4])
+c = st.columns([1, 2, 3])
 live = c[0].toggle("Live", **kept("blocks_live", True))
 group = c[1].radio(
     "KV group", groups, horizontal=True, **kept("blocks_group", groups[0]),
     help="Full-attention layers and sliding-window layers keep separate pools and tables",
 ) if len(groups) > 1 else groups[0]
+request_ids = [r.request_id for r in sorted(engine.requests(), key=lambda r: -r.arrival_time)]
+if state.get("blocks_highlight") not in [NO_HIGHLIGHT, *request_ids]:
+    state["blocks_highlight"] = NO_HIGHLIGHT
+highlight = c[2].selectbox(
+    "Highlight a request's blocks", [NO_HIGHLIGHT, *request_ids], **kept("blocks_highlight", NO_HIGHLIGHT),
+    help="Outlines in blue the blocks its table holds",
+)
 interval = (REFRESH_S * 2 if num_blocks <= LARGE_POOL else REFRESH_S * 5) if live else None
+wait_for_history(host)  # what this operator just did (a finished request, a reset) is in before the page reads
+run_ids = read_history(lambda db: queries.runs(db, limit=50)["id"].tolist(), host.db) or []
+if console.run_id not in run_ids:
+    run_ids.insert(0, console.run_id)
+if state.get("blocks_run") not in run_ids:
+    state["blocks_run"] = console.run_id
+c = st.columns([2, 3])
+run_id = c[0].selectbox(
+    "History of run", run_ids, **kept("blocks_run", console.run_id),
+    format_func=lambda rid: f"{rid} (this engine)" if rid == console.run_id else rid,
+    help="Whose block lives to draw: earlier runs' histories stay in the database and read the same",
+)
+c[1].caption(
+    "A block's life: every change of its reference count, from the persisted events — allocated, shared "
+    "by a fork or a prefix hit, copied on write, released, cached, evicted. Where the count reaches 0 it "
+    "says so: *no holder left: safe to reuse*, or, for a block in the prefix index, *evictable from here on*."
+)
+
+
+@st.cache_data(ttl=SLOW_REFRESH_S, max_entries=256, show_spinner=False)
+def stored_life(_db, run: str, block_id: int, kv_group: str) -> queries.BlockTimeline:
+    """One block's timeline, read at most once per SLOW_REFRESH_S (the live grid redraws more often)."""
+    return queries.block_timelines(_db, run, [block_id], kv_group)[block_id]
 
 
 @st.fragment(run_every=interval)
 def pool_view() -> None:
     snapshot = engine.snapshot()
     blocks = sorted((b for b in snapshot.blocks if b.group == group), key=lambda b: b.block_id)
+    statuses = {r.request_id: r.status for r in snapshot.requests}
+    marked: tuple[int, ...] = ()
+    if highlight != NO_HIGHLIGHT:
+        view = next((r for r in snapshot.requests if r.request_id == highlight), None)
+        if view is not None:
+            marked = view.block_tables.get(group, ())
+            held = "holds" if view.status in HOLDING else f"is {view.status} and holds nothing; it ended with"
+            st.caption(f"**{highlight}** {held} blocks {', '.join(map(str, marked)) or '—'} (outlined in blue).")
     st.markdown(charts.legend_markdown(block_counts(blocks)), unsafe_allow_html=True)
     st.plotly_chart(
-        charts.block_grid(blocks, block_size, selected=state.get("blocks_inspect_id")),
+        charts.block_grid(blocks, block_size, selected=state.get("blocks_inspect_id"), highlight=marked, statuses=statuses),
         key="blocks_grid",
         on_select=on_grid_select,
         selection_mode="points",
@@ -66,84 +204,98 @@ def pool_view() -> None:
         config={"displayModeBar": False, "scrollZoom": False},
     )
     block_id = st.number_input("Block id", 0, num_blocks - 1, step=1, width=240, **kept("blocks_inspect_id", 0))
-    inspect(blocks[int(block_id)], snapshot.time)
+    inspect(blocks[int(block_id)], snapshot.time, statuses)
+    block_life(int(block_id))  # in this fragment, so a new selection redraws its life at once
 
 
-def inspect(block, now: float) -> None:
+def inspect(block, now: float, statuses: dict[str, str]) -> None:
     st.markdown(f"#### Block {block.block_id} — {block_category(block)}")
     c = st.columns(4)
     c[0].metric("Reference count", block.ref_count)
     c[1].metric("Tokens", f"{block.num_tokens}/{block_size}")
-    c[2].metric("Prefix hits", block.hit_count)
+    c[2].metric("Prefix hits", block.hit_count, help="Index lookups that reused it since it was handed out; forks are not hits")
     c[3].metric("Age", age(block.created_at, now) if block.created_at else "—", help="Since it was last handed out")
-    left, right = st.columns(2)
-    with left:
-        st.markdown(
-            f"positions **{block.start_pos}–{block.start_pos + max(block.num_tokens, 1) - 1}** · "
-            f"last used {fmt_time(block.last_used) if block.last_used else '—'}  \n"
-            f"holders: {', '.join(f'`{h}`' for h in block.holders) or 'none'}  \n"
-            f"key `{block.key or '— (not in the prefix index)'}`  \nparent key `{block.parent_key or '—'}`"
-        )
-        if block.num_tokens:
-            st.markdown("Decoded tokens")
+    if block.state == "free":
+        st.markdown("Free: no holder and no key. It holds nothing; its slots are rewritten before anyone reads them.")
+        return
+    holders = ", ".join(f"`{h}` ({statuses.get(h, 'gone')})" for h in block.holders) or "none"
+    st.markdown(
+        f"positions **{block.start_pos}–{block.start_pos + max(block.num_tokens, 1) - 1}** · "
+        f"last used {fmt_time(block.last_used) if block.last_used else '—'}  \n"
+        f"holders: {holders}  \nkey `{block.key or '— (not in the prefix index)'}`  \n"
+        f"parent key `{block.parent_key or '—'}`"
+    )
+    if block.num_tokens:
+        with st.expander("Decoded tokens"):
             st.code(decode(tokenizer, block.token_ids), language=None, wrap_lines=True)
-            with st.expander("Token by token"):
-                st.dataframe(
-                    pd.DataFrame(
-                        {
-                            "position": range(block.start_pos, block.start_pos + block.num_tokens),
-                            "token id": block.token_ids,
-                            "text": token_pieces(tokenizer, block.token_ids),
-                        }
-                    ),
-                    hide_index=True,
-                )
-    with right:
-        block_history(block)
+            st.dataframe(
+                pd.DataFrame(
+                    {
+                        "position": range(block.start_pos, block.start_pos + block.num_tokens),
+                        "token id": block.token_ids,
+                        "text": token_pieces(tokenizer, block.token_ids),
+                    }
+                ),
+                hide_index=True,
+            )
 
 
-def block_history(block) -> None:
-    events = console.recent.for_block(block.block_id, block.group)
-    cows = [e for e in events if e.kind.value == "cow"]
-    st.markdown(f"**Copy-on-write history** ({len(cows)} in the last {console.recent.capacity:,} block events)")
-    if cows:
-        st.dataframe(
-            pd.DataFrame(
-                {
-                    "time": [fmt_time(e.time) for e in cows],
-                    "step": [e.step for e in cows],
-                    "request": [e.request_id for e in cows],
-                    "copied": [
-                        f"block {e.detail.get('src_block')} → block {e.detail.get('dst_block')}" for e in cows
-                    ],
-                    "slots": [e.detail.get("num_slots") for e in cows],
-                }
-            ),
-            hide_index=True,
+def block_life(block_id: int) -> None:
+    """The selected block's life in the chosen run: the step chart, then every row of it."""
+    st.markdown(f"##### Block {block_id}'s life" + ("" if run_id == console.run_id else f" in run {run_id}"))
+    timeline = read_history(stored_life, host.db, run_id, block_id, group)
+    if timeline is None:
+        return
+    if timeline.rows.empty:
+        st.caption(f"Block {block_id} has no stored events in this run yet.")
+        return
+    st.plotly_chart(charts.block_timelines([(f"block {block_id}", timeline.rows)]), key="blocks_life_chart", width="stretch")
+    history_table(timeline.rows)
+    if (timeline.rows["event"] == "cow").any():
+        st.caption(
+            "Why copy-on-write? A block that several tables share holds the same tokens for all of them, so "
+            "a holder that writes into it gets a private copy first. Even when the other holder is a "
+            "finished parent that will never write again, it still holds the block and may be forked "
+            "again; only one holder may ever append in place."
         )
-    else:
-        st.caption("No copy-on-write involving this block.")
-    with st.expander(f"All recent events of this block ({len(events)})"):
-        st.dataframe(
-            pd.DataFrame(
-                {
-                    "time": [fmt_time(e.time) for e in events],
-                    "step": [e.step for e in events],
-                    "kind": [e.kind.value for e in events],
-                    "request": [e.request_id for e in events],
-                    "detail": [", ".join(f"{k}={v}" for k, v in e.detail.items()) for e in events],
-                }
-            ),
-            hide_index=True,
-        )
+    if not timeline.complete:
+        st.caption("Older events of this run were pruned: the block is drawn from its first stored allocation.")
 
 
 pool_view()
 
+# ---------------------------------------------------------------- a request's blocks over time
+st.subheader("A request's blocks over time")
+recorded = read_history(queries.recent_requests, host.db, run_id, 500)
+options = [] if recorded is None else recorded["request_id"].tolist()
+if state.get("blocks_family_pick") not in options:
+    state["blocks_family_pick"] = options[0] if options else None
+c = st.columns([2, 1])
+picked_request = c[0].selectbox(
+    "Request", options, **kept("blocks_family_pick", options[0] if options else None),
+    placeholder="no request recorded in this run yet",
+)
+whole_family = c[1].toggle("Its whole fork family", **kept("blocks_family_whole", True),
+                           help="The request's oldest recorded ancestor and every descendant")  # fmt: skip
+if picked_request is not None:
+    members = read_history(queries.fork_family, host.db, run_id, picked_request) if whole_family else [picked_request]
+    if members:
+        blocks_of = read_history(queries.request_blocks, host.db, run_id, members, group) or []
+        st.caption(
+            f"{len(members)} request(s): {', '.join(members[:12])}{' …' if len(members) > 12 else ''} · "
+            f"{len(blocks_of)} block(s)" + (f"; the first {MAX_STACKED} are drawn" if len(blocks_of) > MAX_STACKED else "")
+        )
+        timelines = read_history(
+            queries.block_timelines, host.db, run_id, blocks_of[:MAX_STACKED], group, members
+        ) or {}
+        stacked(timelines, "blocks_family_chart")
+
+# ---------------------------------------------------------------- block tables side by side
 st.subheader("Block tables side by side")
 st.caption(
-    "Each row is a request's block table by logical block index; equal ids in a column are one shared "
-    "physical block. Where a fork's row turns to a different id, copy-on-write gave it its own block."
+    "Each row is a request's block table by logical block index, parents above their children; equal ids "
+    "in a column are one shared physical block. Where a child's row turns to another id, copy-on-write "
+    "gave it its own block. Requests that no longer hold blocks keep the table they ended with, in grey."
 )
 views = sorted(engine.requests(), key=lambda r: -r.arrival_time)
 with_tables = [r.request_id for r in views if r.block_tables.get(group)]
@@ -155,20 +307,25 @@ if picked:
     by_id = {r.request_id: r for r in engine.requests()}
     rows = [by_id[rid] for rid in picked if rid in by_id]
     alignment = align_tables(rows, group)
+    by_id_rows = {r.request_id: r for r in rows}
     st.plotly_chart(charts.table_alignment(alignment), key="blocks_alignment")
-    first = alignment.request_ids[0]
     summary = pd.DataFrame(
         {
             "request": alignment.request_ids,
-            "status": [r.status for r in rows],
-            "blocks": [len(r.block_tables.get(group, ())) for r in rows],
-            "shared with " + first: [
-                sum(1 for a, b in zip(alignment.block_ids[0], row) if a is not None and a == b) for row in alignment.block_ids
+            "status": [by_id_rows[rid].status for rid in alignment.request_ids],
+            "holds its blocks": ["yes" if held else "no" for held in alignment.holding],
+            "blocks": [len(by_id_rows[rid].block_tables.get(group, ())) for rid in alignment.request_ids],
+            "parent": [alignment.compared_with[rid] or "—" for rid in alignment.request_ids],
+            "shared with its parent": [
+                "—" if alignment.compared_with[rid] is None else str(
+                    sum(1 for a, b in zip(row, alignment.block_ids[alignment.request_ids.index(alignment.compared_with[rid])]) if a is not None and a == b)
+                )
+                for rid, row in zip(alignment.request_ids, alignment.block_ids)
             ],
-            "diverges from " + first + " at block": [
+            "diverges from its parent at block": [
                 "—" if alignment.divergence[rid] is None else str(alignment.divergence[rid]) for rid in alignment.request_ids
             ],
-            "cow copies": [r.cow_copies for r in rows],
+            "cow copies": [by_id_rows[rid].cow_copies for rid in alignment.request_ids],
         }
     )
     st.table(summary)

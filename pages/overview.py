@@ -8,15 +8,66 @@ import pandas as pd
 import streamlit as st
 
 from app import charts
-from app.frames import headline, history_frame
+from app.frames import Headline, headline, history_frame
 from app.hosting import get_host
 from app.ui import REFRESH_S, SLOW_REFRESH_S, fmt_duration, kept, read_history, wait_for_history
+from engine.snapshot import PoolStats
 from storage import queries
 
 host = get_host()
 
 st.title("Overview")
 st.caption("Shared by every operator: all sessions see the same engine and cache. Numbers refresh live.")
+
+
+def reuse_numbers(stats: PoolStats, numbers: Headline) -> None:
+    """Reuse in tokens, each number for what it is: prefix-index hits (vLLM's metric), fork sharing,
+    what neither computed, and what was computed again (replays, re-prefills after preemption)."""
+    st.subheader("Reuse")
+    c = st.columns(5)
+    c[0].metric(
+        "Prefix-cache hit rate",
+        f"{stats.prefix_hit_rate:.1%}",
+        help="vLLM's prefix_cache_hits / prefix_cache_queries, in tokens: prompt tokens of new requests found "
+        "in the prefix index and not computed, over the prompt tokens looked up. Fork children and re-prefills "
+        "after a preemption are not lookups and are not in it; replayed tokens are not hits.",
+    )
+    c[0].caption(f"{stats.prefix_hit_tokens:,} of {stats.prefix_query_tokens:,} prompt tokens")
+    c[1].metric(
+        "Fork sharing",
+        f"{stats.fork_share_rate:.1%}",
+        help="Context tokens fork children shared from their parent's blocks, over their context tokens "
+        "(sharing a table, not a prefix-index lookup)",
+    )
+    c[1].caption(f"{stats.fork_shared_tokens:,} of {stats.fork_query_tokens:,} context tokens")
+    c[2].metric(
+        "Tokens saved",
+        f"{numbers.tokens_saved:,}",
+        help="Prompt tokens not computed: prefix hits plus fork sharing. Tokens replayed to rebuild "
+        "sliding-window state were computed, so they are not saved.",
+    )
+    c[2].caption("not computed: prefix hits + fork sharing")
+    c[3].metric(
+        "Prefill time saved",
+        fmt_duration(numbers.prefill_seconds_saved),
+        help="Estimate: tokens saved × measured prefill seconds per token"
+        + ("" if numbers.seconds_per_token is None else f" ({numbers.seconds_per_token * 1000:.2f} ms/token)"),
+    )
+    c[4].metric(
+        "Replayed tokens",
+        f"{stats.replayed_tokens:,}",
+        help="Tokens of sliding-window hits computed again to rebuild the window state ([r, h)): not saved",
+    )
+    c = st.columns(5)
+    c[0].metric("Copy-on-write copies", f"{stats.cow_copies:,}")
+    c[1].metric("Preemptions", f"{stats.preemptions:,}")
+    c[2].metric(
+        "Re-prefill from cache",
+        f"{stats.preempted_hit_tokens:,}",
+        help="Tokens a preempted request found in the cache when it was admitted again: its own KV, "
+        "counted here and not as prefix hits (vLLM #25780)",
+    )
+    c[2].caption(f"of {stats.preempted_query_tokens:,} tokens looked up again after preemption")
 
 
 @st.fragment(run_every=REFRESH_S * 2)
@@ -42,7 +93,7 @@ def headline_numbers() -> None:
             pd.DataFrame(
                 {
                     "KV group": [g.name for g in stats.groups],
-                    "window": ["—" if g.window is None else g.window for g in stats.groups],
+                    "window": ["full attention" if g.window is None else f"{g.window} tokens" for g in stats.groups],
                     "free": [g.free_blocks for g in stats.groups],
                     "cached": [g.evictable_blocks for g in stats.groups],
                     "referenced": [g.used_blocks for g in stats.groups],
@@ -53,18 +104,7 @@ def headline_numbers() -> None:
             )
         )
 
-    st.subheader("Reuse")
-    c = st.columns(5)
-    c[0].metric("Prefix hit rate", f"{stats.hit_rate:.1%}", help="Prompt tokens served from cache (prefix hits and forks) over prompt tokens")
-    c[1].metric("Tokens saved", f"{numbers.tokens_saved:,}")
-    c[2].metric(
-        "Prefill time saved",
-        fmt_duration(numbers.prefill_seconds_saved),
-        help="Estimate: tokens saved × measured prefill seconds per token"
-        + ("" if numbers.seconds_per_token is None else f" ({numbers.seconds_per_token * 1000:.2f} ms/token)"),
-    )
-    c[3].metric("Copy-on-write copies", f"{stats.cow_copies:,}")
-    c[4].metric("Preemptions", f"{stats.preemptions:,}")
+    reuse_numbers(stats, numbers)
 
     st.subheader("Churn and queue")
     c = st.columns(5)
@@ -100,7 +140,7 @@ def history_charts() -> None:
     frame = history_frame(host.console.history.samples())
     if len(frame) >= 2:
         left, right = st.columns(2)
-        left.plotly_chart(charts.history_lines(frame, ["KV usage", "hit rate"], "KV usage and hit rate", percent=True))
+        left.plotly_chart(charts.history_lines(frame, ["KV usage", "prefix hit rate", "fork sharing"], "KV usage and hit rate", percent=True))
         right.plotly_chart(charts.history_lines(frame, ["free", "cached (evictable)", "referenced"], "Blocks by state"))
         left, right = st.columns(2)
         left.plotly_chart(charts.history_lines(frame, ["evictions", "cow copies", "preemptions"], "Evictions, copies, preemptions (totals)"))
@@ -111,7 +151,11 @@ def history_charts() -> None:
 
 history_charts()
 
-st.subheader("Prefix hit rate over time (history database)")
+st.subheader("Reuse over time (history database)")
+st.caption(
+    "Per bucket of first-schedule time, from the stored request records: prefix-cache hits (vLLM's metric, "
+    "in tokens not computed) and fork sharing, each on its own."
+)
 scope = st.radio("Runs", ["This run", "All runs"], horizontal=True, **kept("overview_hit_scope", "This run"))
 bucket = st.select_slider("Bucket", options=[10, 60, 300, 3600], format_func=fmt_duration, **kept("overview_bucket", 60))
 
@@ -127,7 +171,10 @@ def stored_hit_rate() -> None:
         st.info("No scheduled requests recorded yet.")
         return
     frame["time"] = pd.to_datetime(frame["bucket_start"], unit="s", utc=True)
-    st.plotly_chart(charts.rate_bars(frame, "time", "hit_rate", f"Hit rate per {fmt_duration(bucket)} bucket", float(bucket)))
+    left, right = st.columns(2)
+    width = fmt_duration(bucket)
+    left.plotly_chart(charts.rate_bars(frame, "time", "hit_rate", f"Prefix-cache hit rate per {width} bucket", float(bucket)))
+    right.plotly_chart(charts.rate_bars(frame, "time", "fork_share", f"Fork sharing per {width} bucket", float(bucket)))
 
 
 stored_hit_rate()

@@ -1,4 +1,4 @@
-"""Prefix tree: the cached prefixes as a tree of blocks, sized by tokens and coloured by hits."""
+"""Prefix tree: the cached prefixes as a tree of blocks, sized by tokens, coloured by hits or holders."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pandas as pd
 import streamlit as st
 
 from app import charts
-from app.frames import block_category, prefix_chain, prefix_tree
+from app.frames import PrefixRun, block_category, prefix_chain, prefix_runs, prefix_tree
 from app.hosting import get_host
 from app.prompting import decode
 from app.ui import REFRESH_S, kept
@@ -23,22 +23,44 @@ state = st.session_state
 st.title("Prefix tree")
 st.caption(
     "Every block in the prefix index, hanging from its chain parent; the roots are cache namespaces "
-    "(model, weights, dtype, block size, tenant salt). Width is tokens, colour is prefix hits. "
-    "Hover a node for its decoded tokens; click to zoom into a subtree."
+    "(model, weights, dtype, block size, tenant salt). Width is tokens. A stretch of blocks without a "
+    "branch (and with one hit count and one holder count) is one tile, labelled with its text. Hover a "
+    "tile for its blocks and decoded tokens; click to zoom into a subtree."
 )
-c = st.columns([1, 1, 3])
+COLOUR_BY = {"prefix hits": "hits", "holders now (fork sharing)": "holders"}
+c = st.columns([1, 1, 2, 2])
 if state.get("tree_group") not in groups:
     state["tree_group"] = groups[0]
-group = c[2].radio("KV group", groups, horizontal=True, **kept("tree_group", groups[0])) if len(groups) > 1 else groups[0]
-limit = c[0].number_input("Most nodes drawn", 100, 20_000, step=100, **kept("tree_limit", 2_000))
+group = c[3].radio("KV group", groups, horizontal=True, **kept("tree_group", groups[0])) if len(groups) > 1 else groups[0]
+limit = c[0].number_input("Most blocks drawn", 100, 20_000, step=100, **kept("tree_limit", 2_000))
 live = c[1].toggle("Live", **kept("tree_live", False), help="Redraws reset the zoom")
+colour_by = c[2].radio(
+    "Colour by", list(COLOUR_BY), horizontal=True, **kept("tree_colour", "prefix hits"),
+    help="Prefix hits: index lookups that reused the block. Holders: requests whose tables point at it now; "
+    "above 1 it is shared (by forks or by requests running on a hit).",
+)
+SNIPPET_CHARS = 28  # of a tile's decoded text in its label
 
 
-def hover_text(block) -> str:
-    text = html.escape(decode(tokenizer, block.token_ids)).replace("\n", "↵<br>")
+def run_label(run: PrefixRun) -> str:
+    first, last = run.blocks[0], run.blocks[-1]
+    ids = f"#{first.block_id}" if len(run.blocks) == 1 else f"#{first.block_id}…#{last.block_id} ({len(run.blocks)} blocks)"
+    shared = f" · held by {first.ref_count}" if first.ref_count > 1 else ""
+    text = decode(tokenizer, first.token_ids).replace("\n", "↵").strip()
+    snippet = text if len(text) <= SNIPPET_CHARS else text[: SNIPPET_CHARS - 1] + "…"
+    return f"{ids}{shared}<br>{html.escape(snippet)}"
+
+
+def run_hover(run: PrefixRun) -> str:
+    first, last = run.blocks[0], run.blocks[-1]
+    tokens = [t for b in run.blocks for t in b.token_ids]
+    text = html.escape(decode(tokenizer, tokens)).replace("\n", "↵<br>")
+    if len(text) > 600:
+        text = text[:600] + "…"
+    blocks = ", ".join(f"#{b.block_id}" for b in run.blocks[:12]) + (" …" if len(run.blocks) > 12 else "")
     return (
-        f"block {block.block_id} · positions {block.start_pos}–{block.start_pos + block.num_tokens - 1}<br>"
-        f"hits {block.hit_count} · ref count {block.ref_count} · {block_category(block)}<br>{text}"
+        f"blocks {blocks} · positions {first.start_pos}–{last.start_pos + last.num_tokens - 1}<br>"
+        f"prefix hits {first.hit_count} · holders {first.ref_count} · {block_category(first)}<br>{text}"
     )
 
 
@@ -49,19 +71,21 @@ def tree() -> None:
     if not nodes:
         st.info("The prefix cache is empty: full blocks enter it once their KV is computed.")
         return
-    used_roots = sorted({n.parent for n in nodes if n.parent in set(roots)})
+    runs = prefix_runs(nodes)
+    used_roots = sorted({r.parent for r in runs if r.parent in set(roots)})
     root_ids = {r: f"namespace {r[:8]}" for r in used_roots}
-    ids = list(root_ids.values()) + [n.key for n in nodes]
-    parents = [""] * len(root_ids) + [root_ids.get(n.parent, n.parent) for n in nodes]
-    labels = list(root_ids.values()) + [f"#{n.block.block_id}" for n in nodes]
-    values = [0] * len(root_ids) + [n.block.num_tokens for n in nodes]
-    hits = [0] * len(root_ids) + [n.block.hit_count for n in nodes]
-    hover = [f"cache namespace {r}" for r in root_ids] + [hover_text(n.block) for n in nodes]
-    st.plotly_chart(charts.prefix_icicle(ids, parents, labels, values, hits, hover), key="tree_icicle")
+    ids = list(root_ids.values()) + [run.key for run in runs]
+    parents = [""] * len(root_ids) + [root_ids.get(run.parent, run.parent) for run in runs]
+    labels = list(root_ids.values()) + [run_label(run) for run in runs]
+    values = [0] * len(root_ids) + [run.num_tokens for run in runs]
+    by = COLOUR_BY[colour_by]
+    colour = [0] * len(root_ids) + [run.blocks[0].hit_count if by == "hits" else run.blocks[0].ref_count for run in runs]
+    hover = [f"cache namespace {r}" for r in root_ids] + [run_hover(run) for run in runs]
+    st.plotly_chart(charts.prefix_icicle(ids, parents, labels, values, colour, hover, by), key="tree_icicle")
     total = len(nodes) + dropped
     st.caption(
-        f"{total:,} cached blocks in {len(used_roots)} namespace(s)"
-        + (f"; the {dropped:,} deepest are not drawn (raise 'Most nodes drawn')." if dropped else ".")
+        f"{total:,} cached blocks in {len(used_roots)} namespace(s), drawn as {len(runs):,} tiles"
+        + (f"; the {dropped:,} deepest are not drawn (raise 'Most blocks drawn')." if dropped else ".")
     )
 
     st.subheader("Inspect a prefix")
@@ -73,8 +97,9 @@ def tree() -> None:
         "Prefix ending at block",
         list(by_key),
         **kept("tree_pick", ranked[0].key),
+        # Stable labels (no hit count): Streamlit keeps a selectbox's value as its label.
         format_func=lambda k: f"#{by_key[k].block.block_id} · positions up to "
-        f"{by_key[k].block.start_pos + by_key[k].block.num_tokens} · hits {by_key[k].block.hit_count}",
+        f"{by_key[k].block.start_pos + by_key[k].block.num_tokens}",
     )
     chain = prefix_chain(blocks, key)
     st.table(

@@ -11,9 +11,9 @@ from app.ui import REFRESH_S
 
 SEGMENTS = (  # (name, colour): drawn in this order, later segments on top
     ("hit [0, h)", "#93c5fd"),
-    ("window state [s, e)", "#22c55e"),
     ("replayed [r, h)", "#f97316"),
     ("computed suffix", "#a855f7"),
+    ("window state [s, e)", "#16a34a"),
 )
 MAX_ROWS = 60
 
@@ -28,7 +28,13 @@ st.caption(
 )
 
 
+DIVERGENCE = {"max |Δlogit|": "max_abs_logit", "mean KL": "mean_kl", "top-1 agreement": "top1_agreement"}
+
+
 def replay_frame(views) -> pd.DataFrame:
+    """One row per scheduled request. The divergence columns appear only once a replay was verified,
+    as text, "—" where a request has none (never a literal None)."""
+    scheduled = [v for v in views if v.first_scheduled_time is not None]
     rows = [
         {
             "request": v.request_id,
@@ -40,36 +46,43 @@ def replay_frame(views) -> pd.DataFrame:
             "replayed": v.replayed_tokens,
             "prompt": v.num_prompt_tokens,
             "computed": v.computed_tokens,
-            "max |Δlogit|": (v.replay_divergence or {}).get("max_abs_logit"),
-            "mean KL": (v.replay_divergence or {}).get("mean_kl"),
-            "top-1 agreement": (v.replay_divergence or {}).get("top1_agreement"),
         }
-        for v in views
-        if v.first_scheduled_time is not None
+        for v in scheduled
     ]
-    return pd.DataFrame(rows)
+    frame = pd.DataFrame(rows)
+    if any(v.replay_divergence for v in scheduled):
+        for column, name in DIVERGENCE.items():
+            frame[column] = [
+                "—" if (value := (v.replay_divergence or {}).get(name)) is None else f"{value:.4g}" for v in scheduled
+            ]
+    return frame
 
 
 def replay_bars(frame: pd.DataFrame) -> go.Figure:
+    """Per request: the hit, the replayed and the computed spans as one bar, and the window-state range
+    [s, e) as a thin band just under it, so a replay bar never hides it. The legend sits above the plot."""
+    bar = {"width": 0.5, "offset": -0.38}  # the bar's share of its row, from its top edge (y runs down)
+    band = {"width": 0.16, "offset": 0.16}
     spans = {
-        "hit [0, h)": (0, frame["h"]),
-        "window state [s, e)": (frame["s"], frame["e"] - frame["s"]),
-        "replayed [r, h)": (frame["r"], frame["h"] - frame["r"]),
-        "computed suffix": (frame["h"], frame["prompt"] - frame["h"]),
+        "hit [0, h)": (0, frame["h"], bar),
+        "replayed [r, h)": (frame["r"], frame["h"] - frame["r"], bar),
+        "computed suffix": (frame["h"], frame["prompt"] - frame["h"], bar),
+        "window state [s, e)": (frame["s"], frame["e"] - frame["s"], band),
     }
     figure = go.Figure()
     for name, colour in SEGMENTS:
-        base, length = spans[name]
+        base, length, shape = spans[name]
         figure.add_bar(
-            y=frame["request"], x=length, base=base, orientation="h", name=name, marker_color=colour, opacity=0.85
+            y=frame["request"], x=length, base=base, orientation="h", name=name, marker_color=colour, opacity=0.9,
+            **shape,
         )
     figure.update_layout(
         barmode="overlay",
-        height=120 + 28 * len(frame),
+        height=140 + 34 * len(frame),
         xaxis_title="token position",
-        yaxis={"autorange": "reversed"},
-        margin={"l": 10, "r": 10, "t": 30, "b": 10},
-        legend={"orientation": "h"},
+        yaxis={"autorange": "reversed", "type": "category"},
+        margin={"l": 10, "r": 10, "t": 50, "b": 40},
+        legend={"orientation": "h", "yanchor": "bottom", "y": 1.02, "x": 0},
     )
     return figure
 
@@ -97,8 +110,8 @@ def replay_panel() -> None:
         st.write("No request has been scheduled yet.")
         return
     frame = frame.tail(MAX_ROWS)
-    st.plotly_chart(replay_bars(frame), use_container_width=True, key="replay_bars")
-    st.dataframe(frame, hide_index=True, use_container_width=True)
+    st.plotly_chart(replay_bars(frame), width="stretch", key="replay_bars")
+    st.dataframe(frame, hide_index=True, width="stretch")
 
 
 replay_panel()

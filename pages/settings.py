@@ -9,14 +9,14 @@ import time
 
 import pandas as pd
 import streamlit as st
-import torch
 from sqlalchemy import make_url
 
 from app.hosting import get_host
 from app.ui import expect_in_history, fmt_duration, fmt_time
 from engine.config import DTYPES, MAX_BATCHED_TOKENS, MAX_BLOCK_SIZE, MAX_NUM_BLOCKS, EngineConfig
-from engine.model_runner import ModelRunner
-from engine.models import PRESETS
+from engine.eviction import EvictionPolicyName
+from engine.kv_memory import kv_bytes_per_block
+from engine.models import PRESETS, available_devices, resolve_device
 
 LOCAL_DIRECTORY = "local directory…"
 LAYOUTS = ("", "sliding", "hybrid")
@@ -35,13 +35,17 @@ def flash(kind: str, message: str) -> None:
     state["settings_flash"] = (kind, message)
 
 
+def pool_bytes(dtype: str, block_size: int, num_blocks: int) -> int:
+    """KV pool bytes of a pool of the running model's shape (every group holds `num_blocks` blocks)."""
+    shape = engine.loaded
+    return num_blocks * kv_bytes_per_block(shape.num_layers, shape.num_kv_heads, shape.head_dim, dtype, block_size)
+
+
 def kv_bytes(new: EngineConfig) -> int | None:
     """KV pool bytes for `new` when it runs the current model (other models are only known once loaded)."""
     if new.model != config.model or new.num_blocks is None:
         return None
-    per_block = ModelRunner.bytes_per_block(engine.loaded, new.block_size)
-    scale = torch.tensor([], dtype=getattr(torch, new.dtype)).element_size() / torch.tensor([], dtype=engine.loaded.dtype).element_size()
-    return int(per_block * scale * new.num_blocks)
+    return pool_bytes(new.dtype, new.block_size, new.num_blocks)
 
 
 def machine_bytes() -> int | None:
@@ -64,8 +68,8 @@ st.table(
     pd.DataFrame(
         {
             "setting": [
-                "model", "weights revision", "device", "dtype", "pool", "KV pool memory", "max batched tokens",
-                "max running requests", "seed", "data directory", "run", "started",
+                "model", "weights revision", "device", "dtype", "pool", "eviction policy", "KV pool memory",
+                "max batched tokens", "max running requests", "seed", "data directory", "run", "started",
             ],
             "value": [
                 loaded.model_id,
@@ -74,7 +78,8 @@ st.table(
                 config.dtype,
                 f"{engine.num_blocks:,} blocks × {config.block_size} tokens"
                 + (f" per KV group ({', '.join(groups)})" if len(groups) > 1 else ""),
-                f"{ModelRunner.bytes_per_block(loaded, config.block_size) * engine.num_blocks / 2**20:,.1f} MiB",
+                config.eviction_policy.value,
+                f"{pool_bytes(config.dtype, config.block_size, engine.num_blocks) / 2**20:,.1f} MiB",
                 f"{config.max_num_batched_tokens:,}",
                 f"{config.max_num_seqs:,}",
                 str(config.seed),
@@ -142,7 +147,7 @@ st.caption(
 )
 models = list(PRESETS)
 current_model = config.model if config.model in models else LOCAL_DIRECTORY
-devices = ["auto", "cpu"] + (["cuda"] + [f"cuda:{i}" for i in range(torch.cuda.device_count())] if torch.cuda.is_available() else [])
+devices = list(available_devices())
 with st.form("settings_form"):
     c = st.columns(3)
     model = c[0].selectbox("Model", [*models, LOCAL_DIRECTORY], index=[*models, LOCAL_DIRECTORY].index(current_model), key="settings_model")
@@ -150,6 +155,11 @@ with st.form("settings_form"):
     num_blocks = c[1].number_input("Pool size (blocks)", 1, MAX_NUM_BLOCKS, engine.num_blocks, step=1, key="settings_num_blocks")
     block_size = c[1].number_input("Block size (tokens)", 1, MAX_BLOCK_SIZE, config.block_size, step=1, key="settings_block_size")
     dtype = c[2].selectbox("Dtype", DTYPES, index=DTYPES.index(config.dtype), key="settings_dtype")
+    policies = [policy.value for policy in EvictionPolicyName]
+    eviction = c[1].selectbox(
+        "Eviction policy", policies, index=policies.index(config.eviction_policy.value), key="settings_eviction",
+        help="lru: least recently used first; reuse-lru: blocks that were reused get more time (engine/eviction.py)",
+    )
     device = c[2].selectbox("Device", devices, index=devices.index(config.device) if config.device in devices else 0, key="settings_device")
     with st.expander("Scheduler"):
         c = st.columns(3)
@@ -184,6 +194,7 @@ if asked:
             dtype=dtype,
             block_size=int(block_size),
             num_blocks=int(num_blocks),
+            eviction_policy=EvictionPolicyName(eviction),
             kv_memory_mb=None,
             max_num_batched_tokens=int(max_batched),
             max_num_seqs=int(max_seqs),
@@ -194,7 +205,7 @@ if asked:
             verify_replay=verify,
         )
         needed, available = kv_bytes(new), machine_bytes()
-        if needed is not None and available is not None and device in ("auto", "cpu") and not torch.cuda.is_available():
+        if needed is not None and available is not None and resolve_device(device).type == "cpu":
             if needed > MEMORY_SHARE * available:
                 raise ValueError(
                     f"a pool of {new.num_blocks:,} blocks needs about {needed / 2**30:,.1f} GiB of KV memory; this "
@@ -211,7 +222,7 @@ if state.get("settings_confirm") == "restart" and "settings_pending" in state:
     needed = kv_bytes(new)
     st.warning(
         f"Restart the shared engine as **{new.model}**, {new.num_blocks:,} blocks × {new.block_size} tokens, "
-        f"{new.dtype} on {new.device}"
+        f"{new.dtype} on {new.device}, {new.eviction_policy.value} eviction"
         + (f" (about {needed / 2**20:,.0f} MiB of KV)" if needed is not None else "")
         + "? For every operator: unfinished requests end aborted, retained ones are released and the cache "
         "starts empty."

@@ -40,10 +40,6 @@ def apply_preset() -> None:
     state["submit_text"] = preset.text
 
 
-def request_label(request_id: str, statuses: dict[str, str]) -> str:
-    return f"{request_id} · {statuses.get(request_id, 'gone')}"
-
-
 st.title("Submit & fork")
 
 # ---------------------------------------------------------------- prompt editor
@@ -87,7 +83,7 @@ with right:
             "Compare with",
             list(targets),
             **kept("submit_compare", "(nothing)"),
-            format_func=lambda t: f"{t} ({statuses[t]}: prompt + output)" if t in statuses else t,
+            format_func=lambda t: f"{t} (prompt + output)" if t in statuses else t,  # no status: it changes
         )
         other = targets.get(other_label)
         if other is not None:
@@ -156,46 +152,96 @@ if c[2].button("Submit", type="primary", key="submit_go"):
 
 # ---------------------------------------------------------------- fork
 st.subheader("Fork")
+
+
+def fork_sampling() -> SamplingParams:
+    """How the children sample: the fork section's own settings, not the submit section's."""
+    return SamplingParams(
+        max_new_tokens=int(state["submit_fork_max_new"]),
+        temperature=float(state["submit_fork_temperature"]),
+        ignore_eos=bool(state["submit_fork_ignore_eos"]),
+    )
+
+
+def fork_children() -> None:
+    """The fork button's action: every child or none (Engine.fork_many checks them all first)."""
+    parent = state.get("submit_fork_parent")
+    try:
+        suffixes = parse_suffixes(tokenizer, state["submit_fork_mode"], state["submit_fork_suffixes"], engine.vocab_size)
+        created = engine.fork_many(parent, suffixes, fork_sampling(), retain=bool(state["submit_fork_retain"]))
+    except RequestRejected as exc:
+        state["submit_fork_outcome"] = ("error", f"Rejected: {exc} (no child was created)")
+    except ValueError as exc:
+        state["submit_fork_outcome"] = ("error", f"Not forked: {exc}")
+    else:
+        state["submit_watch"] = created
+        state["submit_fork_outcome"] = ("success", f"Forked {parent} into {len(created)} children: {', '.join(created)}.")
+
+
+def show_outcome(key: str) -> None:
+    """The last action's message, once (an action runs in its button's callback, before the page draws)."""
+    outcome = state.pop(key, None)
+    if outcome is not None:
+        (st.success if outcome[0] == "success" else st.error)(outcome[1])
+
+
+@st.fragment(run_every=REFRESH_S)
+def fork_parent_picker() -> None:
+    """The parent box, redrawn every second so each request's status is the current one."""
+    live = sorted(engine.requests(), key=lambda r: -r.arrival_time)
+    holding = [r.request_id for r in live if r.status in HOLDING]
+    options = holding + [r.request_id for r in live if r.status not in HOLDING]
+    if state.get("submit_fork_parent") not in options:
+        state["submit_fork_parent"] = options[0]
+    # Plain ids: Streamlit keeps a selectbox's value as its formatted label, so a label that changes
+    # (a status in it) would turn the kept value into a stale label the next run cannot map back.
+    parent = st.selectbox(
+        "Parent (running or retained requests hold KV to share)", options, **kept("submit_fork_parent", options[0])
+    )
+    view = next(r for r in live if r.request_id == parent)
+    if view.status in HOLDING:  # the status lives here, redrawn every second, never in the box's labels
+        st.caption(
+            f"**{parent}** · `{view.status}`: holds {view.num_computed_tokens} tokens in "
+            f"{len(view.block_table)} blocks; every child shares them and computes only what follows."
+        )
+    else:
+        st.caption(f"**{parent}** · `{view.status}`: it holds no KV to share. Pick a running or retained request.")
+
+
 views = sorted(engine.requests(), key=lambda r: -r.arrival_time)
-statuses = {r.request_id: r.status for r in views}
 if not views:
     st.caption("Submit a request (retained, or still running) to fork it.")
 else:
-    holding = [r.request_id for r in views if r.status in HOLDING]
-    others = [r.request_id for r in views if r.status not in HOLDING]
-    options = holding + others
-    if state.get("submit_fork_parent") not in options:
-        state["submit_fork_parent"] = options[0]
-    c = st.columns([2, 1, 1])
-    parent = c[0].selectbox(
-        "Parent (running or retained requests hold KV to share)",
-        options,
-        **kept("submit_fork_parent", options[0]),
-        format_func=lambda rid: request_label(rid, statuses),
-    )
+    c = st.columns([3, 1])
+    with c[0]:
+        fork_parent_picker()
     suffix_modes = [m for m in (TEXT, TOKEN_IDS) if m == TOKEN_IDS or tokenizer is not None]
     if state.get("submit_fork_mode") not in suffix_modes:
         state["submit_fork_mode"] = suffix_modes[0]
-    suffix_mode = c[1].radio("Suffix format", suffix_modes, **kept("submit_fork_mode", suffix_modes[0]))
-    retain_children = c[2].checkbox("Retain children", **kept("submit_fork_retain", False))
+    c[1].radio("Suffix format", suffix_modes, **kept("submit_fork_mode", suffix_modes[0]))
     suffix_text = st.text_area(
         "Suffixes, one child per line", **kept("submit_fork_suffixes", ""), height=100,
         placeholder=" Answer in French.\n Answer in German.",
     )
-    if st.button("Fork children", key="submit_fork_go"):
-        created: list[str] = []
-        try:
-            suffixes = parse_suffixes(tokenizer, suffix_mode, suffix_text, engine.vocab_size)
-            params = sampling()
-            for suffix in suffixes:
-                created.append(engine.fork(parent, suffix, params, retain=retain_children))
-        except RequestRejected as exc:
-            st.error(f"Rejected: {exc}" + (f" (children created before it: {', '.join(created)})" if created else ""))
-        except ValueError as exc:
-            st.error(f"Not forked: {exc}" + (f" (children created before it: {', '.join(created)})" if created else ""))
-        if created:
-            state["submit_watch"] = created
-            st.success(f"Forked {parent} into {len(created)} children: {', '.join(created)}.")
+    st.markdown("**The children's sampling** (their own: the submit section's settings are not used)")
+    c = st.columns([1, 1, 1, 2])
+    c[0].number_input("New tokens per child", 1, MAX_NEW_TOKENS, step=1, **kept("submit_fork_max_new", 16))
+    c[1].number_input("Child temperature", 0.0, 10.0, step=0.1, **kept("submit_fork_temperature", 0.0), help="0 is greedy")
+    c[2].checkbox("Children skip EOS", **kept("submit_fork_ignore_eos", False), help="Always generate every new token")
+    retain_children = c[3].checkbox(
+        "Retain children", **kept("submit_fork_retain", False),
+        help="Retained children keep their blocks after they finish (to inspect or fork again) until released",
+    )
+    num_children = sum(1 for line in suffix_text.splitlines() if line.strip())
+    kept_or_not = "retained" if retain_children else "not retained"
+    st.button(f"Fork children ({num_children}, {kept_or_not})", key="submit_fork_go", on_click=fork_children)
+    st.caption(
+        "Retained: they keep their blocks until you release them."
+        if retain_children
+        else "Not retained: each child frees its blocks as soon as it finishes, so its private blocks vanish "
+        "from the Blocks page within seconds. Tick the box above to keep them."
+    )
+    show_outcome("submit_fork_outcome")
 
 # ---------------------------------------------------------------- live output
 st.subheader("Output")
@@ -235,25 +281,60 @@ live_output()
 
 # ---------------------------------------------------------------- release
 st.subheader("Release")
-releasable = [r.request_id for r in views if r.status == "retained" or (r.retain and r.status in ("running", "waiting"))]
-if not releasable:
-    st.caption("No retained request holds blocks.")
-else:
-    if state.get("submit_release_pick") not in releasable:
-        state["submit_release_pick"] = releasable[0]
-    c = st.columns([3, 1])
-    to_release = c[0].selectbox("Retained request", releasable, key="submit_release_pick")
-    if c[1].button("Release", key="submit_release_go"):
-        try:
-            engine.release(to_release)
-        except ValueError as exc:
-            st.error(f"Not released: {exc}")
-        else:
-            expect_in_history(host, f"the release of {to_release}")
-            st.success(f"Released {to_release}: its blocks return to the pool (cached blocks stay for hits).")
+
+
+def release_picked() -> None:
+    """The release button's action (runs before the page draws, so the box never offers what it released)."""
+    rid = state.get("submit_release_pick")
+    try:
+        engine.release(rid)
+    except ValueError as exc:
+        state["submit_release_outcome"] = ("error", f"Not released: {exc}")
+    else:
+        expect_in_history(host, f"the release of {rid}")
+        state["submit_release_outcome"] = (
+            "success", f"Released {rid}: its blocks return to the pool (cached blocks stay for hits).",
+        )  # fmt: skip
+
+
+@st.fragment(run_every=REFRESH_S)
+def release_box() -> None:
+    """Retained requests, re-listed every second (another operator may release one, or one may finish)."""
+    live = sorted(engine.requests(), key=lambda r: -r.arrival_time)
+    releasable = [r.request_id for r in live if r.status == "retained" or (r.retain and r.status in ("running", "waiting"))]
+    if not releasable:
+        st.caption("No retained request holds blocks.")
+    else:
+        if state.get("submit_release_pick") not in releasable:
+            state["submit_release_pick"] = releasable[0]
+        c = st.columns([3, 1])
+        c[0].selectbox("Retained request", releasable, key="submit_release_pick")
+        c[1].button("Release", key="submit_release_go", on_click=release_picked)
+    show_outcome("submit_release_outcome")
+
+
+release_box()
 
 # ---------------------------------------------------------------- all requests
 st.subheader("Requests")
+
+
+REQUEST_TABLE_COLUMNS = {  # compact headers and pixel widths: all 14 columns fit a 1,400 px window
+    "request": st.column_config.TextColumn("request", width=96),
+    "parent": st.column_config.TextColumn("parent", width=80),
+    "status": st.column_config.TextColumn("status", width=72),
+    "retain": st.column_config.CheckboxColumn("kept", width=44, help="Retained: keeps its blocks after it finishes"),
+    "prompt tokens": st.column_config.NumberColumn("prompt", width=58, help="Prompt tokens (a fork's inherited context included)"),
+    "output tokens": st.column_config.NumberColumn("output", width=56),
+    "hit position": st.column_config.NumberColumn("hit", width=44, help="Hit position h: tokens reused at its first schedule"),
+    "computed tokens": st.column_config.NumberColumn("computed", width=70, help="Prefill tokens run through the model"),
+    "hit source": st.column_config.TextColumn("source", width=58, help="prefix (index hit), fork, or none"),
+    "cow copies": st.column_config.NumberColumn("CoW", width=44, help="Copy-on-write copies its writes made"),
+    "preemptions": st.column_config.NumberColumn("preempt", width=60),
+    "TTFT ms": st.column_config.NumberColumn("TTFT ms", width=64, format="%.0f"),
+    "finish": st.column_config.TextColumn("finish", width=56),
+    "blocks": st.column_config.NumberColumn("blocks", width=52, help="Blocks it holds (or ended with)"),
+}
 
 
 @st.fragment(run_every=REFRESH_S)
@@ -262,7 +343,7 @@ def request_table() -> None:
     if frame.empty:
         st.caption("No requests yet.")
     else:
-        st.dataframe(frame, hide_index=True, height=min(400, 38 + 35 * len(frame)))
+        st.dataframe(frame, hide_index=True, height=min(400, 38 + 35 * len(frame)), column_config=REQUEST_TABLE_COLUMNS)
 
 
 request_table()

@@ -22,6 +22,8 @@ Imports no Streamlit and no torch, and from the engine only the types it persist
     retention   `prune(engine, RetentionPolicy, now)`: age and row-count bounds, logged in `prunes`.
     buckets     `bucket_index`: floor(time / seconds) on every backend.
     queries     read functions for the pages, returning DataFrames or small dataclasses.
+    block_history  a block's reference-count history replayed from its stored events (pure; the
+                queries read the rows).
 
 Engine side (never blocks on the database; nothing is lost without being counted):
 
@@ -57,7 +59,13 @@ Console side (`db` is an Engine, Connection or Session; times are epoch seconds)
     queries.hits_before_eviction_histogram(db, filters) -> DataFrame[bin_start, bin_end, evictions]
     queries.request_timeline(db, request_id, run_id=None) -> DataFrame of that request's events, in order
     queries.hit_rate_over_time(db, bucket_seconds=60.0, run_id=None, since=None, until=None) -> DataFrame
+                                                    #   prefix-cache hits and fork sharing per bucket, apart
+    queries.block_timelines(db, run_id, block_ids, group="full", request_ids=None) -> {block: BlockTimeline}
+    queries.block_timeline(db, block_id, run_id=None, group="full") -> BlockTimeline | None  (newest run)
+    queries.request_blocks(db, run_id, request_ids, group) -> [block ids], queries.fork_family(db, run_id, rid)
+    queries.latest_run_id(db), queries.has_run(db, run_id)
     queries.runs(db, limit=100), queries.recent_requests(db, run_id=None, limit=100), queries.prune_log(db)
+    queries.prompt_chains(db, run_ids=(), limit=1_000_000) -> DataFrame of finished requests' prompt keys
     queries.export_evictions_csv(db, filters) -> str
 
 EvictionFilters(since, until, reasons, request_id, run_id, key_prefix); the aggregates also take

@@ -15,14 +15,14 @@ import functools
 from collections.abc import Sequence
 from typing import Any
 
-from sqlalchemy import Connection, Insert, String, Table, bindparam, func, insert, select, true
+from sqlalchemy import Connection, Insert, String, Table, Update, bindparam, func, insert, select, true, update
 from sqlalchemy.dialects import sqlite
 
 from engine.events import Event
 from engine.snapshot import RequestView
 from storage.db import encode_json
 from storage.models import EVENT_COLUMNS, EVENTS, REQUEST_KEY, REQUESTS
-from storage.rows import VIEW_COLUMNS, view_values
+from storage.rows import KEY_FIELDS, VIEW_COLUMNS, key_values, view_values
 
 
 def insert_event_array(connection: Connection, run_id: str, events_json: str) -> None:
@@ -36,8 +36,19 @@ def insert_rows(connection: Connection, table: Table, columns: Sequence[str], ro
 
 
 def upsert_views(connection: Connection, run_id: str, views: list[RequestView]) -> None:
-    """Insert or replace the `requests` rows of one run's views (distinct requests) by (run_id, request_id)."""
+    """Insert or replace the `requests` rows of one run's views (distinct requests) by (run_id, request_id).
+
+    JSON cannot carry the finished requests' prompt keys (bytes): those few rows get them from a second
+    statement, run by the driver with the bytes bound as BLOBs.
+    """
     connection.execute(_views_statement(), {"run_id": run_id, "rows": encode_json(list(map(view_values, views)))})
+    keyed = [view for view in views if view.block_keys is not None]
+    if keyed:
+        parameters = [
+            {"key_run_id": run_id, "key_request_id": view.request_id, **dict(zip(KEY_FIELDS, key_values(view)))}
+            for view in keyed
+        ]
+        connection.execute(_keys_statement(), parameters)
 
 
 @functools.cache
@@ -46,6 +57,12 @@ def _events_statement() -> Insert:
     # Every column after run_id is the Event field of the same name.
     values = [_element(elements, Event._fields.index(name)) for name in EVENT_COLUMNS[1:]]
     return insert(EVENTS).from_select(EVENT_COLUMNS, select(_run_id(), *values))
+
+
+@functools.cache
+def _keys_statement() -> Update:
+    where = (REQUESTS.c.run_id == bindparam("key_run_id")) & (REQUESTS.c.request_id == bindparam("key_request_id"))
+    return update(REQUESTS).where(where).values({name: bindparam(name) for name in KEY_FIELDS})
 
 
 @functools.cache

@@ -77,6 +77,7 @@ def db_engine(url: str, *, busy_timeout_ms: int = DEFAULT_BUSY_TIMEOUT_MS) -> En
         parsed,
         connect_args=connect_args,
         json_serializer=encode_json,
+        json_deserializer=orjson.loads,  # 5-10x the standard library's json.loads on event details
         pool_pre_ping=backend != "sqlite",
     )
     if backend == "sqlite":

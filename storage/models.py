@@ -20,6 +20,8 @@ Invariants:
     * Every row but a run's belongs to a run (foreign key to ``runs.id``).
     * After every commit of a writer process, its ``writer_progress`` row counts exactly the event rows
       and request records it has committed (storage.progress).
+    * ``requests.block_keys`` and ``content_keys`` are NULL or hold ``prompt_tokens // runs.block_size``
+      keys of 16 bytes each, set together when the request finished.
     * After every commit, each ``eviction_rollups`` row equals the aggregate of the ``evictions`` rows
       with its (run_id, minute = floor(time / 60), reason), and no rollup row has zero evictions.
 """
@@ -28,7 +30,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from sqlalchemy import JSON, BigInteger, Column, Double, ForeignKey, Index, Integer, String, Table
+from sqlalchemy import JSON, BigInteger, Column, Double, ForeignKey, Index, Integer, LargeBinary, String, Table
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 # SQLite only makes INTEGER PRIMARY KEY an alias of the rowid; other backends get a 64-bit key.
@@ -92,6 +94,10 @@ class RequestRecord(Base):
     r: Mapped[int | None] = mapped_column(Integer)
     replay_mode: Mapped[str | None] = mapped_column(String)
     replayed_tokens: Mapped[int | None] = mapped_column(Integer)
+    # The prompt's full-block keys, 16 bytes each, concatenated, once it finished (revision 0004): the
+    # chain keys the engine used, and the namespace-free content keys (engine/request.py's PromptKeys).
+    block_keys: Mapped[bytes | None] = mapped_column(LargeBinary)
+    content_keys: Mapped[bytes | None] = mapped_column(LargeBinary)
 
     __table_args__ = (
         Index("ix_requests_arrival_time", "arrival_time"),  # recent requests, retention
@@ -180,7 +186,7 @@ class EvictionRollup(Base):
 
 
 class WriterProgress(Base):
-    """What one `WriterProcess` has committed so far, across the child processes it started (revision 0004)."""
+    """What one `WriterProcess` has committed so far, across the child processes it started (revision 0005)."""
 
     __tablename__ = "writer_progress"
 

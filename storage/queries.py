@@ -27,10 +27,12 @@ from contextlib import contextmanager
 from dataclasses import dataclass, replace
 
 import pandas as pd
-from sqlalchemy import ColumnElement, Connection, Engine, and_, case, func, select, tuple_
+from sqlalchemy import ColumnElement, Connection, Engine, and_, case, func, or_, select, tuple_
 from sqlalchemy.engine import Dialect
 from sqlalchemy.orm import Session
 
+from storage import block_history
+from storage.block_history import HISTORY_COLUMNS, StoredEvent
 from storage.buckets import bucket_index
 from storage.models import (
     AGE_BIN_COLUMNS,
@@ -51,6 +53,8 @@ from storage.rollups import minute_of
 Readable = Engine | Connection | Session
 
 _HEX = re.compile(r"[0-9a-f]+")
+MAX_TIMELINE_BLOCKS = 256  # blocks one timeline query may ask about (a request's, a fork family's)
+MAX_FAMILY = 256  # requests one fork family may list
 
 
 @dataclass(frozen=True)
@@ -322,12 +326,20 @@ def hit_rate_over_time(
     since: float | None = None,
     until: float | None = None,
 ) -> pd.DataFrame:
-    """Prefix hit rate in tokens per bucket of first-schedule time, from the request records.
+    """Reuse in tokens per bucket of first-schedule time, from the request records, split the way the
+    engine's counters split it (engine/scheduler.py's ReuseCounters): prefix-index hits apart from fork
+    sharing.
+
+    A request's reused tokens are those its first prefill did not compute: its replay boundary r (the
+    hit position h minus what was replayed; rows written before revision 0002, which lack r, count h).
 
     Returns:
-        Columns bucket_start, requests, prompt_tokens, cached_tokens, computed_tokens, hit_rate, where
-        hit_rate = cached_tokens / prompt_tokens (NaN for a bucket without prompt tokens). Requests
-        not scheduled yet, or not recorded yet, are not counted.
+        Columns bucket_start, requests, prompt_tokens, cached_tokens (hit positions h, forks included),
+        computed_tokens, prefix_query_tokens and prefix_hit_tokens (requests that looked their prompt up
+        in the prefix index, and the tokens it served), fork_query_tokens and fork_shared_tokens (fork
+        children, and the tokens they shared), hit_rate = prefix_hit_tokens / prefix_query_tokens
+        (vLLM's prefix-cache hit rate) and fork_share = fork_shared_tokens / fork_query_tokens (NaN
+        where the denominator is 0). Requests not scheduled yet, or not recorded yet, are not counted.
     """
     scheduled_at = REQUESTS.c.first_scheduled_time
     conditions = [scheduled_at.is_not(None)]
@@ -337,6 +349,8 @@ def hit_rate_over_time(
         conditions.append(scheduled_at >= since)
     if until is not None:
         conditions.append(scheduled_at < until)
+    is_fork = REQUESTS.c.hit_source == "fork"
+    reused = func.coalesce(REQUESTS.c.r, REQUESTS.c.cached_tokens)
     with _connection(db) as connection:
         scheduled = (
             select(
@@ -344,11 +358,18 @@ def hit_rate_over_time(
                 REQUESTS.c.prompt_tokens,
                 REQUESTS.c.cached_tokens,
                 REQUESTS.c.computed_tokens,
+                case((is_fork, 0), else_=REQUESTS.c.prompt_tokens).label("prefix_query_tokens"),
+                case((is_fork, 0), else_=reused).label("prefix_hit_tokens"),
+                case((is_fork, REQUESTS.c.prompt_tokens), else_=0).label("fork_query_tokens"),
+                case((is_fork, reused), else_=0).label("fork_shared_tokens"),
             )
             .where(*conditions)
             .subquery()
         )
-        token_columns = ("prompt_tokens", "cached_tokens", "computed_tokens")
+        token_columns = (
+            "prompt_tokens", "cached_tokens", "computed_tokens", "prefix_query_tokens", "prefix_hit_tokens",
+            "fork_query_tokens", "fork_shared_tokens",
+        )  # fmt: skip
         statement = (
             select(
                 scheduled.c.bucket,
@@ -362,7 +383,8 @@ def hit_rate_over_time(
     frame.insert(0, "bucket_start", frame.pop("bucket").astype("int64") * float(bucket_seconds))
     for name in ("requests", *token_columns):
         frame[name] = frame[name].astype("int64")
-    frame["hit_rate"] = frame["cached_tokens"] / frame["prompt_tokens"].where(frame["prompt_tokens"] > 0)
+    frame["hit_rate"] = frame["prefix_hit_tokens"] / frame["prefix_query_tokens"].where(frame["prefix_query_tokens"] > 0)
+    frame["fork_share"] = frame["fork_shared_tokens"] / frame["fork_query_tokens"].where(frame["fork_query_tokens"] > 0)
     return frame
 
 
@@ -405,3 +427,180 @@ def export_evictions_csv(db: Readable, filters: EvictionFilters = EvictionFilter
         page = eviction_log(db, filters, chunk_rows, after=page.next_cursor)
         page.rows.to_csv(out, index=False, header=False)
     return out.getvalue()
+
+
+def prompt_chains(db: Readable, run_ids: Sequence[str] = (), limit: int = 1_000_000) -> pd.DataFrame:
+    """The finished requests whose prompt keys are stored (revision 0004), oldest arrival first, for the
+    workload analyzer: one row per request with `run_id`, `request_id`, `arrival_time`, `prompt_tokens`,
+    `output_tokens`, `block_keys`, `content_keys` (bytes, 16 per full block) and its run's `block_size`,
+    `model`, `weights_revision` and `dtype`.
+
+    Args:
+        db: the history.
+        run_ids: the runs to read; empty reads every run.
+        limit: at most this many requests (the oldest).
+    """
+    statement = (
+        select(
+            REQUESTS.c.run_id,
+            REQUESTS.c.request_id,
+            REQUESTS.c.arrival_time,
+            REQUESTS.c.prompt_tokens,
+            func.json_array_length(REQUESTS.c.output_token_ids).label("output_tokens"),
+            REQUESTS.c.block_keys,
+            REQUESTS.c.content_keys,
+            RUNS.c.block_size,
+            RUNS.c.model,
+            RUNS.c.weights_revision,
+            RUNS.c.dtype,
+        )
+        .join(RUNS, RUNS.c.id == REQUESTS.c.run_id)
+        .where(REQUESTS.c.block_keys.is_not(None))
+        .order_by(REQUESTS.c.arrival_time, REQUESTS.c.run_id, REQUESTS.c.request_id)
+        .limit(limit)
+    )
+    if run_ids:
+        statement = statement.where(REQUESTS.c.run_id.in_(list(run_ids)))
+    with _connection(db) as connection:
+        return _frame(connection, statement)
+
+
+# ---------------------------------------------------------------------------------------------- block lives
+@dataclass(frozen=True)
+class BlockTimeline:
+    """One block's reference-count history in one run and KV group (storage/block_history.py)."""
+
+    run_id: str
+    group: str  # KV group: "full" or "sliding"
+    block_id: int
+    rows: pd.DataFrame  # HISTORY_COLUMNS, oldest first; `holders` holds tuples of request ids
+    complete: bool  # False when the stored events start mid-life (pruned) or lack block lists
+
+
+def latest_run_id(db: Readable) -> str | None:
+    """The newest run's id (by start time), or None for an empty history."""
+    with _connection(db) as connection:
+        return connection.scalar(select(RUNS.c.id).order_by(RUNS.c.started_at.desc(), RUNS.c.id.desc()).limit(1))
+
+
+def has_run(db: Readable, run_id: str) -> bool:
+    """Whether the history holds a run with this id."""
+    with _connection(db) as connection:
+        return connection.scalar(select(func.count()).select_from(RUNS).where(RUNS.c.id == run_id)) > 0
+
+
+def block_timelines(
+    db: Readable,
+    run_id: str,
+    block_ids: Sequence[int],
+    group: str = "full",
+    request_ids: Sequence[str] | None = None,
+) -> dict[int, BlockTimeline]:
+    """Every listed block's history, replayed from the run's stored events.
+
+    Args:
+        db: where to read.
+        run_id: the run.
+        block_ids: at most MAX_TIMELINE_BLOCKS physical blocks of `group`.
+        group: the KV group.
+        request_ids: when given, keep of each block's history only the stretch these requests took part
+            in (`storage.block_history.rows_involving`).
+
+    Returns:
+        By block id, in the order asked for; a block without stored events has no rows.
+
+    Raises:
+        ValueError: too many blocks.
+    """
+    ids = list(dict.fromkeys(int(b) for b in block_ids))
+    if len(ids) > MAX_TIMELINE_BLOCKS:
+        raise ValueError(f"at most {MAX_TIMELINE_BLOCKS} blocks per timeline query, got {len(ids)}")
+    if not ids:
+        return {}
+    with _connection(db) as connection:
+        touching = _touches_blocks(connection.dialect, ids)
+        statement = (
+            select(EVENTS.c.id, EVENTS.c.step, EVENTS.c.time, EVENTS.c.kind, EVENTS.c.request_id, EVENTS.c.block_id, EVENTS.c.detail)
+            .where(
+                EVENTS.c.run_id == run_id,
+                EVENTS.c.kind.in_(block_history.BLOCK_KINDS),
+                EVENTS.c.detail["group"].as_string() == group,
+                touching,
+            )
+            .order_by(EVENTS.c.id)
+        )
+        events = [StoredEvent(*row) for row in connection.execute(statement).all()]
+    lives = block_history.replay(events, ids)
+    timelines = {}
+    for block_id, life in lives.items():
+        changes = life.rows if request_ids is None else block_history.rows_involving(life, request_ids)
+        rows = pd.DataFrame([change.values() for change in changes], columns=list(HISTORY_COLUMNS))
+        timelines[block_id] = BlockTimeline(run_id, group, block_id, rows, life.complete)
+    return timelines
+
+
+def block_timeline(db: Readable, block_id: int, run_id: str | None = None, group: str = "full") -> BlockTimeline | None:
+    """One block's history in `run_id` (default: the newest run); None when the history has no run."""
+    run_id = run_id or latest_run_id(db)
+    if run_id is None:
+        return None
+    return block_timelines(db, run_id, [block_id], group)[int(block_id)]
+
+
+def _touches_blocks(dialect: Dialect, ids: list[int]) -> ColumnElement[bool]:
+    """Events that name one of `ids`: as block_id (EVICT, a COW's copy, a call's first block), as a COW's
+    source, or in the `block_ids` list of their detail (read with each backend's JSON set function)."""
+    if dialect.name == "postgresql":
+        elements = func.json_array_elements_text(EVENTS.c.detail["block_ids"]).table_valued("value")
+        listed = select(elements.c.value).where(elements.c.value.in_([str(i) for i in ids])).exists()
+    else:
+        elements = func.json_each(EVENTS.c.detail, "$.block_ids").table_valued("value")
+        listed = select(elements.c.value).where(elements.c.value.in_(ids)).exists()
+    return or_(EVENTS.c.block_id.in_(ids), EVENTS.c.detail["src_block"].as_integer().in_(ids), listed)
+
+
+def request_blocks(db: Readable, run_id: str, request_ids: Sequence[str], group: str = "full") -> list[int]:
+    """The blocks these requests ever held in `group` (allocated, shared by a hit or a fork, copied), in
+    the order they first took them."""
+    kinds = (block_history.ALLOCATE, block_history.HIT, block_history.FORK, block_history.COW)
+    statement = (
+        select(EVENTS.c.kind, EVENTS.c.detail)
+        .where(
+            EVENTS.c.request_id.in_(list(request_ids)),
+            EVENTS.c.run_id == run_id,
+            EVENTS.c.kind.in_(kinds),
+            EVENTS.c.detail["group"].as_string() == group,
+        )
+        .order_by(EVENTS.c.id)
+    )
+    with _connection(db) as connection:
+        found: dict[int, None] = {}
+        for kind, detail in connection.execute(statement).all():
+            ids = [detail.get("dst_block")] if kind == block_history.COW else detail.get("block_ids") or []
+            found.update(dict.fromkeys(int(i) for i in ids if i is not None))
+    return list(found)
+
+
+def fork_family(db: Readable, run_id: str, request_id: str) -> list[str]:
+    """`request_id`'s fork family in `run_id`: its oldest recorded ancestor, then every descendant,
+    generation by generation, by arrival (at most MAX_FAMILY requests)."""
+    with _connection(db) as connection:
+        root, seen = request_id, {request_id}
+        while True:
+            parent = connection.scalar(
+                select(REQUESTS.c.parent_id).where(REQUESTS.c.run_id == run_id, REQUESTS.c.request_id == root)
+            )
+            if parent is None or parent in seen:
+                break
+            root = parent
+            seen.add(root)
+        family, generation = [root], [root]
+        while generation and len(family) < MAX_FAMILY:
+            statement = (
+                select(REQUESTS.c.request_id)
+                .where(REQUESTS.c.run_id == run_id, REQUESTS.c.parent_id.in_(generation))
+                .order_by(REQUESTS.c.arrival_time, REQUESTS.c.request_id)
+            )
+            generation = [rid for rid in connection.scalars(statement).all() if rid not in family]
+            family += generation
+    return family[:MAX_FAMILY]

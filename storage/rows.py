@@ -41,7 +41,10 @@ REQUEST_FIELDS = (
 )
 # Sliding-window replay fields (RequestView's h, s, e, r are properties named as in the REPLAY event).
 WINDOW_FIELDS = ("h", "s", "e", "r", "replay_mode", "replayed_tokens")
-# The `requests` columns a RequestView fills, in `view_values` order (the SQLite path takes them positionally).
+# The prompt's keys (bytes, set once a request finished): the SQLite JSON path cannot carry them, so they
+# are written by their own statement there (storage.bulk_sqlite); other paths take them with the row.
+KEY_FIELDS = ("block_keys", "content_keys")
+# The `requests` columns a RequestView fills through the JSON path, in `view_values` order (positional).
 VIEW_COLUMNS = (*REQUEST_FIELDS, "prompt_tokens", *WINDOW_FIELDS)
 _VIEW_ATTRIBUTES = {"prompt_tokens": "num_prompt_tokens"}
 # RequestView -> its VIEW_COLUMNS values, in one C call.
@@ -163,11 +166,19 @@ def decode_events(encoded: EncodedEvents) -> list[Event]:
 
 
 def request_row(run_id: str, view: RequestView) -> dict[str, Any]:
-    """The `requests` row for one request view (the columns of VIEW_COLUMNS and its run)."""
+    """The `requests` row for one request view (the columns of VIEW_COLUMNS, KEY_FIELDS and its run).
+
+    The keys are None until the request finishes, and set from then on in every view of it.
+    """
     row = dict(zip(VIEW_COLUMNS, view_values(view)))
     row["run_id"] = run_id
     row["output_token_ids"] = list(row["output_token_ids"])
+    row.update(zip(KEY_FIELDS, key_values(view)))
     return row
+
+
+# RequestView -> its KEY_FIELDS values.
+key_values = operator.attrgetter(*KEY_FIELDS)
 
 
 def view_without_prompt(view: RequestView) -> tuple[Any, ...]:

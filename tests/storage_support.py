@@ -71,6 +71,8 @@ VIEW_DEFAULTS: dict[str, Any] = {
     "replay_mode": "none",
     "replayed_tokens": 0,
     "replay_divergence": None,
+    "block_keys": None,
+    "content_keys": None,
 }
 
 

@@ -59,11 +59,24 @@ def test_prefill_rate_ignores_preempted_and_unscheduled_requests():
 
 
 def test_aligned_tables_show_sharing_and_the_copy_on_write_column():
-    parent, child, other = request("p", (0, 1, 2)), request("c", (0, 1, 5, 6)), request("o", (7,))
-    alignment = align_tables([parent, child, other])
-    assert alignment.block_ids == [[0, 1, 2, None], [0, 1, 5, 6], [7, None, None, None]]
-    assert alignment.shared == [[2, 2, 1, 0], [2, 2, 1, 1], [1, 0, 0, 0]]
-    assert alignment.divergence == {"p": None, "c": 2, "o": 0}
+    parent, child, other = request("p", (0, 1, 2)), request("c", (0, 1, 5, 6), parent_id="p"), request("o", (7,))
+    alignment = align_tables([child, other, parent])
+    assert alignment.request_ids == ["o", "p", "c"]  # a parent comes before its children
+    assert alignment.block_ids == [[7, None, None, None], [0, 1, 2, None], [0, 1, 5, 6]]
+    assert alignment.shared == [[1, 0, 0, 0], [2, 2, 1, 0], [2, 2, 1, 1]]
+    # Each row is compared with its parent, not with whichever request came first (issue 15).
+    assert alignment.compared_with == {"o": None, "p": None, "c": "p"}
+    assert alignment.divergence == {"o": None, "p": None, "c": 2}
+
+
+def test_a_released_row_keeps_its_table_but_shares_nothing():
+    """Regression: a released request's row still shaded the blocks it once held as shared."""
+    parent = request("p", (0, 1), status="released")
+    child = request("c", (0, 3), parent_id="p", status="retained")
+    alignment = align_tables([parent, child])
+    assert alignment.holding == [False, True]
+    assert alignment.shared == [[0, 0], [1, 1]]
+    assert alignment.divergence == {"p": None, "c": 1}
 
 
 def test_prefix_tree_orders_parents_first_and_respects_the_limit():

@@ -10,7 +10,8 @@ from tests.test_app_support import console_env, host, no_exceptions, open_page, 
 
 LABELS = [
     "KV usage", "Blocks free", "Blocks cached", "Blocks referenced", "Sharing ratio",
-    "Prefix hit rate", "Tokens saved", "Prefill time saved", "Copy-on-write copies", "Preemptions",
+    "Prefix-cache hit rate", "Fork sharing", "Tokens saved", "Prefill time saved", "Replayed tokens",
+    "Copy-on-write copies", "Preemptions", "Re-prefill from cache",
     "Evictions / min", "Evictions (total)", "Running", "Waiting", "Retained",
     "Rows dropped", "Failed batches", "Queued rows", "History lag", "Events written", "Retrying", "Writer restarts",
 ]  # fmt: skip
@@ -48,8 +49,8 @@ def test_overview_metrics_follow_the_engine(console_env):
     assert values["Blocks referenced"] == str(stats.used_blocks)
     assert values["KV usage"] == f"{stats.kv_usage:.1%}"
     assert values["Sharing ratio"] == f"{stats.sharing_ratio:.2f}×" and stats.sharing_ratio > 1
-    assert values["Tokens saved"] == f"{stats.prefix_hit_tokens:,}" and stats.prefix_hit_tokens > 0
-    assert values["Prefix hit rate"] == f"{stats.hit_rate:.1%}"
+    assert values["Tokens saved"] == f"{stats.tokens_saved:,}" and stats.prefix_hit_tokens > 0
+    assert values["Prefix-cache hit rate"] == f"{stats.prefix_hit_rate:.1%}"
     assert values["Copy-on-write copies"] == str(stats.cow_copies)
     assert values["Retained"] == "2"
     assert values["Prefill time saved"] != "—"

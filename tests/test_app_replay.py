@@ -29,6 +29,14 @@ def test_hybrid_model_draws_an_exact_replay(console_env):
     frame = at.dataframe[0].value
     reader = frame[frame["request"] == "reader"].iloc[0]
     assert (reader["mode"], reader["h"], reader["r"], reader["replayed"]) == ("exact", 36, 0, 36)
-    bars = json.loads(at.get("plotly_chart")[0].proto.spec)["data"]
-    assert [trace["name"] for trace in bars] == ["hit [0, h)", "window state [s, e)", "replayed [r, h)", "computed suffix"]
+    spec = json.loads(at.get("plotly_chart")[0].proto.spec)
+    bars = {trace["name"]: trace for trace in spec["data"]}
+    assert list(bars) == ["hit [0, h)", "replayed [r, h)", "computed suffix", "window state [s, e)"]
+    # Regression (issue 15): the window-state band was drawn under the replay bar, at the same place, so
+    # the bar hid it; and the legend sat on the x axis.
+    band, replayed = bars["window state [s, e)"], bars["replayed [r, h)"]
+    assert band["offset"] >= replayed["offset"] + replayed["width"]  # below the bar, not under it
+    assert spec["layout"]["legend"]["y"] > 1 and spec["layout"]["legend"]["yanchor"] == "bottom"
+    # Nothing was verified: no divergence columns, and no literal "None" anywhere.
+    assert "mean KL" not in frame.columns and "None" not in frame.astype(str).to_numpy()
     assert [m.label for m in at.metric][:1] == ["Window W"]

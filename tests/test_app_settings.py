@@ -85,3 +85,17 @@ def test_a_bad_configuration_shows_an_error_and_changes_nothing(console_env):
     at.button(key="settings_restart_confirm").click().run()
     assert host().console is old
     assert [e.value for e in at.error][0].startswith("Restart failed, the previous engine keeps running: unknown model")
+
+
+def test_restart_can_choose_the_eviction_policy(console_env):
+    at = open_page("settings")
+    values = dict(zip(at.table[0].value["setting"], at.table[0].value["value"]))
+    assert values["eviction policy"] == "lru"
+    at.selectbox(key="settings_eviction").select("reuse-lru")
+    next(b for b in at.button if b.label == "Restart with these settings…").click().run()
+    assert "reuse-lru eviction" in texts(at)
+    at.button(key="settings_restart_confirm").click().run()
+    no_exceptions(at)
+    engine = host().console.engine
+    assert engine.config.eviction_policy == "reuse-lru"
+    assert {manager.pool.eviction_policy for manager in engine.kv.managers} == {"reuse-lru"}

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 from engine.prompts import encode_chat, encode_text
 from tests.test_app_support import (  # noqa: F401  (console_env is a fixture)
     console_env,
@@ -96,6 +98,56 @@ def test_fork_makes_one_child_per_suffix_line_in_one_action(console_env):
     assert all(c.cached_tokens == engine.get("req-0").num_prompt_tokens + 4 - 1 for c in children)
     at.run()
     assert at.multiselect(key="submit_watch").value == ["req-1", "req-2", "req-3"]
+
+
+def test_the_parent_box_labels_are_request_ids_and_the_live_status_is_beside_them(console_env):
+    """Regression: the parent box's labels carried the status ("req-0 · waiting"). Streamlit's frontend
+    sends a selectbox's value back as its label, so once req-0 finished the box still said "waiting" and
+    the fork failed: "unknown parent request 'req-0 · waiting'" (tests/test_browser.py hit it under load)."""
+    at, engine = page_with_retained_request()
+    assert at.selectbox(key="submit_fork_parent").options == ["req-0"]  # labels that never change
+    assert "**req-0** · `retained`: holds" in texts(at)
+    compare = at.selectbox(key="submit_compare").options
+    assert "req-0 (prompt + output)" in compare and not any("retained" in label for label in compare)
+
+
+def test_children_sample_with_the_fork_sections_own_settings_and_the_retain_choice_shown_at_the_button(console_env):
+    """Regression: forks silently reused the submit section's sampling, and children were not retained by
+    default with nothing at the fork button saying so (they vanished from the Blocks page in seconds)."""
+    at, engine = page_with_retained_request()  # submitted with 4 new tokens
+    at.text_area(key="submit_fork_suffixes").input(" one\n two")
+    at.run()
+    assert at.button(key="submit_fork_go").label == "Fork children (2, not retained)"
+    assert "Not retained: each child frees its blocks as soon as it finishes" in texts(at)
+    at.number_input(key="submit_fork_max_new").set_value(2)
+    at.checkbox(key="submit_fork_ignore_eos").check()
+    at.checkbox(key="submit_fork_retain").check().run()
+    assert at.button(key="submit_fork_go").label == "Fork children (2, retained)"
+    at.button(key="submit_fork_go").click().run()
+    wait_idle()
+    children = [engine.get(rid) for rid in ("req-1", "req-2")]
+    assert [(c.max_new_tokens, c.status, len(c.output_token_ids)) for c in children] == [(2, "retained", 2)] * 2
+
+
+def test_the_release_box_stops_offering_what_it_released(console_env):
+    """Regression: the release box still offered a released id."""
+    at, engine = page_with_retained_request()
+    assert at.selectbox(key="submit_release_pick").options == ["req-0"]
+    at.button(key="submit_release_go").click().run()
+    assert engine.get("req-0").status == "released"
+    assert "No retained request holds blocks." in texts(at)
+    assert all(box.key != "submit_release_pick" for box in at.selectbox)
+
+
+def test_the_requests_table_sets_a_width_for_every_column(console_env):
+    """Regression: the 14-column requests table was cut off at 1,500 px; every column now has a compact
+    header and a width (their sum fits a 1,400 px window)."""
+    at, _ = page_with_retained_request()
+    table = at.dataframe[-1]
+    columns = json.loads(table.proto.columns)
+    widths = {name: column["width"] for name, column in columns.items() if not column.get("hidden")}
+    assert set(widths) == set(table.value.columns) and len(widths) == 14
+    assert sum(widths.values()) <= 1_000
 
 
 def test_bad_inputs_show_an_error_and_change_nothing(console_env):

@@ -9,6 +9,7 @@ The tokenizer cache is shared between tests (and runs) under data/test-cache
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from collections.abc import Callable, Iterator
@@ -23,7 +24,7 @@ from app.hosting import ConsoleHost, get_host
 ROOT = Path(__file__).resolve().parent.parent
 ENTRY = str(ROOT / "app" / "streamlit_app.py")
 TEST_DATA_DIR = Path(os.environ.get("PREFIX_CONSOLE_TEST_DATA_DIR", ROOT / "data" / "test-cache"))  # as tests/conftest.py
-PAGES = ("overview", "submit", "blocks", "prefix_tree", "replay", "evictions", "settings")
+PAGES = ("overview", "submit", "blocks", "prefix_tree", "replay", "evictions", "settings", "capacity_planner")
 TIMEOUT_S = 60
 
 
@@ -49,6 +50,29 @@ def console_env(tmp_path, monkeypatch) -> Iterator[Callable[..., None]]:
     configure()
     yield configure
     st.cache_resource.clear()  # on_release: stop the engine thread, close the writer
+
+
+@pytest.fixture
+def streamlit_logs() -> Iterator[list[logging.LogRecord]]:
+    """Every record Streamlit's own loggers emit during the test, INFO and up.
+
+    Streamlit's loggers do not propagate (caplog never sees them), so a recording handler is put on each
+    one: deprecation warnings (`use_container_width`) and the dataframe fallback ("Serialization of
+    dataframe to Arrow table was unsuccessful", logged at INFO) land here.
+    """
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler(logging.INFO)
+    handler.emit = records.append
+    names = [name for name in logging.root.manager.loggerDict if name.split(".")[0] == "streamlit"]
+    loggers = [logging.getLogger(name) for name in {*names, "streamlit.deprecation_util", "streamlit.dataframe_util"}]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
+    yield records
+    for logger, level in zip(loggers, levels):
+        logger.removeHandler(handler)
+        logger.setLevel(level)
 
 
 def host() -> ConsoleHost:

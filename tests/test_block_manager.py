@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from engine.block_pool import BlockPool, NoFreeBlocksError
+from engine.errors import InvariantError
 from engine.events import EventKind, EventLog, EvictReason
 from engine.kv_cache_manager import BlockCopy, KVCacheManager
 from engine.namespace import CacheNamespace
@@ -23,7 +24,9 @@ def refs(m: KVCacheManager, *block_ids: int) -> list[int]:
 
 def prefill(m: KVCacheManager, rid: str, tokens: list[int], salt: str | None = None) -> list:
     hits = m.find_prefix_hit(tokens, salt)
-    assert m.allocate_slots(rid, tokens[len(hits) * m.block_size :], hits=hits, salt=salt)
+    new = tokens[len(hits) * m.block_size :]
+    assert m.can_allocate(len(new), hits)
+    m.allocate(rid, new, hits=hits, salt=salt)
     m.cache_full_blocks(rid)
     return hits
 
@@ -38,7 +41,8 @@ def test_fork_shares_full_and_half_block_then_cow_on_first_append_in_place_on_se
     assert refs(m, 0, 1) == [2, 2]
 
     # First writer into the shared half block gets a private copy; the old block loses one reference.
-    assert m.allocate_slots("a", [7])
+    assert m.can_append("a", 1)
+    assert m.append("a", [7]) == 1  # one copy-on-write copy
     assert m.block_ids("a") == [0, 2]
     assert refs(m, 0, 1, 2) == [2, 1, 1]
     assert m.take_copies() == [BlockCopy(src=1, dst=2, num_slots=2)]
@@ -46,7 +50,7 @@ def test_fork_shares_full_and_half_block_then_cow_on_first_append_in_place_on_se
     assert m.pool.blocks[1].token_ids == [5, 6]
 
     # The holder left alone writes in place: no copy, no new block.
-    assert m.allocate_slots("b", [8])
+    assert m.append("b", [8]) == 0
     assert m.block_ids("b") == [0, 1]
     assert m.take_copies() == []
     assert m.pool.blocks[1].token_ids == [5, 6, 8]
@@ -70,7 +74,7 @@ def test_events_record_fork_cow_and_release():
     m = make_manager()
     prefill(m, "a", [1, 2, 3, 4, 5, 6])
     m.fork("a", "b")
-    m.allocate_slots("b", [9])
+    m.append("b", [9])
     events = m._log.take()
     assert [e.kind for e in events] == [
         EventKind.ALLOCATE, EventKind.CACHE,
@@ -78,7 +82,8 @@ def test_events_record_fork_cow_and_release():
         EventKind.ALLOCATE, EventKind.RELEASE, EventKind.COW,
     ]
     assert events[0].detail["block_ids"] == [0, 1]  # one event for the call that took both blocks
-    assert events[2].detail == {"parent_id": "a", "shared_blocks": 2, "group": "full"}
+    # The fork names the blocks it shared, so a block's history can count its references.
+    assert events[2].detail == {"parent_id": "a", "shared_blocks": 2, "block_ids": [0, 1], "group": "full"}
     assert events[4].detail["block_ids"] == [1] and events[4].detail["freed"] == 0
 
 
@@ -96,13 +101,13 @@ def test_hit_shares_blocks_and_takes_them_out_of_the_lru():
     m = make_manager()
     prefill(m, "a", [1, 2, 3, 4, 5, 6, 7, 8, 9])
     m.free("a")
-    assert m.pool.evictable_in_lru_order() == [1, 0]  # released in reverse: tail first
+    assert m.pool.evictable_in_eviction_order() == [1, 0]  # released in reverse: tail first
     hits = prefill(m, "b", [1, 2, 3, 4, 5, 6, 7, 8, 10, 11])
     assert [b.block_id for b in hits] == [0, 1]
     assert m.block_ids("b") == [0, 1, 3]  # free blocks are used before evicting cached ones
     assert refs(m, 0, 1) == [1, 1]
     assert m.pool.blocks[0].hit_count == 1
-    assert m.pool.evictable_in_lru_order() == []
+    assert m.pool.evictable_in_eviction_order() == []
     m.check_invariants()
 
 
@@ -136,27 +141,28 @@ def test_lru_eviction_order_and_event_detail():
     m.check_invariants()
 
 
-def test_lru_order_is_release_order_through_many_reuses_and_compactions():
-    """A hot block shared and released again and again moves to the LRU tail each time; the queue of
-    dead entries this leaves is compacted (bounded), and eviction still takes the coldest block first."""
+def test_lru_order_is_release_order_through_many_reuses():
+    """A hot block shared and released again and again moves to the LRU tail each time (out of the middle
+    of the queue and back), the queue holds nothing but the evictable blocks, and eviction still takes the
+    coldest block first."""
     m = make_manager(num_blocks=4)
     prefill(m, "cold", [1, 2, 3, 4, 0])  # block 0: cold prefix
     prefill(m, "hot", [9, 9, 9, 9, 0])  # block 2: hot prefix (1 and 3 are the partial tails)
     m.free("cold")
     m.free("hot")
-    assert m.pool.evictable_in_lru_order() == [0, 2]
-    for i in range(50):  # far more releases than 2 x the pool, so the queue compacts several times
+    assert m.pool.evictable_in_eviction_order() == [0, 2]
+    for i in range(50):  # far more releases than the pool has blocks
         hits = prefill(m, f"h{i}", [9, 9, 9, 9, i])
         assert [b.block_id for b in hits] == [2]
         m.free(f"h{i}")
-        assert m.pool.evictable_in_lru_order() == [0, 2]
-        assert len(m.pool._lru) <= 2 * m.pool.num_blocks + 1
+        assert m.pool.evictable_in_eviction_order() == [0, 2]
+        assert m.pool.num_evictable == len(m.pool.evictable_in_eviction_order()) == 2  # no dead entries
         m.check_invariants()
     m._log.take()
     prefill(m, "new", [5, 6, 7, 8, 5, 6, 7, 8, 5])  # 3 blocks: 2 free, then the coldest cached (0)
     evicted = [e.block_id for e in m._log.take() if e.kind == EventKind.EVICT]
     assert evicted == [0]
-    assert m.pool.evictable_in_lru_order() == [2]
+    assert m.pool.evictable_in_eviction_order() == [2]
     m.check_invariants()
 
 
@@ -165,10 +171,10 @@ def test_sharing_a_free_block_is_refused_and_changes_nothing():
     prefill(m, "a", [1, 2, 3, 4, 5, 6, 7, 8, 9])
     m.free("a")  # blocks 0 and 1 cached and evictable, block 2 (partial) free
     blocks = [m.pool.blocks[0], m.pool.blocks[1], m.pool.blocks[2]]
-    before = ([b.ref_count for b in m.pool.blocks], m.pool.evictable_in_lru_order(), m.pool.num_evictable)
+    before = ([b.ref_count for b in m.pool.blocks], m.pool.evictable_in_eviction_order(), m.pool.num_evictable)
     with pytest.raises(RuntimeError, match="block 2 is free"):
         m.pool.touch_blocks(blocks)
-    assert ([b.ref_count for b in m.pool.blocks], m.pool.evictable_in_lru_order(), m.pool.num_evictable) == before
+    assert ([b.ref_count for b in m.pool.blocks], m.pool.evictable_in_eviction_order(), m.pool.num_evictable) == before
     m.check_invariants()
 
 
@@ -177,32 +183,34 @@ def test_releasing_a_block_too_often_is_refused_and_changes_nothing():
     prefill(m, "a", [1, 2, 3, 4, 5, 6, 7, 8, 9])
     blocks = [m.pool.blocks[b] for b in m.block_ids("a")]
     m.free("a")
-    before = ([b.ref_count for b in m.pool.blocks], m.pool.evictable_in_lru_order(), m.pool.num_free)
+    before = ([b.ref_count for b in m.pool.blocks], m.pool.evictable_in_eviction_order(), m.pool.num_free)
     log_len = len(m._log)
     with pytest.raises(RuntimeError, match="released more often"):
         m.pool.free_blocks(blocks, "a")
-    assert ([b.ref_count for b in m.pool.blocks], m.pool.evictable_in_lru_order(), m.pool.num_free) == before
+    assert ([b.ref_count for b in m.pool.blocks], m.pool.evictable_in_eviction_order(), m.pool.num_free) == before
     assert len(m._log) == log_len
     m.check_invariants()
 
     prefill(m, "b", [1, 2, 3, 4, 20])  # block 0 referenced again, block 1 still cached, 2 free
     held = m.pool.blocks[m.block_ids("b")[0]]
-    before = ([b.ref_count for b in m.pool.blocks], m.pool.evictable_in_lru_order(), m.pool.num_free)
+    before = ([b.ref_count for b in m.pool.blocks], m.pool.evictable_in_eviction_order(), m.pool.num_free)
     with pytest.raises(RuntimeError, match="released more often"):
         m.pool.free_blocks([held, m.pool.blocks[1]], "b")  # the first would succeed, the second cannot
-    assert ([b.ref_count for b in m.pool.blocks], m.pool.evictable_in_lru_order(), m.pool.num_free) == before
+    assert ([b.ref_count for b in m.pool.blocks], m.pool.evictable_in_eviction_order(), m.pool.num_free) == before
     m.check_invariants()
 
-    # Blocks that would stay referenced (shared by a fork) or go back to the free deque (the partial tail)
-    # ahead of the failing one: their queue entries and dead counts are restored too.
+    # Blocks that would stay referenced (shared by a fork) or go back to the free queue (the partial tail)
+    # ahead of the failing one: their states and both queues' orders are unchanged too.
     m.fork("b", "c")
     tail, head = (m.pool.blocks[b] for b in m.block_ids("b")[::-1])
     assert (tail.ref_count, head.ref_count, tail.key, head.key is not None) == (2, 2, None, True)
-    m.free("c")  # tail and head back to one reference each, their entries dead
-    before = ([(b.ref_count, b.lru_dead) for b in m.pool.blocks], m.pool.evictable_in_lru_order(), m.pool.num_free)
+    m.free("c")  # tail and head back to one reference each
+    before = ([(b.ref_count, m.pool.state_of(b)) for b in m.pool.blocks], m.pool.evictable_in_eviction_order(),
+              m.pool.free_in_order())  # fmt: skip
     with pytest.raises(RuntimeError, match="released more often"):
         m.pool.free_blocks([tail, head, m.pool.blocks[1]], "b")
-    after = ([(b.ref_count, b.lru_dead) for b in m.pool.blocks], m.pool.evictable_in_lru_order(), m.pool.num_free)
+    after = ([(b.ref_count, m.pool.state_of(b)) for b in m.pool.blocks], m.pool.evictable_in_eviction_order(),
+             m.pool.free_in_order())  # fmt: skip
     assert after == before
     m.check_invariants()
 
@@ -223,8 +231,13 @@ def test_allocation_failure_changes_nothing():
     m = make_manager(num_blocks=2)
     prefill(m, "a", [1, 2, 3, 4, 5])
     before = (m.block_ids("a"), refs(m, 0, 1), m.pool.num_allocatable)
-    assert not m.allocate_slots("b", list(range(100, 109)))
+    assert not m.can_allocate(9)
+    with pytest.raises(NoFreeBlocksError):
+        m.allocate("b", list(range(100, 109)))
     assert not m.has_table("b")
+    assert not m.can_append("a", 4)
+    with pytest.raises(NoFreeBlocksError):
+        m.append("a", list(range(100, 104)))
     assert (m.block_ids("a"), refs(m, 0, 1), m.pool.num_allocatable) == before
     with pytest.raises(NoFreeBlocksError):
         m.pool.allocate("x", 0)
@@ -304,3 +317,18 @@ def test_fork_of_unknown_parent_is_an_error_and_changes_nothing():
         m.fork("nope", "child")
     assert not m.has_table("child")
     m.check_invariants()
+
+
+def test_broken_invariants_raise_invariant_error_not_assertion_error():
+    """`check_invariants` raises its own error, so `python -O` (which drops asserts) checks the same."""
+    m = make_manager()
+    prefill(m, "a", [1, 2, 3, 4, 5])
+    m.pool.blocks[0].ref_count += 1  # a reference no table holds
+    with pytest.raises(InvariantError, match="holders"):
+        m.check_invariants()
+    m.pool.blocks[0].ref_count -= 1
+    m.free("a")
+    assert m.pool.evictable_in_eviction_order() == [0]
+    m.pool.blocks[0].lru_next = m.pool.blocks[3]  # a stray link out of the LRU queue
+    with pytest.raises(InvariantError, match="LRU"):
+        m.check_invariants()

@@ -1,4 +1,5 @@
-"""Property test: random submit / fork / append / finish / retain / release / evict / reset sequences.
+"""Property test: random submit / fork / append / finish / retain / release / evict / reset sequences,
+under each eviction policy of the pool.
 
 After every step the pool and table invariants hold, and every live table's blocks spell out exactly
 its request's context (so sharing and copy-on-write never let one request see another's tokens).
@@ -11,6 +12,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from engine.block_pool import BlockPool
 from engine.events import EventKind, EventLog, EvictReason
+from engine.eviction import EvictionPolicyName, make_eviction_policy
 from engine.kv_cache_manager import KVCacheManager
 from engine.namespace import CacheNamespace
 
@@ -22,11 +24,14 @@ tokens = st.lists(st.integers(0, 6), min_size=1, max_size=14)
 
 
 class BlockManagerMachine(RuleBasedStateMachine):
+    policy: EvictionPolicyName
+
     def __init__(self) -> None:
         super().__init__()
         self.log = EventLog()
         ns = CacheNamespace("m", "r", "float32", BLOCK_SIZE, ("full",))
-        self.m = KVCacheManager(BlockPool(NUM_BLOCKS, BLOCK_SIZE, self.log), ns, self.log)
+        pool = BlockPool(NUM_BLOCKS, BLOCK_SIZE, self.log, eviction=make_eviction_policy(self.policy, NUM_BLOCKS))
+        self.m = KVCacheManager(pool, ns, self.log)
         self.context: dict[str, list[int]] = {}  # live tables: expected tokens
         self.retained: set[str] = set()
         self.counter = 0
@@ -43,8 +48,9 @@ class BlockManagerMachine(RuleBasedStateMachine):
         assert len(hits) * BLOCK_SIZE <= len(prompt) - 1
         for i, block in enumerate(hits):
             assert block.token_ids == prompt[i * BLOCK_SIZE : (i + 1) * BLOCK_SIZE]
-        ok = self.m.allocate_slots(rid, prompt[len(hits) * BLOCK_SIZE :], hits=hits, salt=salt)
-        if ok:
+        new = prompt[len(hits) * BLOCK_SIZE :]
+        if self.m.can_allocate(len(new), hits):
+            self.m.allocate(rid, new, hits=hits, salt=salt)
             self.m.cache_full_blocks(rid)
             self.context[rid] = prompt
         else:
@@ -57,7 +63,8 @@ class BlockManagerMachine(RuleBasedStateMachine):
         child = self._new_id()
         self.m.fork(parent, child)
         self.context[child] = list(self.context[parent])
-        if self.m.allocate_slots(child, suffix):
+        if self.m.can_append(child, len(suffix)):
+            self.m.append(child, suffix)
             self.m.cache_full_blocks(child)
             self.context[child] += suffix
         else:
@@ -70,7 +77,8 @@ class BlockManagerMachine(RuleBasedStateMachine):
         rid = data.draw(st.sampled_from(sorted(self.context)))
         if rid in self.retained:
             return
-        if self.m.allocate_slots(rid, new):
+        if self.m.can_append(rid, len(new)):
+            self.m.append(rid, new)
             self.m.cache_full_blocks(rid)
             self.context[rid] += new
 
@@ -96,8 +104,8 @@ class BlockManagerMachine(RuleBasedStateMachine):
 
     @precondition(lambda self: self.m.pool.num_evictable)
     @rule()
-    def evict_lru(self):
-        block_id = self.m.pool.evictable_in_lru_order()[0]
+    def evict_the_next_victim(self):
+        block_id = self.m.pool.evictable_in_eviction_order()[0]
         self.m.pool.evict(self.m.pool.blocks[block_id], EvictReason.LRU)
 
     @rule()
@@ -129,5 +137,11 @@ class BlockManagerMachine(RuleBasedStateMachine):
                 assert self.m.pool.blocks[event.block_id].ref_count in (0, 1)  # 1: re-allocated since
 
 
-TestBlockManagerMachine = BlockManagerMachine.TestCase
+def machine_for(policy: EvictionPolicyName):
+    return type(f"{policy.name}ManagerMachine", (BlockManagerMachine,), {"policy": policy})
+
+
+TestBlockManagerMachine = machine_for(EvictionPolicyName.LRU).TestCase
+TestReuseLruBlockManagerMachine = machine_for(EvictionPolicyName.REUSE_LRU).TestCase
 TestBlockManagerMachine.settings = settings(max_examples=100, stateful_step_count=40, deadline=None)
+TestReuseLruBlockManagerMachine.settings = TestBlockManagerMachine.settings

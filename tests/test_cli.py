@@ -205,3 +205,20 @@ def test_db_rows_carry_the_sliding_window_replay_fields(tmp_path, capsys):
     with db_engine(url).connect() as conn:
         row = conn.execute(select(RequestRecord).where(RequestRecord.request_id == "b")).mappings().one()
     assert (row["h"], row["r"], row["replay_mode"], row["replayed_tokens"]) == (36, 0, "exact", 36)
+
+
+def test_the_eviction_policy_is_chosen_on_the_command_line(tmp_path, capsys):
+    """A prefix reused once survives three single-use requests in a 6-block pool under reuse-LRU, not LRU."""
+    prefix = list(range(10, 18))
+    lines = [{"op": "submit", "id": f"p{i}", "tokens": prefix + [i], "max_new_tokens": 1} for i in (1, 2)]
+    lines += [{"op": "submit", "id": f"q{i}", "tokens": list(range(20 * i, 20 * i + 8)) + [i], "max_new_tokens": 1}
+              for i in (3, 4, 5)]  # fmt: skip
+    lines += [{"op": "submit", "id": "again", "tokens": prefix + [6], "max_new_tokens": 1}]
+    ops = [op for line in lines for op in (line, {"op": "run"})]
+    hits = {}
+    for policy in ("lru", "reuse-lru"):
+        proc = run_trace(tmp_path, ops, "--num-blocks", "6", "--eviction-policy", policy, capsys=capsys)
+        assert proc.returncode == 0, proc.stderr
+        hits[policy] = {r["id"]: r["cached_tokens"] for r in records(proc) if "id" in r}
+    assert hits["lru"]["p2"] == hits["reuse-lru"]["p2"] == 8
+    assert (hits["lru"]["again"], hits["reuse-lru"]["again"]) == (0, 8)

@@ -7,23 +7,18 @@ cached positions.
 
 from __future__ import annotations
 
-import random
-
 import pytest
 
 from engine.config import EngineConfig
 from engine.engine import Engine, RequestRejected
-from engine.models import load_model
+from engine.kv_groups import chain_keys_of
+from engine.namespace import CONTENT_ROOT_KEY
 from engine.request import SamplingParams
 from engine.snapshot import RequestView
 from tests.engine_reference import LogitSpy, assert_matches_reference
+from tests.engine_support import tokens
 
 GREEDY = SamplingParams(max_new_tokens=6, ignore_eos=True)
-
-
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    return load_model("tiny-llama", dtype="float32", device="cpu", data_dir=tmp_path_factory.mktemp("d"), seed=0)
 
 
 def make_engine(tmp_path, **overrides) -> tuple[Engine, LogitSpy]:
@@ -33,11 +28,6 @@ def make_engine(tmp_path, **overrides) -> tuple[Engine, LogitSpy]:
     return engine, LogitSpy(engine)
 
 
-def tokens(n: int, seed: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(3, 512) for _ in range(n)]
-
-
 def assert_work_skipped(engine: Engine, spy: LogitSpy, rid: str) -> None:
     view = engine.get(rid)
     if view.preemptions == 0:
@@ -45,18 +35,18 @@ def assert_work_skipped(engine: Engine, spy: LogitSpy, rid: str) -> None:
     assert min(spy.positions[rid]) >= view.cached_tokens, "the model ran on cached positions"
 
 
-def test_cold_request_matches_reference(tmp_path, reference):
+def test_cold_request_matches_reference(tmp_path, tiny_llama_reference):
     engine, spy = make_engine(tmp_path)
     rid = engine.submit(tokens(37, 1), GREEDY)
     engine.run_until_idle()
     view = engine.get(rid)
     assert (view.cached_tokens, view.computed_tokens, view.hit_source) == (0, 37, "none")
     assert len(view.output_token_ids) == 6
-    assert_matches_reference(engine, spy, reference, rid)
+    assert_matches_reference(engine, spy, tiny_llama_reference, rid)
     engine.check_invariants()
 
 
-def test_fork_computes_only_parent_last_token_and_suffix(tmp_path, reference):
+def test_fork_computes_only_parent_last_token_and_suffix(tmp_path, tiny_llama_reference):
     engine, spy = make_engine(tmp_path)
     parent = engine.submit(tokens(37, 2), GREEDY, retain=True)
     engine.run_until_idle()
@@ -66,16 +56,17 @@ def test_fork_computes_only_parent_last_token_and_suffix(tmp_path, reference):
     view = engine.get(child)
     # The parent computed 37 prompt + 5 fed-back tokens; its 6th sampled token was never computed.
     assert view.hit_source == "fork"
+    assert view.replay_mode == "full"  # a fork is a hit source; its state is ready, as a full-model hit's is
     assert view.num_prompt_tokens == 37 + 6 + 7
     assert view.cached_tokens == 42
     assert view.computed_tokens == 1 + 7
     assert_work_skipped(engine, spy, child)
-    assert_matches_reference(engine, spy, reference, parent)
-    assert_matches_reference(engine, spy, reference, child)
+    assert_matches_reference(engine, spy, tiny_llama_reference, parent)
+    assert_matches_reference(engine, spy, tiny_llama_reference, child)
     engine.check_invariants()
 
 
-def test_unrelated_request_hits_prefix_index(tmp_path, reference):
+def test_unrelated_request_hits_prefix_index(tmp_path, tiny_llama_reference):
     engine, spy = make_engine(tmp_path)
     shared = tokens(33, 4)
     a = engine.submit(shared + tokens(5, 5), GREEDY)
@@ -87,11 +78,11 @@ def test_unrelated_request_hits_prefix_index(tmp_path, reference):
     assert view.cached_tokens == 32  # 8 full blocks of 4 tokens inside the 33 shared ones
     assert view.computed_tokens == 42 - 32
     assert_work_skipped(engine, spy, b)
-    assert_matches_reference(engine, spy, reference, a)
-    assert_matches_reference(engine, spy, reference, b)
+    assert_matches_reference(engine, spy, tiny_llama_reference, a)
+    assert_matches_reference(engine, spy, tiny_llama_reference, b)
 
 
-def test_two_forks_append_different_tokens_through_copy_on_write(tmp_path, reference):
+def test_two_forks_append_different_tokens_through_copy_on_write(tmp_path, tiny_llama_reference):
     engine, spy = make_engine(tmp_path)
     parent = engine.submit(tokens(34, 7), SamplingParams(max_new_tokens=1, ignore_eos=True), retain=True)
     engine.run_until_idle()
@@ -104,11 +95,11 @@ def test_two_forks_append_different_tokens_through_copy_on_write(tmp_path, refer
     assert v1.block_table[:8] == v2.block_table[:8] == engine.get(parent).block_table[:8]
     assert v1.block_table[8] != v2.block_table[8]
     for rid in (parent, c1, c2):
-        assert_matches_reference(engine, spy, reference, rid)
+        assert_matches_reference(engine, spy, tiny_llama_reference, rid)
     engine.check_invariants()
 
 
-def test_request_reprefilled_after_its_blocks_were_evicted(tmp_path, reference):
+def test_request_reprefilled_after_its_blocks_were_evicted(tmp_path, tiny_llama_reference):
     engine, spy = make_engine(tmp_path, num_blocks=16)
     prompt = tokens(30, 10)
     a = engine.submit(prompt, GREEDY)
@@ -122,10 +113,10 @@ def test_request_reprefilled_after_its_blocks_were_evicted(tmp_path, reference):
     view = engine.get(again)
     assert view.cached_tokens == 0 and view.computed_tokens == 30
     assert engine.get(again).output_token_ids == engine.get(a).output_token_ids
-    assert_matches_reference(engine, spy, reference, again)
+    assert_matches_reference(engine, spy, tiny_llama_reference, again)
 
 
-def test_preempted_request_resumes_with_identical_output(tmp_path, reference):
+def test_preempted_request_resumes_with_identical_output(tmp_path, tiny_llama_reference):
     engine, spy = make_engine(tmp_path, num_blocks=14)
     long = SamplingParams(max_new_tokens=20, ignore_eos=True)
     ids = [engine.submit(tokens(20, 30 + i), long) for i in range(3)]
@@ -134,11 +125,11 @@ def test_preempted_request_resumes_with_identical_output(tmp_path, reference):
     assert any(engine.get(r).preemptions for r in ids)
     for rid in ids:
         assert len(engine.get(rid).output_token_ids) == 20
-        assert_matches_reference(engine, spy, reference, rid)
+        assert_matches_reference(engine, spy, tiny_llama_reference, rid)
     engine.check_invariants()
 
 
-def test_mixed_batch_of_chunked_prefills_and_decodes(tmp_path, reference):
+def test_mixed_batch_of_chunked_prefills_and_decodes(tmp_path, tiny_llama_reference):
     engine, spy = make_engine(tmp_path, max_num_batched_tokens=16)
     ids = [engine.submit(tokens(n, 40 + n), GREEDY) for n in (5, 23, 41, 9)]
     steps = 0
@@ -147,7 +138,7 @@ def test_mixed_batch_of_chunked_prefills_and_decodes(tmp_path, reference):
         steps += 1
     assert steps > 6  # the 16-token budget forced chunked prefill interleaved with decodes
     for rid in ids:
-        assert_matches_reference(engine, spy, reference, rid)
+        assert_matches_reference(engine, spy, tiny_llama_reference, rid)
         assert_work_skipped(engine, spy, rid)
 
 
@@ -211,12 +202,18 @@ def test_release_returns_blocks_and_reset_reports_honestly(tmp_path):
 
 
 def test_seeded_sampling_is_reproducible(tmp_path):
+    """Regression: this passed with temperature ignored (greedy decoding is reproducible too). Sampling
+    must also differ from greedy, and from a draw with another seed."""
     engine, _ = make_engine(tmp_path)
     params = SamplingParams(max_new_tokens=8, temperature=0.8, top_p=0.9, seed=123, ignore_eos=True)
     a = engine.submit(tokens(12, 1), params)
     b = engine.submit(tokens(12, 1), params)
+    other_seed = engine.submit(tokens(12, 1), SamplingParams(**{**params.__dict__, "seed": 124}))
+    greedy = engine.submit(tokens(12, 1), SamplingParams(max_new_tokens=8, ignore_eos=True))
     engine.run_until_idle()
     assert engine.get(a).output_token_ids == engine.get(b).output_token_ids
+    assert engine.get(a).output_token_ids != engine.get(greedy).output_token_ids
+    assert engine.get(a).output_token_ids != engine.get(other_seed).output_token_ids
 
 
 def test_listeners_see_each_step_until_removed(tmp_path):
@@ -264,6 +261,8 @@ def test_a_request_view_carries_every_field_of_its_request_by_name(tmp_path):
         "max_new_tokens": 5,
         "block_tables": {"full": (3, 1, 2)},
         "output_token_ids": tuple(request.output_token_ids),
+        "block_keys": None,  # the prompt's keys (PromptKeys), once finished
+        "content_keys": None,
     }
     assert set(derived) < set(RequestView._fields)
     for name in RequestView._fields:
@@ -272,6 +271,24 @@ def test_a_request_view_carries_every_field_of_its_request_by_name(tmp_path):
     assert (view.parent_id, view.salt, view.hit_source, view.retain) == (parent, "tenant", "fork", False)
     assert view.prompt_token_ids == tuple(tokens(9, 3)) + engine.get(parent).output_token_ids + tuple(tokens(3, 4))
     assert view.arrival_time > 0 and view.first_scheduled_time is not None
+
+
+def test_a_finished_request_keeps_its_prompts_chain_and_content_keys(tmp_path):
+    """What the history stores for the workload analyzer: the chain keys the table computed for the
+    prompt's full blocks, and the same blocks chained from the namespace-free content root."""
+    engine, _ = make_engine(tmp_path)
+    bs = engine.config.block_size
+    prompt = tokens(3 * bs + bs // 2, 7)  # three full blocks and a partial one
+    salted = engine.submit(prompt, GREEDY, salt="tenant")
+    plain = engine.submit(prompt, GREEDY)
+    assert engine.get(salted).block_keys is None  # not finished yet
+    engine.run_until_idle()
+    root = engine.namespace.root_key("tenant")
+    expected = b"".join(chain_keys_of(prompt, root, bs, 3))
+    assert engine.get(salted).block_keys == expected and len(expected) == 3 * 16
+    assert engine.get(plain).block_keys != expected  # another salt, another chain
+    content = b"".join(chain_keys_of(prompt, CONTENT_ROOT_KEY, bs, 3))
+    assert engine.get(salted).content_keys == engine.get(plain).content_keys == content
 
 
 def test_background_thread_serves_submissions(tmp_path):

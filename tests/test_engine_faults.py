@@ -5,7 +5,7 @@ Non-finite logits are injected through the weights: one row of the input embeddi
 set to NaN, as a corrupted checkpoint row or an fp16 overflow would leave it. Every request whose
 context holds that token computes NaN from that position on, through the real forward, attention and
 KV blocks; every other token's computation is the untouched seeded model, so the other requests are
-checked against the transformers reference on clean weights.
+checked against the transformers reference on clean weights (conftest's `tiny_llama_reference`).
 """
 
 from __future__ import annotations
@@ -34,14 +34,9 @@ def tokens(n: int, seed: int) -> list[int]:
     return [rng.randrange(8, 512) for _ in range(n)]  # never POISON
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    return load_model("tiny-llama", dtype="float32", device="cpu", data_dir=tmp_path_factory.mktemp("d"), seed=0)
-
-
 def poisoned_model(data_dir) -> LoadedModel:
     """Seeded tiny-llama whose embedding row POISON is NaN (the LM head stays finite)."""
-    loaded = load_model("tiny-llama", dtype="float32", device="cpu", data_dir=data_dir, seed=0)
+    loaded = load_model(EngineConfig(model="tiny-llama", dtype="float32", device="cpu", data_dir=data_dir))
     embedding = loaded.model.get_input_embeddings().weight
     assert embedding.data_ptr() != loaded.model.get_output_embeddings().weight.data_ptr()  # untied
     with torch.no_grad():
@@ -58,7 +53,7 @@ def assert_block_memory_finite(engine: Engine) -> None:
     assert all(bool(torch.isfinite(kv).all()) for kv in engine.runner.kv), "a NaN outlived its request"
 
 
-def test_a_request_whose_logits_go_nan_fails_alone_and_the_others_match_the_reference(tmp_path, reference):
+def test_a_request_whose_logits_go_nan_fails_alone_and_the_others_match_the_reference(tmp_path, tiny_llama_reference):
     """Before: greedy argmax of NaN logits returned a token silently, and a sampled request's
     `torch.multinomial` raised, which stopped the background loop with every request unfinished."""
     engine = poisoned_engine(tmp_path, num_blocks=32)
@@ -77,7 +72,7 @@ def test_a_request_whose_logits_go_nan_fails_alone_and_the_others_match_the_refe
     assert {v.request_id for v in finished} == {*good, sampled_bad, greedy_bad}
     for rid in good:
         assert engine.get(rid).status == "finished" and len(engine.get(rid).output_token_ids) == 6
-    assert_matches_reference(engine, spy, reference, good[0])  # greedy: logits and tokens
+    assert_matches_reference(engine, spy, tiny_llama_reference, good[0])  # greedy: logits and tokens
     engine.check_invariants()
     stats = engine.stats()
     assert stats.used_blocks == 0 and stats.free_blocks + stats.cached_blocks == stats.num_blocks
@@ -86,7 +81,7 @@ def test_a_request_whose_logits_go_nan_fails_alone_and_the_others_match_the_refe
     assert cached and all(POISON not in b.token_ids for b in cached)  # nothing of theirs can be hit
 
 
-def test_blocks_a_failed_request_held_serve_the_next_requests_correctly(tmp_path, reference):
+def test_blocks_a_failed_request_held_serve_the_next_requests_correctly(tmp_path, tiny_llama_reference):
     """A pool so small that the next two requests need every block, the failed request's included."""
     engine = poisoned_engine(tmp_path, num_blocks=16)
     spy = LogitSpy(engine)
@@ -98,7 +93,7 @@ def test_blocks_a_failed_request_held_serve_the_next_requests_correctly(tmp_path
     engine.run_until_idle()
     for rid in after:
         assert engine.get(rid).status == "finished"
-        assert_matches_reference(engine, spy, reference, rid)
+        assert_matches_reference(engine, spy, tiny_llama_reference, rid)
     engine.check_invariants()
 
 

@@ -2,27 +2,15 @@
 
 from __future__ import annotations
 
-import pytest
-
 from engine.config import EngineConfig
 from engine.engine import Engine
-from engine.models import load_model
 from engine.prompts import encode_chat
 from engine.request import SamplingParams
+from tests.conftest import load_cpu_model
 from tests.engine_reference import LogitSpy, assert_matches_reference
 
 SYSTEM = "You are a concise assistant for an LLM-serving team. " * 6
 GREEDY = SamplingParams(max_new_tokens=4, ignore_eos=True)
-
-
-@pytest.fixture(scope="module")
-def smollm2_pair(tmp_path_factory):
-    from tests.conftest import TEST_DATA_DIR
-
-    TEST_DATA_DIR.mkdir(parents=True, exist_ok=True)
-    reference = load_model("smollm2", dtype="float32", device="cpu", data_dir=TEST_DATA_DIR, seed=0)
-    engine = Engine(EngineConfig(model="smollm2", device="cpu", block_size=16, num_blocks=128, data_dir=TEST_DATA_DIR))
-    return engine, LogitSpy(engine), reference
 
 
 def chat(engine: Engine, question: str) -> list[int]:
@@ -51,13 +39,10 @@ def test_prefix_hit_and_fork_match_reference_on_smollm2(smollm2_pair):
     engine.check_invariants()
 
 
-def test_smollm2_as_hybrid_model_exact_replay_matches_ministral_reference():
-    from tests.conftest import TEST_DATA_DIR
-
+def test_smollm2_as_hybrid_model_exact_replay_matches_ministral_reference(test_data_dir):
     override = "hybrid:32"
-    reference = load_model("smollm2", dtype="float32", device="cpu", data_dir=TEST_DATA_DIR, seed=0,
-                           attention_override=override)
-    engine = Engine(EngineConfig(model="smollm2", device="cpu", block_size=16, num_blocks=64, data_dir=TEST_DATA_DIR,
+    reference = load_cpu_model("smollm2", test_data_dir, attention_override=override)
+    engine = Engine(EngineConfig(model="smollm2", device="cpu", block_size=16, num_blocks=64, data_dir=test_data_dir,
                                  attention_override=override))
     spy = LogitSpy(engine)
     assert [g.name for g in engine.runner.groups] == ["full", "sliding"]

@@ -7,7 +7,9 @@ module level, under `if TYPE_CHECKING:`, or inside a function). The rules:
                 engine/__main__.py, the `python -m engine run-trace` alias, which imports cli.
     storage/    nothing from app, pages, cli, analysis or fleet, no streamlit, no torch or transformers;
                 from the engine only the types it persists: engine.events, engine.snapshot, engine.errors.
-    analysis/, fleet/ (once they exist)   no torch, no transformers, no streamlit.
+    analysis/, fleet/ (once they exist)   no torch, no transformers, no streamlit; from the engine only
+                modules whose whole import closure is torch-free (the block pool, eviction policies, KV cache
+                manager, scheduler, ...: the analyzer replays traces through them), never the runner's side.
     pages/      history through `storage.queries` only.
     app/, cli/  storage through its public modules only: db, migrate, queries, recorder, writer,
                 writer_process (never rows, bulk*, frame_pipe, models, rollups, retention, buckets).
@@ -22,7 +24,6 @@ import ast
 from dataclasses import dataclass
 from pathlib import Path
 
-import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 PRODUCT = ("engine", "storage", "app", "pages", "cli", "analysis", "fleet")
@@ -129,6 +130,33 @@ def test_analysis_and_fleet_import_no_torch_and_no_streamlit() -> None:
     assert breaking(imports, lambda found: not found.within("streamlit", *TORCH_SIDE)) == []
 
 
+def torch_free_engine_modules() -> set[str]:
+    """The engine modules that import neither torch nor transformers, directly or through other modules."""
+    graph: dict[str, set[str]] = {}
+    for found in imports_in("engine"):
+        module = found.source.removesuffix(".py").replace("/", ".")
+        graph.setdefault(module, set()).add(found.module)
+    tainted = {module for module, imported in graph.items() if any(m.split(".")[0] in TORCH_SIDE for m in imported)}
+    changed = True
+    while changed:
+        reached = {module for module, imported in graph.items() if imported & tainted} - tainted
+        tainted |= reached
+        changed = bool(reached)
+    return set(graph) - tainted
+
+
+def test_the_scanner_sees_the_engines_torch_side() -> None:
+    free = torch_free_engine_modules()
+    assert {"engine.block_pool", "engine.eviction", "engine.scheduler", "engine.kv_coordinator"} <= free
+    assert not {"engine.engine", "engine.model_runner", "engine.models"} & free
+
+
+def test_analysis_and_fleet_use_only_the_engines_torch_free_modules() -> None:
+    free = torch_free_engine_modules()
+    imports = imports_in("analysis") + imports_in("fleet")
+    assert breaking(imports, lambda found: not found.within("engine") or found.module in free) == []
+
+
 def test_pages_read_the_history_through_storage_queries_only() -> None:
     def allowed(found: Import) -> bool:
         return not found.within("storage") or found.module in ("storage", "storage.queries")
@@ -147,7 +175,6 @@ def test_the_cli_imports_storage_only_inside_the_commands_that_write_history() -
     assert breaking(imports_in("cli"), lambda found: found.lazy or not found.within("storage")) == []
 
 
-@pytest.mark.xfail(strict=True, reason="engine half of issue 13: pages/settings.py still sizes KV memory with torch")
 def test_the_console_imports_no_torch_and_no_model_runner() -> None:
     def allowed(found: Import) -> bool:
         return not found.within(*TORCH_SIDE, "engine.model_runner")

@@ -12,18 +12,17 @@ import random
 import pytest
 import torch
 
-from engine.kv_coordinator import GroupSlots
-from engine.model_runner import ModelRunner, SeqChunk
+from engine.attention_plan import ALWAYS_CASCADE, NO_CASCADE
+from engine.config import EngineConfig
+from engine.kv_memory import kv_bytes_per_block
+from engine.model_runner import GroupSlots, ModelRunner, SeqChunk
+from engine.models import load_model
+from tests.engine_support import RUNNER_BLOCK_SIZE as BLOCK_SIZE
+from tests.engine_support import RUNNER_NUM_BLOCKS as NUM_BLOCKS
+from tests.engine_support import tokens
 
 ATOL = 1e-4
-BLOCK_SIZE = 4
-NUM_BLOCKS = 48
 ARCHITECTURES = ["tiny-llama", "tiny-mistral", "tiny-qwen2", "tiny-qwen3"]
-
-
-def tokens(n: int, seed: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(3, 512) for _ in range(n)]
 
 
 def shuffled_blocks(seed: int) -> list[int]:
@@ -48,20 +47,9 @@ def assert_close(got: torch.Tensor, want: torch.Tensor) -> None:
     assert int(got.argmax()) == int(want.argmax())
 
 
-@pytest.fixture
-def pair(make_model):
-    """(runner, reference) on the same seeded weights."""
-
-    def make(name: str, attention_override: str | None = None) -> tuple[ModelRunner, object]:
-        runner = ModelRunner(make_model(name, attention_override=attention_override), NUM_BLOCKS, BLOCK_SIZE)
-        return runner, make_model(name, attention_override=attention_override)
-
-    return make
-
-
 @pytest.mark.parametrize("name", ARCHITECTURES)
-def test_cold_prompt_in_one_chunk_matches_reference(pair, name):
-    runner, reference = pair(name)
+def test_cold_prompt_in_one_chunk_matches_reference(runner_pair, name):
+    runner, reference = runner_pair(name)
     prompt = tokens(13, 1)
     logits = runner.execute([chunk(runner, prompt, 0, shuffled_blocks(1))])
     assert logits.shape == (1, reference.vocab_size) and logits.dtype == torch.float32
@@ -69,8 +57,8 @@ def test_cold_prompt_in_one_chunk_matches_reference(pair, name):
 
 
 @pytest.mark.parametrize("name", ARCHITECTURES)
-def test_prompt_prefilled_in_several_chunks_matches_reference(pair, name):
-    runner, reference = pair(name)
+def test_prompt_prefilled_in_several_chunks_matches_reference(runner_pair, name):
+    runner, reference = runner_pair(name)
     prompt, table = tokens(23, 2), shuffled_blocks(2)
     want = reference_logits(reference, prompt)
     for start, end in [(0, 5), (5, 6), (6, 16), (16, 23)]:  # unaligned, single-token, aligned boundaries
@@ -78,8 +66,8 @@ def test_prompt_prefilled_in_several_chunks_matches_reference(pair, name):
         assert_close(logits[0], want[end - 1])
 
 
-def test_suffix_reads_prefix_blocks_shared_from_another_sequence(pair):
-    runner, reference = pair("tiny-llama")
+def test_suffix_reads_prefix_blocks_shared_from_another_sequence(runner_pair):
+    runner, reference = runner_pair("tiny-llama")
     prefix, blocks = tokens(16, 3), shuffled_blocks(3)
     runner.execute([chunk(runner, prefix, 0, blocks[:4])])
     suffix = tokens(7, 4)
@@ -88,8 +76,8 @@ def test_suffix_reads_prefix_blocks_shared_from_another_sequence(pair):
     assert_close(logits[0], reference_logits(reference, prefix + suffix)[-1])
 
 
-def test_greedy_generation_by_decode_steps_matches_reference(pair):
-    runner, reference = pair("tiny-qwen3")
+def test_greedy_generation_by_decode_steps_matches_reference(runner_pair):
+    runner, reference = runner_pair("tiny-qwen3")
     context, table = tokens(9, 5), shuffled_blocks(5)
     logits = runner.execute([chunk(runner, context, 0, table)])
     for _ in range(8):
@@ -100,8 +88,8 @@ def test_greedy_generation_by_decode_steps_matches_reference(pair):
     assert greedy == context[9:]
 
 
-def test_copy_blocks_then_both_copies_continue_independently(pair):
-    runner, reference = pair("tiny-llama")
+def test_copy_blocks_then_both_copies_continue_independently(runner_pair):
+    runner, reference = runner_pair("tiny-llama")
     shared, blocks = tokens(10, 6), shuffled_blocks(6)  # 2 full blocks + 2 slots of a third
     parent_table = blocks[:3]
     runner.execute([chunk(runner, shared, 0, parent_table)])
@@ -114,8 +102,8 @@ def test_copy_blocks_then_both_copies_continue_independently(pair):
     assert_close(parent_logits[0], reference_logits(reference, shared + parent_next)[-1])
 
 
-def test_mixed_batch_of_prefills_and_a_decode_in_one_call(pair):
-    runner, reference = pair("tiny-qwen2")
+def test_mixed_batch_of_prefills_and_a_decode_in_one_call(runner_pair):
+    runner, reference = runner_pair("tiny-qwen2")
     blocks = shuffled_blocks(9)
     cached = tokens(11, 10)
     runner.execute([chunk(runner, cached, 0, blocks[:3])])
@@ -136,8 +124,8 @@ def test_mixed_batch_of_prefills_and_a_decode_in_one_call(pair):
 
 
 @pytest.mark.parametrize("name", ["tiny-llama", "tiny-mistral"])
-def test_several_decodes_of_different_lengths_batch_together(pair, name):
-    runner, reference = pair(name)
+def test_several_decodes_of_different_lengths_batch_together(runner_pair, name):
+    runner, reference = runner_pair(name)
     blocks = shuffled_blocks(14)
     contexts = [tokens(n, 20 + n) for n in (3, 14, 8)]
     tables = [blocks[0:1], blocks[1:5], blocks[5:7]]
@@ -149,8 +137,8 @@ def test_several_decodes_of_different_lengths_batch_together(pair, name):
 
 
 @pytest.mark.parametrize(("name", "override"), [("tiny-mistral", None), ("tiny-llama", "hybrid:5")])
-def test_sliding_window_context_beyond_window_matches_reference(pair, name, override):
-    runner, reference = pair(name, override)
+def test_sliding_window_context_beyond_window_matches_reference(runner_pair, name, override):
+    runner, reference = runner_pair(name, override)
     assert any(kind.startswith("sliding:") for kind in runner.loaded.attention_spec)
     context, table = tokens(30, 15), shuffled_blocks(15)
     want = reference_logits(reference, context)
@@ -159,8 +147,8 @@ def test_sliding_window_context_beyond_window_matches_reference(pair, name, over
         assert_close(logits[0], want[end - 1])
 
 
-def test_all_sliding_model_never_reads_blocks_before_the_window(pair):
-    runner, reference = pair("tiny-mistral")  # window 8
+def test_all_sliding_model_never_reads_blocks_before_the_window(runner_pair):
+    runner, reference = runner_pair("tiny-mistral")  # window 8
     context, table = tokens(28, 16), shuffled_blocks(16)
     runner.execute([chunk(runner, context[:24], 0, table)])
     runner.kv[0][:, :, table[40]] = float("nan")  # any read of this block would poison the logits
@@ -169,9 +157,9 @@ def test_all_sliding_model_never_reads_blocks_before_the_window(pair):
     assert_close(logits[0], reference_logits(reference, context)[-1])
 
 
-def test_sliding_override_differs_from_full_attention_beyond_the_window(pair):
-    runner, _ = pair("tiny-llama", "sliding:4")
-    _, full_reference = pair("tiny-llama")
+def test_sliding_override_differs_from_full_attention_beyond_the_window(runner_pair):
+    runner, _ = runner_pair("tiny-llama", "sliding:4")
+    _, full_reference = runner_pair("tiny-llama")
     context = tokens(12, 17)
     logits = runner.execute([chunk(runner, context, 0, shuffled_blocks(17))])
     assert (logits[0] - reference_logits(full_reference, context)[-1]).abs().max().item() > ATOL
@@ -184,6 +172,15 @@ def test_bytes_per_block_matches_the_allocation(make_model):
     assert ModelRunner.bytes_per_block(loaded, BLOCK_SIZE) * (NUM_BLOCKS + 1) == allocated  # + scratch block
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_torch_free_kv_estimate_is_what_a_runner_allocates(tmp_path, dtype):
+    loaded = load_model(EngineConfig(model="tiny-qwen3", device="cpu", dtype=dtype, data_dir=tmp_path))
+    runner = ModelRunner(loaded, NUM_BLOCKS, BLOCK_SIZE)
+    allocated = sum(kv.numel() * kv.element_size() for kv in runner.kv)
+    estimate = kv_bytes_per_block(loaded.num_layers, loaded.num_kv_heads, loaded.head_dim, dtype, BLOCK_SIZE)
+    assert estimate * (NUM_BLOCKS + 1) == allocated
+
+
 @pytest.mark.parametrize(
     "chunk_args",
     [
@@ -193,17 +190,18 @@ def test_bytes_per_block_matches_the_allocation(make_model):
         ([5], 0, [NUM_BLOCKS]),  # block id out of range
     ],
 )
-def test_malformed_chunks_are_refused(pair, chunk_args):
-    runner, _ = pair("tiny-llama")
+def test_malformed_chunks_are_refused(runner_pair, chunk_args):
+    runner, _ = runner_pair("tiny-llama")
     with pytest.raises(ValueError):
         runner.execute([SeqChunk.of_table(*chunk_args)])
 
 
 @pytest.mark.parametrize("name", ["tiny-llama", "tiny-mistral"])
-def test_a_nan_in_a_block_no_chunk_holds_never_reaches_a_padded_decode_batch(pair, name):
+def test_a_nan_in_a_block_no_chunk_holds_never_reaches_a_padded_decode_batch(runner_pair, name):
     """Regression: decode batches padded their gathers with block 0, masked yet multiplied by zero
-    weights, so a NaN another request of the same step wrote into block 0 made every shorter decode NaN."""
-    runner, reference = pair(name)
+    weights, so a NaN another request of the same step wrote into block 0 made every shorter decode NaN.
+    The padding is `engine/attention_plan.py`'s `_gathered_call`: each element pads with its own first block."""
+    runner, reference = runner_pair(name)
     blocks = [b for b in shuffled_blocks(14) if b != 0]
     contexts = [tokens(n, 20 + n) for n in (3, 14, 8)]
     tables = [blocks[0:1], blocks[1:5], blocks[5:7]]
@@ -216,8 +214,28 @@ def test_a_nan_in_a_block_no_chunk_holds_never_reaches_a_padded_decode_batch(pai
         assert_close(row, reference_logits(reference, context)[-1])
 
 
-def test_clear_slots_zeroes_exactly_what_a_chunk_wrote(pair):
-    runner, _ = pair("tiny-llama")
+
+@pytest.mark.parametrize("cascade", [NO_CASCADE, ALWAYS_CASCADE], ids=["plain", "cascade"])
+def test_a_nan_in_a_block_no_chunk_holds_never_reaches_forks_decoding_over_a_shared_prefix(runner_pair, cascade):
+    """The same regression where cascade attention splits a decode batch: two forks read their shared
+    prefix once, and their private tails (padded to the longest, with an unrelated decode) must not
+    read block 0 either."""
+    runner, reference = runner_pair("tiny-llama")
+    runner.cascade = cascade
+    blocks = [b for b in shuffled_blocks(15) if b != 0]
+    prefix = tokens(8, 30)
+    contexts = [prefix + tokens(1, 31), prefix + tokens(9, 32), tokens(6, 33)]
+    shared = blocks[0:2]  # the prefix's two full blocks, in both forks' tables
+    tables = [shared + blocks[2:3], shared + blocks[3:6], blocks[6:8]]
+    runner.execute([chunk(runner, prefix, 0, tables[0]), chunk(runner, contexts[2][:-1], 0, tables[2])])
+    runner.execute([chunk(runner, contexts[1][8:-1], 8, tables[1])])
+    for kv in runner.kv:
+        kv[:, :, 0] = float("nan")
+    logits = runner.execute([chunk(runner, c[-1:], len(c) - 1, t) for c, t in zip(contexts, tables)])
+    for row, context in zip(logits, contexts):
+        assert_close(row, reference_logits(reference, context)[-1])
+def test_clear_slots_zeroes_exactly_what_a_chunk_wrote(runner_pair):
+    runner, _ = runner_pair("tiny-llama")
     kept, cleared = chunk(runner, tokens(6, 1), 0, [3, 4]), chunk(runner, tokens(5, 2), 0, [7, 8])
     runner.execute([kept, cleared])
     before = runner.kv[0].clone()

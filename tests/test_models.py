@@ -7,14 +7,10 @@ import time
 import pytest
 import torch
 
+from engine.config import EngineConfig
+from engine.kv_groups import attention_window
 from engine.model_runner import ModelRunner, SeqChunk
-from engine.models import (
-    SMOLLM2_CACHE_NAME,
-    ensure_atomic_dir,
-    load_model,
-    override_attention,
-    sliding_window,
-)
+from engine.models import SMOLLM2_CACHE_NAME, ensure_atomic_dir, load_model, override_attention
 from engine.sampler import sample
 from engine.request import SamplingParams
 
@@ -23,9 +19,10 @@ def test_smollm2_conversion_is_cached_and_runs_like_transformers_generate(smollm
     weights = smollm2_dir / "model.safetensors"
     before = weights.stat()
     started = time.perf_counter()
-    loaded = load_model("smollm2", dtype="float32", device="cpu", data_dir=test_data_dir, seed=0)
+    config = EngineConfig(model="smollm2", device="cpu", data_dir=test_data_dir)
+    loaded = load_model(config)
     load_seconds = time.perf_counter() - started
-    reference = load_model("smollm2", dtype="float32", device="cpu", data_dir=test_data_dir, seed=0)
+    reference = load_model(config)
     after = weights.stat()
     assert (after.st_ino, after.st_mtime_ns) == (before.st_ino, before.st_mtime_ns), "the cache was rewritten"
     assert load_seconds < 10, f"a cached load took {load_seconds:.1f} s"
@@ -109,15 +106,16 @@ def test_malformed_overrides_are_refused(make_model, bad):
         override_attention(make_model("tiny-llama").model.config, bad)
 
 
-def test_sliding_window_parses_attention_kinds():
-    assert sliding_window("full") is None and sliding_window("sliding:4096") == 4096
-    with pytest.raises(ValueError):
-        sliding_window("sliding:-1")
+def test_attention_window_parses_attention_kinds():
+    assert attention_window("full") is None and attention_window("sliding:4096") == 4096
+    for bad in ("sliding:-1", "sliding:0", "sliding:", "chunked:4", "Full"):
+        with pytest.raises(ValueError):
+            attention_window(bad)
 
 
 def test_unknown_model_is_refused(tmp_path):
     with pytest.raises(ValueError, match="unknown model"):
-        load_model("no-such-model", dtype="float32", device="cpu", data_dir=tmp_path, seed=0)
+        load_model(EngineConfig(model="no-such-model", device="cpu", data_dir=tmp_path))
 
 
 def test_killed_conversion_leaves_no_partial_cache(tmp_path):

@@ -8,34 +8,16 @@ from __future__ import annotations
 
 import random
 
-import pytest
-
 from engine.config import EngineConfig
-from engine.engine import Engine
+from engine.engine import Engine, RequestRejected
 from engine.events import EventKind, EvictReason
-from engine.models import load_model
 from engine.request import SamplingParams
 from tests.engine_reference import LogitSpy, assert_matches_reference
+from tests.engine_support import HYBRID_WINDOW, tokens
 
-W = 8
+W = HYBRID_WINDOW
 BS = 4
 GREEDY = SamplingParams(max_new_tokens=4, ignore_eos=True)
-
-
-def tokens(n: int, seed: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(3, 512) for _ in range(n)]
-
-
-@pytest.fixture(scope="module")
-def hybrid_reference(tmp_path_factory):
-    return load_model("tiny-llama", dtype="float32", device="cpu", data_dir=tmp_path_factory.mktemp("h"), seed=0,
-                      attention_override=f"hybrid:{W}")
-
-
-@pytest.fixture(scope="module")
-def mistral_reference(tmp_path_factory):
-    return load_model("tiny-mistral", dtype="float32", device="cpu", data_dir=tmp_path_factory.mktemp("m"), seed=0)
 
 
 def hybrid_engine(tmp_path, **overrides) -> tuple[Engine, LogitSpy]:
@@ -99,6 +81,27 @@ def test_exact_replay_from_the_last_ready_point_matches_reference(tmp_path, hybr
     engine.check_invariants()
 
 
+def test_a_replay_longer_than_a_step_keeps_its_computed_length_and_forks_from_it(tmp_path, hybrid_reference):
+    """Regression: when an exact replay takes several steps, the full group already holds the whole hit
+    [0, h) while the sliding group holds only what was replayed so far. The coordinator took the longer
+    of the two as the request's length, so `check_invariants` failed mid-replay and a fork there would
+    have shared window state that was never computed."""
+    engine, spy = hybrid_engine(tmp_path, max_num_batched_tokens=8)
+    _, a_prompt = exact_replay_setup(engine)
+    b = engine.submit(a_prompt[:36] + tokens(4, 5), GREEDY, retain=True)
+    engine.step()
+    view = engine.get(b)
+    assert (view.cached_tokens, view.replay_mode, view.replay_from) == (36, "exact", 20)
+    assert view.num_computed_tokens == 28  # one 8-token chunk of the replay
+    engine.check_invariants()
+    child = engine.fork(b, tokens(3, 6), GREEDY)
+    assert engine.get(child).num_computed_tokens == 28
+    engine.run_until_idle()
+    for rid in (b, child):
+        assert_matches_reference(engine, spy, hybrid_reference, rid)
+    engine.check_invariants()
+
+
 def test_approximate_replay_is_bounded_and_its_divergence_is_measured(tmp_path):
     engine, spy = hybrid_engine(tmp_path, allow_approximate_replay=True, verify_replay=True)
     _, a_prompt = exact_replay_setup(engine)
@@ -125,6 +128,7 @@ def test_state_from_an_approximate_replay_is_never_hit(tmp_path):
     assert engine.get(b).replay_mode == "approximate"
     child = engine.fork(b, tokens(3, 6), GREEDY)  # a fork shares b's state, so it inherits the taint
     engine.run_until_idle()
+    assert (engine.get(child).hit_source, engine.get(child).replay_mode) == ("fork", "ready")
     assert not [e for e in events if e.kind is EventKind.CACHE and e.request_id in (b, child)]
     context = list(engine.get(b).prompt_token_ids) + list(engine.get(b).output_token_ids)
     engine.release(b)
@@ -178,7 +182,7 @@ def test_cached_sliding_blocks_can_be_evicted_alone(tmp_path):
     full, sliding = engine.kv.full.pool, engine.kv.sliding.pool
     assert sliding.num_evictable > 0
     while sliding.num_evictable:
-        sliding.evict(sliding.blocks[sliding.evictable_in_lru_order()[0]], EvictReason.LRU)
+        sliding.evict(sliding.blocks[sliding.evictable_in_eviction_order()[0]], EvictReason.LRU)
     assert full.num_cached > 0 and sliding.num_cached == 0
     engine.check_invariants()
 
@@ -205,8 +209,8 @@ def test_invariants_hold_with_two_groups_under_random_workload(tmp_path):
                     engine.release(rid)
             else:
                 engine.step()
-        except ValueError:
-            pass  # rejected requests are part of the workload
+        except RequestRejected:
+            pass  # requests too large for the pool are part of the workload; any other error fails the test
         engine.check_invariants()
     engine.run_until_idle()
     engine.check_invariants()

@@ -89,7 +89,7 @@ def test_the_schema_at_head_matches_the_models(db_url: str, engine_for) -> None:
     engine = engine_for(db_url)
     migrate.upgrade(engine)
     with engine.connect() as connection:
-        assert migrate.current_revision(engine) == "0004"
+        assert migrate.current_revision(engine) == "0005"
         assert compare_metadata(MigrationContext.configure(connection), Base.metadata) == []
     migrate.upgrade(engine)  # a second upgrade is a no-op
 
@@ -158,7 +158,7 @@ def test_a_database_made_by_the_first_schema_upgrades_without_losing_rows(db_url
 
     migrate.upgrade(engine)
 
-    assert migrate.current_revision(engine) == "0004"
+    assert migrate.current_revision(engine) == "0005"
     assert count_rows(engine, EVENTS) == 3
     assert queries.request_timeline(engine, "missing").empty
     recorded = queries.recent_requests(engine, "old").sort_values("request_id")
@@ -223,6 +223,7 @@ def test_request_views_are_stored_with_their_window_fields(db_url: str, make_wri
                 prompt_token_ids=[1, 2, 3, 4],
                 output_token_ids=[9],
                 cached_tokens=2,
+                replay_from=2,
                 computed_tokens=2,
                 hit_source="prefix",
                 first_scheduled_time=BASE_TIME + 1,
@@ -602,6 +603,8 @@ def test_request_timeline_hit_rate_and_recent_requests(db_url: str, make_writer,
                 "b",
                 prompt_token_ids=list(range(32)),
                 cached_tokens=16,
+                replay_from=16,
+                hit_source="prefix",
                 computed_tokens=16,
                 first_scheduled_time=t + 61,
                 arrival_time=t + 0.5,

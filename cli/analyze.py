@@ -1,0 +1,254 @@
+"""`analyze`: what a prefix cache of a given size would hit on a workload, under which policy, and why not more.
+
+    python -m cli analyze TRACE [--format mooncake|bailian|run-trace|history] [--block-size N]
+        [--capacity-tokens C1,C2,...] [--policies lru,reuse-lru,fifo,lfu,opt] [--mode sequential|timed]
+        [--json] ...
+
+TRACE is a trace file (JSON lines; the format is detected from the first line unless named), a
+`run-trace` workload file (`--format run-trace`: tokenized with `--model`'s tokenizer and keyed under
+its namespace, so `--model` loads that model), or a history database (`--format history`: a SQLAlchemy
+URL, or the path of a SQLite file; `--runs` picks runs). Capacities accept k/M/G suffixes (1M = 1,000,000
+tokens); without `--capacity-tokens`, ten log-spaced capacities up to the workload's unique blocks.
+
+With `--json` it prints one JSON object (analysis/report.py documents its keys); otherwise a table.
+A progress bar goes to stderr when it is a terminal. Exit status: 0; 2 for a bad trace (a malformed
+line is named by its number), an empty trace, an unknown format or a bad option, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+NAME = "analyze"
+FORMATS = ("mooncake", "bailian", "run-trace", "history")
+MODES = ("sequential", "timed")
+DEFAULT_POINTS = 10  # capacities evaluated when none are named
+SUFFIXES = {"k": 10**3, "m": 10**6, "g": 10**9}
+MAX_CAPACITY_TOKENS = 10**12  # an operator-typed bound: far beyond any cache
+
+
+class UsageError(ValueError):
+    """An option that cannot be honoured (exit status 2)."""
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(NAME, help="hit ratio of a cache of given sizes on a workload, and why it misses")
+    parser.add_argument("trace", help="trace file, run-trace file, or (--format history) database URL / SQLite file")
+    parser.add_argument("--format", choices=FORMATS, default=None, help="default: detected (hash-id traces)")
+    parser.add_argument("--block-size", type=int, default=None,
+                        help="hash-id traces: split blocks to this size; run-trace: the engine's (16); history: runs of it")  # fmt: skip
+    parser.add_argument("--capacity-tokens", default=None, help="comma-separated cache sizes in tokens (1M, 500k, ...)")
+    parser.add_argument("--policies", default=None, help="comma-separated: lru, reuse-lru, fifo, lfu, opt "
+                        "(default lru,reuse-lru,opt; timed: lru,reuse-lru)")  # fmt: skip
+    parser.add_argument("--mode", choices=MODES, default="sequential")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--top-prefixes", type=int, default=10, help="hot prefixes listed per point")
+    parser.add_argument("--model", default=None, help="run-trace: the model whose tokenizer and namespace key it")
+    parser.add_argument("--dtype", default="float32", help="run-trace: the dtype in the namespace")
+    parser.add_argument("--runs", default=None, help="history: comma-separated run ids (default: every run)")
+    parser.add_argument("--prefill-tokens-per-s", type=float, default=None, help="service model (default: measured)")
+    parser.add_argument("--decode-tokens-per-s", type=float, default=None, help="service model (default: measured)")
+    parser.add_argument("--cost-per-hour", type=float, default=None, help="what an engine hour costs: savings in money")
+    parser.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Analyse `args.trace`; returns the exit status (see the module docstring)."""
+    started = time.perf_counter()
+    try:
+        trace = load(args)
+        config = analysis_config(args, trace)
+        report = analyse(trace, config)
+    except ValueError as error:  # TraceError, UsageError, or a bound of AnalysisConfig, ServiceModel, EngineConfig
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    except OSError as error:
+        print(f"error: cannot read {args.trace}: {error}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(report))
+    else:
+        print(table(report, time.perf_counter() - started))
+    return 0
+
+
+def load(args: argparse.Namespace):
+    """The trace `args` name, at the block size asked for."""
+    from analysis.readers import load_trace, parse_format
+
+    if args.block_size is not None and args.block_size < 1:
+        raise UsageError("--block-size must be a positive number of tokens")
+    if args.format == "run-trace":
+        return _run_trace(args)
+    if args.format == "history":
+        return _history(args)
+    if args.model is not None or args.runs is not None:
+        raise UsageError("--model is for run-trace files and --runs for the history")
+    trace = load_trace(Path(args.trace), None if args.format is None else parse_format(args.format))
+    if args.block_size is not None and args.block_size != trace.block_size:
+        try:
+            trace = trace.split(args.block_size)
+        except ValueError as error:
+            raise UsageError(str(error)) from None
+    return trace
+
+
+def _run_trace(args: argparse.Namespace):
+    """A run-trace file, keyed under the namespace of `--model` (loaded: its tokenizer and weights revision)."""
+    from analysis.own_workloads import Keying, read_run_trace
+    from engine.config import DEFAULT_MODEL, EngineConfig
+    from engine.models import load_model  # torch: only for the format that needs the model's tokenizer
+    from engine.namespace import CacheNamespace
+
+    config = EngineConfig(model=args.model or DEFAULT_MODEL, dtype=args.dtype, device="cpu",
+                          block_size=args.block_size or 16)  # fmt: skip
+    loaded = load_model(config)
+    namespace = CacheNamespace(loaded.model_id, loaded.weights_revision, config.dtype, config.block_size,
+                               loaded.attention_spec)  # fmt: skip
+    with open(args.trace, "rb") as file:
+        return read_run_trace(file, Keying(namespace, loaded.tokenizer))
+
+
+def _history(args: argparse.Namespace):
+    """The finished requests a history database holds (storage is imported only here)."""
+    from sqlalchemy.exc import SQLAlchemyError
+
+    from analysis.own_workloads import history_trace
+    from storage import queries
+    from storage.db import db_engine
+
+    target = args.trace
+    if "://" not in target:
+        if not Path(target).is_file():
+            raise UsageError(f"no history database at {target} (give a SQLAlchemy URL or a SQLite file)")
+        target = f"sqlite:///{Path(target).resolve()}"
+    runs = () if args.runs is None else tuple(run for run in args.runs.split(",") if run)
+    database = db_engine(target)
+    try:
+        rows = queries.prompt_chains(database, runs)
+    except SQLAlchemyError as error:  # not a history database (no such table, ...), or unreachable
+        raise UsageError(f"cannot read the history at {args.trace}: {type(error).__name__}: {error}") from None
+    finally:
+        database.dispose()
+    return history_trace(rows.to_dict("records"), args.block_size)
+
+
+def parse_capacities(text: str) -> tuple[int, ...]:
+    """'1M,500k,4096' -> (1000000, 500000, 4096).
+
+    Raises:
+        UsageError: an entry that is not a whole number of tokens in [0, 10^12].
+    """
+    capacities = []
+    for entry in text.split(","):
+        entry = entry.strip().lower()
+        scale = SUFFIXES.get(entry[-1:], 1)
+        number = entry[:-1] if scale > 1 else entry
+        try:
+            value = float(number) * scale
+        except ValueError:
+            raise UsageError(f"--capacity-tokens: {entry!r} is not a number of tokens") from None
+        if not 0 <= value <= MAX_CAPACITY_TOKENS or value != int(value):
+            raise UsageError(f"--capacity-tokens: {entry!r} is not a whole number of tokens in [0, 10^12]")
+        capacities.append(int(value))
+    return tuple(capacities)
+
+
+def analysis_config(args: argparse.Namespace, trace):
+    """The AnalysisConfig the options describe, for `trace`."""
+    from analysis.analyzer import AnalysisConfig, Mode, log_spaced_capacities
+    from analysis.policies import Policy
+    from analysis.timed import ServiceModel
+
+    mode = Mode(args.mode)
+    if args.policies is None:
+        policies = (Policy.LRU, Policy.REUSE_LRU) + ((Policy.OPT,) if mode is Mode.SEQUENTIAL else ())
+    else:
+        try:
+            policies = tuple(Policy(name.strip()) for name in args.policies.split(","))
+        except ValueError:
+            known = ", ".join(p.value for p in Policy)
+            raise UsageError(f"--policies: {args.policies!r} names an unknown policy (known: {known})") from None
+    if args.capacity_tokens is not None:
+        capacities = parse_capacities(args.capacity_tokens)
+    else:
+        blocks = log_spaced_capacities(max(trace.unique_blocks, 1), DEFAULT_POINTS)
+        capacities = tuple(block * trace.block_size for block in blocks)
+    rates = {"prefill_tokens_per_s": args.prefill_tokens_per_s, "decode_tokens_per_s": args.decode_tokens_per_s}
+    service = ServiceModel(**{name: rate for name, rate in rates.items() if rate is not None})
+    return AnalysisConfig(capacities, policies, args.top_prefixes, mode, service, args.cost_per_hour)
+
+
+def analyse(trace, config) -> dict[str, Any]:
+    from analysis.analyzer import analyze
+    from analysis.report import to_json
+
+    bar = ProgressBar(sys.stderr) if sys.stderr.isatty() else None
+    try:
+        return to_json(analyze(trace, config, bar))
+    finally:
+        if bar is not None:
+            bar.close()
+
+
+class ProgressBar:
+    """A one-line progress bar on a terminal, redrawn at most every `interval_s`."""
+
+    def __init__(self, stream, interval_s: float = 0.2) -> None:
+        self._stream = stream
+        self._interval_s = interval_s
+        self._last = 0.0
+        self._drawn = False
+
+    def __call__(self, progress) -> None:
+        now = time.monotonic()
+        if now - self._last < self._interval_s and progress.done < progress.total:
+            return
+        self._last = now
+        share = progress.done / progress.total if progress.total else 1.0
+        filled = int(share * 30)
+        self._stream.write(f"\r[{'#' * filled}{'.' * (30 - filled)}] {share:6.1%}  {progress.stage[:60]:<60}")
+        self._stream.flush()
+        self._drawn = True
+
+    def close(self) -> None:
+        if self._drawn:
+            self._stream.write("\n")
+            self._stream.flush()
+
+
+def table(report: dict[str, Any], seconds: float) -> str:
+    """The report as text: the workload, then one line per point."""
+    lines = [
+        f"{report['format']} trace, {report['mode']} mode: {report['requests']:,} requests, "
+        f"{report['input_tokens']:,} prompt tokens, {report['unique_blocks']:,} unique blocks of "
+        f"{report['block_size']} tokens",
+        f"maximum hit ratio (infinite cache): {report['max_hit_ratio']:.4f}   unavoidable misses: "
+        + ", ".join(f"{reason} {tokens:,}" for reason, tokens in report["misses"].items()),
+        "",
+        f"{'policy':<10}{'capacity':>14}{'hit ratio':>11}{'of max':>8}  misses (tokens): capacity / pinned / namespace",
+    ]
+    for point in report["curve"]:
+        share = point["hit_ratio"] / report["max_hit_ratio"] if report["max_hit_ratio"] else 0.0
+        misses = point["misses"]
+        line = (
+            f"{point['policy']:<10}{point['capacity_tokens']:>14,}{point['hit_ratio']:>11.4f}{share:>8.1%}  "
+            f"{misses['capacity']:,} / {misses['pinned']:,} / {misses['namespace']:,}"
+        )
+        per_hour = point["savings"]["prefill_s_per_trace_hour"]
+        if per_hour is not None:
+            line += f"   saves {per_hour:,.0f} prefill s per trace hour"
+        if point["timed"] is not None:
+            timed = point["timed"]
+            line += (
+                f"   queueing p50 {timed['queueing_s']['p50']:.2f} s, p99 {timed['queueing_s']['p99']:.2f} s, "
+                f"peak {timed['peak_blocks_in_use']:,} blocks in use"
+            )
+        lines.append(line)
+    lines.append(f"\n{seconds:.1f} s")
+    return "\n".join(lines)

@@ -1,0 +1,197 @@
+"""Capacity planner: how much cache a workload needs, under which policy, how far from the optimum, and why
+it misses. The analysis runs on a background thread of this session (app/planner.py); a fragment polls it."""
+
+from __future__ import annotations
+
+import streamlit as st
+
+from analysis.own_workloads import history_trace
+from analysis.policies import Policy
+from analysis.readers import load_trace
+from analysis.samples import SAMPLES
+from app.hosting import get_host
+from app.planner import MAX_UPLOAD_BYTES, REASONS, JobState, PlannerJob, PlannerRequest, curve_frame, read_upload
+from app.planner_charts import miss_ratio_curves
+from app.ui import kept, read_history, wait_for_history
+from storage import queries
+
+SOURCES = ("Sample", "Upload", "This console's history")
+POLL_S = 0.5
+
+host = get_host()
+console = host.console
+state = st.session_state
+engine_tokens = console.engine.num_blocks * console.config.block_size
+
+st.title("Capacity planner")
+st.caption(
+    "What hit ratio a prefix cache of each size would give on a workload, under each eviction policy, how far "
+    "that is from the offline optimum (OPT) and from the workload's maximum (an infinite cache), and why the "
+    "rest misses. Requests are served one at a time (the sequential mode of `python -m cli analyze`)."
+)
+
+# ---------------------------------------------------------------- what to analyse
+c = st.columns([1, 2])
+source = c[0].radio("Trace", SOURCES, **kept("planner_source", SOURCES[0]))
+load = None  # a function the job's thread calls to read the trace
+block_size = None
+if source == "Sample":
+    label = c[1].selectbox("Sample", list(SAMPLES), **kept("planner_sample", next(iter(SAMPLES))))
+    path = SAMPLES[label]
+
+    def load():
+        return load_trace(path)
+
+elif source == "Upload":
+    upload = c[1].file_uploader(
+        f"A Mooncake or Qwen-Bailian trace (JSON lines, at most {MAX_UPLOAD_BYTES // 2**20} MiB)",
+        type=["jsonl", "json", "txt"],
+        key="planner_upload",
+    )
+    if upload is not None:
+        if upload.size > MAX_UPLOAD_BYTES:
+            c[1].error(f"{upload.name} has {upload.size / 2**20:.1f} MiB; the planner takes at most "
+                       f"{MAX_UPLOAD_BYTES // 2**20} MiB")  # fmt: skip
+        else:
+            data = upload.getvalue()
+
+            def load():
+                return read_upload(data)
+
+else:
+    wait_for_history(host)  # the requests this operator just ran are stored before the page reads them
+    runs = read_history(queries.runs, host.db, limit=500)
+    if runs is not None and not runs.empty:
+        labels = {run.id: f"{run.id} · {run.model} · {run.num_blocks}×{run.block_size}" for run in runs.itertuples()}
+        chosen = c[1].multiselect("Runs (none: every run)", list(labels), format_func=labels.get, key="planner_runs")
+        sizes = sorted({int(size) for size in runs["block_size"]})
+        block_size = c[1].selectbox("Block size (the runs')", sizes, key="planner_history_block_size")
+        db, picked, history_block_size = host.db, tuple(chosen), block_size
+
+        def load():
+            return history_trace(queries.prompt_chains(db, picked).to_dict("records"), history_block_size)
+
+    else:
+        c[1].info("The history has no runs yet.")
+
+c = st.columns([1, 2, 1])
+if source != "This console's history":
+    split = c[0].number_input(
+        "Block size (tokens; 0: the trace's own)", 0, 4096, key="planner_block_size", value=0,
+        help="Split each block of a hash-id trace into blocks of this size (it must divide the trace's)",
+    )  # fmt: skip
+    block_size = int(split) or None
+policies = c[1].multiselect(
+    "Policies", [p.value for p in Policy], **kept("planner_policies", ["lru", "reuse-lru", "opt"]),
+    help="lru and reuse-lru run through the engine's own block pool; opt is the offline optimum",
+)  # fmt: skip
+c[2].write("")
+start = c[2].button("Analyse", type="primary", key="planner_start", disabled=load is None or not policies)
+
+if start and load is not None:
+    previous = state.get("planner_job")
+    if previous is not None:
+        previous.cancel()
+    request = PlannerRequest(block_size, tuple(Policy(p) for p in policies), engine_tokens)
+    state["planner_job"] = job = PlannerJob(load, request)
+    job.start()
+
+job: PlannerJob | None = state.get("planner_job")
+
+
+# ---------------------------------------------------------------- progress (polled while it runs)
+@st.fragment(run_every=POLL_S)
+def progress_panel() -> None:
+    snapshot = job.snapshot()  # type: ignore[union-attr]
+    if snapshot.state is not JobState.RUNNING:
+        st.rerun()  # draw the result with the whole page
+    progress = snapshot.progress
+    share = progress.done / progress.total if progress is not None and progress.total else 0.0
+    st.progress(share, text=f"Analysing… {progress.stage if progress else 'reading the trace'}")
+    if st.button("Cancel", key="planner_cancel"):
+        job.cancel()  # type: ignore[union-attr]
+
+
+if job is None:
+    st.info("Choose a trace and press **Analyse**.")
+    st.stop()
+snapshot = job.snapshot()
+if snapshot.state is JobState.RUNNING:
+    progress_panel()
+    st.stop()
+if snapshot.state is JobState.CANCELLED:
+    st.warning("The analysis was cancelled.")
+    st.stop()
+if snapshot.state is JobState.FAILED:
+    st.error(f"The trace could not be analysed: {snapshot.error}")
+    st.stop()
+
+# ---------------------------------------------------------------- results
+result = snapshot.result
+analysis = result.analysis
+trace = analysis.trace
+points = curve_frame(result)
+engine_points = points[points["capacity_tokens"] == result.engine_capacity_tokens].set_index("policy")
+
+c = st.columns(5)
+c[0].metric("Requests", f"{len(trace):,}")
+c[1].metric("Prompt tokens", f"{trace.input_tokens:,}")
+c[2].metric("Unique blocks", f"{trace.unique_blocks:,}", help=f"{trace.block_size} tokens per block")
+c[3].metric("Maximum hit ratio", f"{analysis.max_hit_ratio:.1%}", help="An infinite cache: no policy does better")
+c[4].metric(
+    "LRU at this engine's size", f"{engine_points.loc['lru', 'hit_ratio']:.1%}",
+    help=f"{result.engine_capacity_tokens:,} tokens: {console.engine.num_blocks:,} blocks × {console.config.block_size}",
+)  # fmt: skip
+
+st.subheader("Miss ratio by cache size")
+if trace.block_size != console.config.block_size:
+    st.caption(
+        f"This trace's blocks hold {trace.block_size} tokens, the engine's {console.config.block_size}: prefixes are "
+        f"reused in whole blocks, so set the block size above to {console.config.block_size} (if it divides "
+        f"{trace.block_size}) to compare like with like."
+    )
+st.plotly_chart(
+    miss_ratio_curves(result.lru, points, analysis.max_hit_ratio, result.engine_capacity_tokens),
+    key="planner_chart",
+)
+st.download_button(
+    "Download the curve (CSV)", points.to_csv(index=False), file_name="capacity_curve.csv", mime="text/csv",
+    key="planner_csv",
+)  # fmt: skip
+
+st.subheader("Capacity LRU needs")
+needed = result.needed.copy()
+needed["share of the maximum"] = [f"{share:.0%}" for share in needed.pop("share_of_max")]
+needed["hit ratio"] = [f"{ratio:.1%}" for ratio in needed.pop("hit_ratio")]
+needed["capacity (tokens)"] = [f"{tokens:,}" for tokens in needed.pop("capacity_tokens")]
+st.table(needed.set_index("share of the maximum"))
+
+st.subheader("Why it misses")
+labels = {i: f"{p.policy.value} at {p.capacity_tokens:,} tokens" for i, p in enumerate(analysis.curve)}
+default = next(
+    i for i, p in enumerate(analysis.curve) if p.policy is Policy.LRU and p.capacity_tokens == result.engine_capacity_tokens
+)
+chosen = st.selectbox("Point", list(labels), format_func=labels.get, index=default, key="planner_point")
+point = analysis.curve[chosen]
+breakdown = {"hit": point.hit_tokens, **{reason: getattr(point.misses, reason) for reason in REASONS}}
+c = st.columns([1, 2])
+c[0].table({"tokens": {name: f"{tokens:,}" for name, tokens in breakdown.items()}})
+c[1].bar_chart({"tokens": breakdown}, horizontal=True)
+st.caption(
+    "compulsory: first time the prefix was seen · capacity: seen, but evicted before this reuse · partial: "
+    "past the last full block (never cached) · namespace: the same tokens cached under another model, dtype "
+    "or tenant salt · pinned: the timed mode only (running requests held the pool)."
+)
+
+st.subheader("Hot prefixes")
+prefixes = point.top_prefixes or analysis.max_top_prefixes
+st.caption("The hit chains that saved the most prompt tokens at this point" + (
+    "" if point.top_prefixes else " (none hit here: these are the infinite cache's)"))  # fmt: skip
+st.dataframe(
+    [
+        {"first block": p.first_block, "last block": p.last_block, "blocks": p.depth, "requests": p.requests,
+         "tokens saved": p.tokens_saved}
+        for p in prefixes
+    ],  # fmt: skip
+    hide_index=True,
+)

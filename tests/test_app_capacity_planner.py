@@ -1,0 +1,118 @@
+"""Capacity planner page: a sample, an upload and the console's own history analysed on a background thread,
+the curve, the capacity needed, the breakdown, the hot prefixes and the CSV; bad uploads are refused."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from analysis.errors import TraceError
+from app.planner import MAX_UPLOAD_BYTES, JobState, PlannerJob, PlannerRequest, curve_frame, plan, read_upload
+from analysis.policies import Policy
+from analysis.readers import load_trace
+from engine.request import SamplingParams
+from tests.analysis_support import BAILIAN_SAMPLE, CONVERSATION_SAMPLE
+from tests.test_app_support import (  # noqa: F401
+    console_env,
+    flush_history,
+    host,
+    no_exceptions,
+    open_page,
+    texts,
+    wait_for,
+    wait_idle,
+)
+
+
+def analysed(at):
+    """Press Analyse, wait for this session's job, rerun: the page then shows the result."""
+    at.button(key="planner_start").click().run()
+    job = at.session_state["planner_job"]
+    assert job.join(timeout_s=120), "the analysis did not finish"
+    return at.run()
+
+
+def test_a_sample_is_analysed_in_the_background_and_every_panel_is_drawn(console_env):
+    at = open_page("capacity_planner")
+    no_exceptions(at)
+    assert "Choose a trace and press **Analyse**." in texts(at)
+    at = analysed(at)
+    no_exceptions(at)
+    assert at.session_state["planner_job"].snapshot().state is JobState.DONE
+    metrics = {m.label: m.value for m in at.metric}
+    assert metrics["Requests"] == "223" and metrics["Maximum hit ratio"] == "37.9%"
+    assert metrics["LRU at this engine's size"].endswith("%")
+    assert [s.value for s in at.subheader] == [
+        "Miss ratio by cache size", "Capacity LRU needs", "Why it misses", "Hot prefixes",
+    ]  # fmt: skip
+    needed = at.table[0].value
+    assert list(needed.index) == ["50%", "80%", "90%", "95%"]
+    assert at.get("plotly_chart") and at.get("download_button")
+
+
+def test_the_chosen_point_shows_its_breakdown_summing_to_the_prompt_tokens(console_env):
+    at = analysed(open_page("capacity_planner"))
+    points = at.selectbox(key="planner_point")
+    engine = host().console.engine
+    engine_tokens = engine.num_blocks * engine.config.block_size  # 64 blocks of 16: the default point
+    assert points.format_func(points.value) == f"lru at {engine_tokens:,} tokens"
+    breakdown = at.table[1].value["tokens"]
+    total = sum(int(value.replace(",", "")) for value in breakdown)
+    assert total == load_trace(CONVERSATION_SAMPLE).input_tokens
+
+
+def test_an_upload_is_checked_and_a_bad_line_is_reported_with_its_number(console_env):
+    at = open_page("capacity_planner")
+    at.radio(key="planner_source").set_value("Upload").run()
+    at.file_uploader(key="planner_upload").set_value(("bailian.jsonl", BAILIAN_SAMPLE.read_bytes(), "application/jsonl")).run()
+    at = analysed(at)
+    no_exceptions(at)
+    assert {m.label: m.value for m in at.metric}["Requests"] == "8"
+
+    broken = BAILIAN_SAMPLE.read_bytes() + b'{"chat_id": 9, "timestamp"\n'
+    at.file_uploader(key="planner_upload").set_value(("broken.jsonl", broken, "application/jsonl")).run()
+    at = analysed(at)
+    assert [e.value for e in at.error][0].startswith("The trace could not be analysed: line 9: not valid JSON")
+
+
+def test_this_consoles_history_is_analysed_from_its_stored_prompt_keys(console_env):
+    engine = host().console.engine
+    prompt = list(range(100, 160))
+    for _ in range(3):
+        engine.submit(prompt, SamplingParams(max_new_tokens=2, ignore_eos=True))
+        wait_idle()
+    flush_history()
+    at = open_page("capacity_planner")
+    at.radio(key="planner_source").set_value("This console's history").run()
+    at = analysed(at)
+    no_exceptions(at)
+    metrics = {m.label: m.value for m in at.metric}
+    assert metrics["Requests"] == "3" and metrics["Maximum hit ratio"] == "53.3%"  # two repeats hit 3 full blocks: 96 of 180
+
+
+def test_uploads_are_bounded_and_read_like_files():
+    assert len(read_upload(BAILIAN_SAMPLE.read_bytes())) == 8
+    with pytest.raises(TraceError, match="at most 16 MiB"):
+        read_upload(b"\n" * (MAX_UPLOAD_BYTES + 1))
+    with pytest.raises(TraceError, match="the trace is empty"):
+        read_upload(b"")
+
+
+def test_a_job_can_be_cancelled_and_says_so():
+    def slow_load():
+        return load_trace(CONVERSATION_SAMPLE).split(16)
+
+    job = PlannerJob(slow_load, PlannerRequest(None, (Policy.LRU, Policy.FIFO, Policy.LFU), 16384))
+    job.cancel()  # before the first progress tick: it stops there
+    job.start()
+    assert job.join(timeout_s=120)
+    assert job.snapshot().state is JobState.CANCELLED and job.snapshot().result is None
+
+
+def test_the_csv_has_one_row_per_point_with_every_miss_reason():
+    result = plan(load_trace(CONVERSATION_SAMPLE), PlannerRequest(None, (Policy.OPT,), 16384))
+    frame = curve_frame(result)
+    assert set(frame["policy"]) == {"lru", "opt"}
+    assert (frame["hit_tokens"] + frame.filter(like="missed_").sum(axis=1) == result.analysis.trace.input_tokens).all()
+    assert json.loads(frame.to_json(orient="records"))[0]["policy"] == "lru"
