@@ -16,6 +16,7 @@ from hypothesis.stateful import invariant
 
 from engine.block_pool import BlockPool
 from engine.events import EventKind, EventLog
+from engine.eviction import EvictionPolicyName
 from engine.kv_cache_manager import KVCacheManager
 from engine.namespace import CacheNamespace
 from storage.block_history import EVICTABLE_FROM_HERE, SAFE_TO_REUSE, StoredEvent, replay, rows_involving
@@ -54,6 +55,8 @@ class _RecordsHistory:
 
 
 class BlockManagerHistoryMachine(_RecordsHistory, BlockManagerMachine):
+    policy = EvictionPolicyName.LRU
+
     @invariant()
     def evictions_only_touch_unreferenced_blocks(self):  # the base drains the log: keep the events instead
         self._keep_events()
@@ -73,8 +76,14 @@ class CoordinatorHistoryMachine(_RecordsHistory, CoordinatorMachine):
         self._check_history(self.kv.managers)
 
 
+class ReuseLruBlockManagerHistoryMachine(BlockManagerHistoryMachine):
+    policy = EvictionPolicyName.REUSE_LRU
+
+
 TestBlockManagerHistory = BlockManagerHistoryMachine.TestCase
 TestBlockManagerHistory.settings = settings(max_examples=80, stateful_step_count=40, deadline=None)
+TestReuseLruBlockManagerHistory = ReuseLruBlockManagerHistoryMachine.TestCase
+TestReuseLruBlockManagerHistory.settings = settings(max_examples=40, stateful_step_count=40, deadline=None)
 TestCoordinatorHistory = CoordinatorHistoryMachine.TestCase
 TestCoordinatorHistory.settings = settings(max_examples=80, stateful_step_count=40, deadline=None)
 
