@@ -39,7 +39,7 @@ from sqlalchemy import Engine as DbEngine
 from app.loading import ENV_MODEL, HOST_STARTED
 from engine.config import DEFAULT_MODEL, EngineConfig
 from engine.engine import Engine
-from engine.events import Event, EventKind
+from engine.events import Event
 from engine.feeds import EngineFeeds, open_feeds
 from engine.snapshot import PoolStats, RequestView
 from storage import migrate
@@ -63,6 +63,7 @@ ENV_METRICS_PORT = "PREFIX_CONSOLE_METRICS_PORT"  # vLLM-named /metrics on 127.0
 
 HISTORY_SAMPLES = 3600  # PoolStats samples kept for the Overview charts
 HISTORY_INTERVAL_S = 0.5  # at most one sample per this many seconds
+RESTART_REASON = "the engine was restarted"  # finish reason of the requests a restart aborts
 
 
 def config_from_env(environ: Mapping[str, str] | None = None) -> EngineConfig:
@@ -180,17 +181,20 @@ class ConsoleHost:
         """Replace the running engine with one built from `config` (a new storage run).
 
         The new engine is built first: when that fails (a bad model path, not enough memory) the old
-        one keeps serving and the error propagates. Requests of the old engine are dropped.
+        one keeps serving and the error propagates. The old engine's unfinished requests end aborted
+        (retained ones released), recorded under the old run, so no block of it stays held; a session
+        that still holds it is refused with a message when it submits.
         """
         with self._lock:
             if self._closed:
                 raise RuntimeError("the console host is shut down")
             old = self._console
             engine = Engine(config)
-            old.active = False
             old.engine.stop()
+            old.engine.retire(RESTART_REASON)  # its listener is still active: the ends are recorded
+            old.active = False
             if old.feeds is not None:
-                old.feeds.close()  # frees the endpoints for the new engine's feeds
+                old.feeds.close()  # after the ends are published; frees the endpoints for the new engine's feeds
             self._console = self._launch(config, engine)
             return self._console
 

@@ -185,7 +185,8 @@ class SharingScenario:
     def _wait(self, request_id: str, status: str) -> None:
         deadline = time.monotonic() + TIMEOUT_S
         while (view := self.engine.get(request_id)).status != status:
-            if view.status in ("finished", "rejected", "released") or self.engine.failure is not None:
+            ended = view.status in ("finished", "rejected", "released", "failed", "aborted")
+            if ended or self.engine.failure is not None:
                 raise ScenarioError(f"{request_id} ended {view.status} ({view.finish_reason or 'engine stopped'})")
             if time.monotonic() > deadline:
                 raise ScenarioError(f"{request_id} did not finish within {TIMEOUT_S:.0f} s (the engine is busy)")

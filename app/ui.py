@@ -1,9 +1,17 @@
-"""Small pieces every page shares: health banners, history-read guarding, number formatting."""
+"""Small pieces every page shares: health banners, history-read guarding, read-your-writes, number formatting.
+
+Read-your-writes: after an action whose rows the operator will look up at once (a reset, a release, a
+finished request, a restart), the page calls `expect_in_history(host, what)`; every page that reads the
+history calls `wait_for_history(host)` first, which waits (with a spinner) until the writer has stored
+those rows, up to `HISTORY_WAIT_S`. Past that the page says so, shows what is stored, and reruns by itself
+once the rows are in. The mark lives in the operator's session: other operators never wait for it.
+"""
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, replace
 from datetime import datetime, timezone
 from typing import TypeVar
 
@@ -16,6 +24,17 @@ T = TypeVar("T")
 
 REFRESH_S = 1.0  # live panels (metrics, request output)
 SLOW_REFRESH_S = 5.0  # panels that read the history database
+HISTORY_WAIT_S = 10.0  # longest a page waits for the writer to store what its operator just did (bound: 5 s)
+PENDING_WRITE = "history_pending_write"  # session key of the operator's PendingWrite
+
+
+@dataclass(frozen=True)
+class PendingWrite:
+    """Rows of an operator's action that the history pages wait for."""
+
+    mark: int  # the writer's mark right after the action (see storage.writer: mark, wait)
+    what: str  # what the rows are, as a page says it ("the reset's evictions")
+    waited: bool = False  # a page already waited HISTORY_WAIT_S for them: later reads only look
 
 
 def kept(key: str, default: object) -> dict[str, object]:
@@ -38,7 +57,8 @@ def read_history(query: Callable[..., T], *args, **kwargs) -> T | None:
 
 
 def health_banners(host: ConsoleHost) -> None:
-    """Errors an operator must see on every page: a dead engine loop, a database the writer can't use."""
+    """What an operator must see on every page: a dead engine loop, a history database the writer cannot
+    write (locked, full, read-only, unreachable), a writer process that had to be restarted, lost rows."""
     console = host.console
     if console.engine.failure is not None:
         st.error(
@@ -46,13 +66,63 @@ def health_banners(host: ConsoleHost) -> None:
             "Restart the engine from Settings."
         )
     stats = host.writer_stats()
-    if stats.dropped or stats.failed_batches:
-        st.warning(
-            f"History writer lost data: {stats.dropped} rows dropped, {stats.failed_batches} batches failed"
-            + (f" (last error: {stats.last_error})" if stats.last_error else "")
+    if stats.retrying:
+        st.error(
+            f"History database unavailable: {stats.last_error}. The writer keeps retrying; {stats.queued:,} rows "
+            f"wait (the oldest for {fmt_duration(stats.lag_s)}). The engine keeps serving."
         )
     elif not stats.schema_ready and stats.last_error:
         st.warning(f"History database not ready: {stats.last_error}")
+    if stats.restarts:
+        st.warning(
+            f"The history writer process stopped unexpectedly and was restarted "
+            f"({stats.restarts} time{'s' if stats.restarts > 1 else ''}); the history goes on."
+        )
+    if stats.dropped or stats.failed_batches:
+        st.warning(
+            f"History writer lost data: {stats.dropped:,} rows dropped, {stats.failed_batches:,} batches failed"
+            + (f" (last error: {stats.last_error})" if stats.last_error else "")
+        )
+
+
+def expect_in_history(host: ConsoleHost, what: str) -> None:
+    """Call after an action: this operator's next history read waits until its rows are stored."""
+    st.session_state[PENDING_WRITE] = PendingWrite(host.writer.mark(), what)
+
+
+def wait_for_history(host: ConsoleHost) -> None:
+    """Call before reading the history: wait until the rows of this operator's last action are stored.
+
+    Shows a spinner while it waits, at most HISTORY_WAIT_S once per action; then (and on later reads until
+    the rows are in) a warning that says what is missing and how far behind the writer is, and a check
+    that reruns the page once the rows are stored.
+    """
+    pending: PendingWrite | None = st.session_state.get(PENDING_WRITE)
+    if pending is None:
+        return
+    stored = host.writer.wait(pending.mark, timeout_s=0)
+    if not stored and not pending.waited:
+        with st.spinner(f"Waiting for the history writer to store {pending.what}…"):
+            stored = host.writer.wait(pending.mark, timeout_s=HISTORY_WAIT_S)
+        if not stored:
+            pending = replace(pending, waited=True)
+            st.session_state[PENDING_WRITE] = pending
+    if stored:
+        if st.session_state.get(PENDING_WRITE) == pending:
+            del st.session_state[PENDING_WRITE]
+        return
+    lag = fmt_duration(host.writer_stats().lag_s)
+    st.warning(
+        f"The history writer has not stored {pending.what} yet (its oldest unwritten row is {lag} old). This "
+        "page shows what is stored so far and reloads once it is in."
+    )
+    _reload_once_stored(host, pending)
+
+
+@st.fragment(run_every=REFRESH_S)
+def _reload_once_stored(host: ConsoleHost, pending: PendingWrite) -> None:
+    if host.writer.wait(pending.mark, timeout_s=0):
+        st.rerun()  # the whole page; its wait_for_history then finds the rows stored
 
 
 def fmt_time(epoch: float | None) -> str:

@@ -1,17 +1,17 @@
-"""Storage benchmark: writer throughput, eviction-log query latency, engine step overhead.
+"""Storage benchmark: writer throughput, eviction-log query latency, engine step overhead, visibility latency.
 
-    .venv/bin/python benchmarks/storage.py [--rows 1000000] [--url URL] [--only-step-overhead | --only-writes]
-                                           [--smollm2]
+    .venv/bin/python benchmarks/storage.py [--rows 1000000] [--url URL]
+                                           [--only-step-overhead | --only-writes | --only-visibility] [--smollm2]
 
 1. Insert throughput through the real `EventWriter` (batched, one transaction per batch) against a
    naive writer that commits one row per transaction (run on fewer rows; its rate is extrapolated).
 2. The eviction-log queries on `--rows` eviction rows, against the indexed schema and against a copy
    whose evictions table has no secondary indexes. Each query's time is the median of repeated runs.
-3. Engine step time with persistence off and on. One engine runs rounds in five modes taking turns
+3. Engine step time with persistence off and on. One engine runs rounds in six modes taking turns
    (a new random order each repetition): no listener, twice; a listener that does nothing; the
    persistence listener (`storage.recorder.persistence_listener`) feeding a WriterProcess (what the
-   console runs: the database work in a child process); the same feeding an EventWriter thread in the
-   engine's process (for comparison). A round is waves of requests on a fresh shared prefix, forks of
+   console runs: the database work in a child process, at nice 0); the same feeding an EventWriter
+   thread in the engine's process, and a WriterProcess at nice 19 (for comparison). A round is waves of requests on a fresh shared prefix, forks of
    some of them, and LRU evictions of earlier rounds' blocks. Every
    `engine.step()` is timed, `--step-reps` rounds per mode after untimed ones that fill the pool. The
    writer runs during the steps (that is the cost measured); after a round it is drained
@@ -24,9 +24,18 @@
    five minutes at the default 8 rounds; about four more with --smollm2). Section 1 alone: `--only-writes`
    (with a small `--rows`, e.g. 50000, for its "into the history" row).
 
+4. Visibility latency: how long after `submit()` returns a row is queryable. A WriterProcess with the
+   console's settings gets an engine-like stream (a step every 20 ms: 80 events, one EVICT in four, and
+   8 request views) for `--visibility-s` seconds; a reader polls the newest stored step every 10 ms, so a
+   row's latency is from its submit to the first poll that sees it (10 ms resolution). Cases: an idle
+   machine and two busy-loop processes of normal priority beside it (CPU-bound, one per core of this
+   2-core machine), each for the writer process at nice 0 (what the console runs) and at nice 19 (what
+   it ran before). Section 4 alone: `--only-visibility` (about two minutes).
+
 Goals: >= 50,000 events/s; every log query < 50 ms on 1M rows; engine step time with persistence on
-within 5% of persistence off (median and mean). Without --url everything runs on SQLite files in a
-temporary directory; with a PostgreSQL URL the database must be empty.
+within 5% of persistence off (median and mean); visibility p99 < 2 s and every row < 5 s, with the two
+busy loops too. Without --url everything runs on SQLite files in a temporary directory; with a PostgreSQL
+URL the database must be empty.
 """
 
 from __future__ import annotations
@@ -63,6 +72,7 @@ from storage.recorder import persistence_listener, run_info  # noqa: E402
 from storage.retention import RetentionPolicy  # noqa: E402
 from storage.writer import EventWriter, RunInfo, WriterOptions  # noqa: E402
 from storage.writer_process import WriterProcess  # noqa: E402
+from tests.load_support import POLL_S, STEP_EVENTS, STEP_S, STEP_VIEWS, busy_loops, visibility_latencies  # noqa: E402
 
 if TYPE_CHECKING:
     from engine.models import LoadedModel
@@ -72,6 +82,8 @@ WRITE_REPS = 3  # fresh-database runs per writer kind in section 1
 GOAL_EVENTS_PER_S = 50_000
 GOAL_QUERY_MS = 50.0
 GOAL_STEP_RATIO = 1.05  # step time with persistence on / off
+GOAL_VISIBLE_P99_S = 2.0  # a row handed to the writer is queryable within this, 99 times in 100
+GOAL_VISIBLE_MAX_S = 5.0  # and every row within this
 SMOLLM2_DATA_DIR = Path(os.environ.get("PREFIX_CONSOLE_TEST_DATA_DIR", ROOT / "data" / "test-cache"))  # as tests
 START = 1_750_000_000.0  # evictions are spread over one day from here
 SPAN_S = 86_400.0
@@ -88,22 +100,28 @@ def main() -> None:
     parser.add_argument(
         "--only-writes", action="store_true", help="run only section 1 (insert throughput; --rows sizes its history)"
     )
+    parser.add_argument("--only-visibility", action="store_true", help="run only section 4 (visibility latency)")
     parser.add_argument("--smollm2", action="store_true", help="section 3 also on SmolLM2-135M (about 2 minutes)")
     parser.add_argument("--step-reps", type=int, help="section 3 timed rounds per mode (default: 8 tiny, 16 SmolLM2)")
+    parser.add_argument("--visibility-s", type=float, default=20.0, help="section 4 seconds of stream per case")
     args = parser.parse_args()
+    only = {"steps": args.only_step_overhead, "writes": args.only_writes, "visibility": args.only_visibility}
+    sections = {name for name, chosen in only.items() if chosen} or {"writes", "queries", "steps", "visibility"}
     backend = make_url(args.url).get_backend_name() if args.url else "sqlite (temporary files)"
     print(f"backend: {backend}; load average {_load()} ({os.cpu_count()} CPUs)\n")
     with fresh_databases(args.url) as url_for:
-        if not args.only_step_overhead:
+        if sections & {"writes", "queries"}:
             history_url = url_for("history")
             run_ids, fill_rate = fill_evictions(history_url, args.rows)
             print(f"history: {args.rows:,} EVICT events through the writer at {fill_rate:,.0f} events/s")
             print("  (each: an events row, an evictions row with 5 indexes, a rollup update)")
             bench_writes(url_for, history_url, args.write_events, args.naive_events)
-            if not args.only_writes:
+            if "queries" in sections:
                 bench_queries(history_url, run_ids)
-        if not args.only_writes:
+        if "steps" in sections:
             bench_step_overhead(url_for, args.smollm2, args.step_reps)
+        if "visibility" in sections:
+            bench_visibility(url_for, args.visibility_s)
     print(f"\nload average at the end: {_load()}")
 
 
@@ -409,8 +427,9 @@ FORK_EVERY = 8  # every 8th request of a round is retained and forked twice, the
 # listener that does nothing) splits the overhead of "on" into the engine's publishing (it builds request
 # views only when it has a listener) and storage's own. "on" is what the console and the CLI run: a
 # WriterProcess (the database work in a child process); "on-thread" is the EventWriter thread in the
-# engine's process, for comparison.
-STEP_MODES = ("off", "off-2", "listener", "on", "on-thread")
+# engine's process, and "on-nice19" the WriterProcess with its child at nice 19 (as it ran before its
+# latency was bounded), for comparison.
+STEP_MODES = ("off", "off-2", "listener", "on", "on-thread", "on-nice19")
 
 
 @dataclass(frozen=True)
@@ -482,7 +501,7 @@ class StepBench:
     """
 
     def __init__(self, case: StepCase, loaded: LoadedModel, urls: dict[str, str]) -> None:
-        """`urls`: a database for each persisting mode ("on", "on-thread")."""
+        """`urls`: a database for each persisting mode ("on", "on-thread", "on-nice19")."""
         from engine.engine import Engine as PrefixEngine  # torch: only this section needs it
 
         self.case = case
@@ -493,6 +512,7 @@ class StepBench:
         self.writers: dict[str, WriterProcess | EventWriter] = {
             "on": WriterProcess(urls["on"]),
             "on-thread": EventWriter(urls["on-thread"]),
+            "on-nice19": WriterProcess(urls["on-nice19"], WriterOptions(child_niceness=NICE_BEFORE)),
         }
         # Schema, run row and first statements are one-time start-up costs: done before any timing.
         for writer in self.writers.values():
@@ -504,6 +524,7 @@ class StepBench:
             "listener": [lambda events, views: None],
             "on": [self.probe.enter, persistence_listener(self.writers["on"]), self.probe.leave],
             "on-thread": [persistence_listener(self.writers["on-thread"])],
+            "on-nice19": [persistence_listener(self.writers["on-nice19"])],
         }
 
     def run_round(self, mode: str) -> RoundRun:
@@ -620,7 +641,7 @@ def bench_step_overhead(url_for: Callable[[str], str], smollm2: bool, repetition
         for index, (name, case) in enumerate(step_cases(Path(data_dir), smollm2, repetitions).items()):
             torch.set_num_threads(case.torch_threads or default_threads)
             started = time.perf_counter()
-            urls = {"on": url_for(f"steps{index}"), "on-thread": url_for(f"steps{index}-thread")}
+            urls = {mode: url_for(f"steps{index}-{mode}") for mode in ("on", "on-thread", "on-nice19")}
             bench = StepBench(case, PrefixEngine(case.config).loaded, urls)
             for _ in range(case.warm_rounds):  # also the first forwards and the writer's first statements
                 for mode in STEP_MODES:
@@ -670,7 +691,8 @@ def report_step_overhead(
     print("  listener = one that does nothing (the engine still builds request views);")
     print("  on = persistence listener + WriterProcess, the writer the console and the CLI use (its database")
     print("       work in a child process; SQLite in a temporary directory unless --url);")
-    print("  on-thread = persistence listener + EventWriter, a writer thread in the engine's process")
+    print("  on-thread = persistence listener + EventWriter, a writer thread in the engine's process;")
+    print(f"  on-nice19 = on, with the writer process at nice {NICE_BEFORE} (before its latency was bounded)")
     print(f"  {'mode':10} {'median ms':>10} {'mean ms':>10} {'vs off':>13} {'engine-thread CPU ms':>21}")
     for mode in STEP_MODES:
         ratios = f"{medians[mode] / medians['off']:.3f} {means[mode] / means['off']:.3f}"
@@ -695,6 +717,33 @@ def report_step_overhead(
     within = median_ratio <= GOAL_STEP_RATIO and mean_ratio <= GOAL_STEP_RATIO
     verdict = "meets" if within else "MISSES"
     print(f"  goal on/off <= {GOAL_STEP_RATIO} (median {median_ratio:.3f}, mean {mean_ratio:.3f}): {verdict}")
+
+
+# ---- visibility latency ----------------------------------------------------------------------
+
+BUSY_LOOPS = 2  # CPU-bound processes beside the writer in the loaded cases (this machine has 2 cores)
+NICE_BEFORE = 19  # the writer process's nice value before the console bounded its latency
+
+
+def bench_visibility(url_for: Callable[[str], str], seconds: float) -> None:
+    """Visibility latency, idle and beside busy loops, for the writer process at nice 0 and at nice 19."""
+    cases = [(loops, niceness) for loops in (0, BUSY_LOOPS) for niceness in (0, NICE_BEFORE)]
+    results = {}
+    for index, (loops, niceness) in enumerate(cases):
+        with busy_loops(loops):
+            results[loops, niceness] = sorted(visibility_latencies(url_for(f"visibility{index}"), seconds, niceness))
+    print(f"\nvisibility latency: submit() to queryable, a step of {STEP_EVENTS} events + {STEP_VIEWS} request views "
+          f"every {STEP_S * 1e3:.0f} ms for {seconds:.0f} s a case; a reader polls every {POLL_S * 1e3:.0f} ms; "
+          f"load average {_load()}")
+    print(f"  {'case':56} {'steps':>6} {'p50 s':>7} {'p99 s':>7} {'max s':>7}  goal (p99 < {GOAL_VISIBLE_P99_S:.0f} s, "
+          f"max < {GOAL_VISIBLE_MAX_S:.0f} s)")
+    for (loops, niceness), latencies in results.items():
+        load = "idle" if not loops else f"{loops} busy loops beside it"
+        name = f"{load}, writer at nice {niceness}" + (" (the console)" if niceness == 0 else " (before)")
+        p99, worst = _quantile(latencies, 0.99), latencies[-1]
+        verdict = "meets" if p99 < GOAL_VISIBLE_P99_S and worst < GOAL_VISIBLE_MAX_S else "MISSES"
+        print(f"  {name:56} {len(latencies):>6} {_quantile(latencies, 0.5):>7.3f} {p99:>7.3f} {worst:>7.3f}  "
+              f"{verdict if niceness == 0 else '(for comparison)'}")
 
 
 def _quantile(ordered: list[float], q: float) -> float:

@@ -270,6 +270,8 @@ def _gathered_call(
     if lone:
         keys, blocks = _blocks(elements[0].physical, pack)
     else:
+        # Padding repeats each element's own first block: masked, yet multiplied by zero weights, so it must be
+        # finite whatever another request of this step computed (a NaN there stays that request's).
         padded = [b for e in elements for b in e.physical + [e.physical[0]] * (blocks_per_element - len(e.physical))]
         keys, blocks = KeySource.GATHER, pack.add(padded)
     mask = None

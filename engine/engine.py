@@ -124,6 +124,7 @@ class Engine:
         self._thread: threading.Thread | None = None
         self._stopping = False
         self.failure: BaseException | None = None  # set when the background loop died
+        self._retired: str | None = None  # why this engine takes no new requests (see `retire`)
 
     @property
     def tokenizer(self):
@@ -157,7 +158,7 @@ class Engine:
 
         Raises:
             ValueError: bad input (empty or out-of-vocabulary tokens, a taken id, a context longer
-                than the model's); nothing is recorded.
+                than the model's) or a retired engine; nothing is recorded.
             RequestRejected: the request can never fit in the pool; it is recorded as rejected.
         """
         sampling = sampling or SamplingParams()
@@ -185,7 +186,7 @@ class Engine:
 
         Raises:
             ValueError: unknown parent, a parent that holds no KV (waiting, finished without retain,
-                released), or an empty or invalid suffix; nothing changes.
+                released), an empty or invalid suffix, or a retired engine; nothing changes.
             RequestRejected: the child can never fit in the pool; it is recorded as rejected.
         """
         ids = None if request_id is None else [request_id]
@@ -289,6 +290,30 @@ class Engine:
             self._publish(self.log.take(), [])
             return ResetResult(dropped, kept)
 
+    def retire(self, reason: str) -> list[RequestView]:
+        """End every request that is not done and refuse new ones, for an engine being replaced (call
+        `stop()` first).
+
+        Waiting and running requests become aborted with `reason`, retained ones released; afterwards no
+        request holds a block, and `submit` and `fork` raise `ValueError` naming `reason`. Listeners see
+        the changes like any step's. Returns the requests changed.
+        """
+        with self._lock:
+            self._retired = reason
+            changed = []
+            for request in self._requests.values():
+                if request.status in (RequestStatus.WAITING, RequestStatus.RUNNING):
+                    self.scheduler.stop_request(request, RequestStatus.ABORTED, reason)
+                elif request.status is RequestStatus.RETAINED:
+                    self.kv.free(request.request_id)
+                    request.released()
+                else:
+                    continue
+                self._let_go(request)
+                changed.append(request)
+            self._publish(self.log.take(), changed)
+            return [self._view(r) for r in changed]
+
     def warm_up(self, num_tokens: int = WARM_UP_TOKENS) -> None:
         """Run the model on throwaway tokens, a prefill of `num_tokens` and then a one-token decode, so
         that the first request does not pay a first forward's one-time costs (kernel and thread-pool
@@ -313,31 +338,58 @@ class Engine:
 
     # ------------------------------------------------------------------ the loop
     def step(self) -> list[RequestView]:
-        """Run one scheduling step and one forward. Returns the requests that finished in it."""
+        """Run one scheduling step and one forward. Returns the requests that ended in it (finished or failed)."""
         with self._lock:
             self.log.step += 1
             out = self.scheduler.schedule()
-            sampled = self._run_model(out)
-            finished = self.scheduler.postprocess(out, sampled)
+            sampled, failed = self._run_model(out)
+            finished = self.scheduler.postprocess(out, sampled, failed)
             self._end_step(out, finished)
             return [self._view(r) for r in finished]
 
-    def _run_model(self, out: SchedulerOutput) -> dict[str, int]:
-        """Copy-on-write copies, then one forward over every chunk; returns the sampled tokens by request."""
+    def _run_model(self, out: SchedulerOutput) -> tuple[dict[str, int], dict[str, str]]:
+        """Copy-on-write copies, then one forward over every chunk.
+
+        Returns:
+            The sampled token of each request whose chunk reached its context's end, and why each request
+            whose chunk came out non-finite fails (its K/V is already zeroed; see `_non_finite`).
+        """
         if any(out.copies):
             self.runner.copy_blocks(out.copies)
         if not out.chunks:
-            return {}
-        logits = self.runner.execute([self._runner_chunk(chunk) for chunk in out.chunks])
-        ends = [i for i, chunk in enumerate(out.chunks) if chunk.reaches_end]
+            return {}, {}
+        chunks = [self._runner_chunk(chunk) for chunk in out.chunks]
+        logits = self.runner.execute(chunks)
+        failed = self._non_finite(out.chunks, chunks, logits)
+        ends = [i for i, c in enumerate(out.chunks) if c.reaches_end and c.request.request_id not in failed]
         if not ends:
-            return {}
+            return {}, failed
         requests = [out.chunks[i].request for i in ends]
         if self._verifier is not None:
             self._verifier.capture(requests, logits[ends])
         generators = [self._generators.get(r.request_id) for r in requests]
         tokens = sample(logits[ends], [r.sampling for r in requests], generators)
-        return {r.request_id: t for r, t in zip(requests, tokens)}
+        return {r.request_id: t for r, t in zip(requests, tokens)}, failed
+
+    def _non_finite(
+        self, scheduled: list[ScheduledChunk], chunks: list[SeqChunk], logits: torch.Tensor
+    ) -> dict[str, str]:
+        """Why each request whose chunk's last-position logits hold a NaN or an infinity fails.
+
+        Every chunk's last row is checked, prefill chunks too: causal attention carries a non-finite K/V
+        to every later position, so the chunk that first computes one is caught before its blocks enter
+        the prefix index. Each such chunk's K/V is zeroed at once (`ModelRunner.clear_slots`), so what
+        its request computed never reaches another request through a reused block.
+        """
+        failed = {}
+        for chunk, runner_chunk, finite in zip(scheduled, chunks, torch.isfinite(logits).all(dim=-1).tolist()):
+            if not finite:
+                self.runner.clear_slots(runner_chunk)
+                position = chunk.start_pos + len(chunk.token_ids) - 1
+                reason = f"non-finite logits (NaN or inf) at position {position}"
+                logger.warning("request %s failed: %s", chunk.request.request_id, reason)
+                failed[chunk.request.request_id] = reason
+        return failed
 
     def _runner_chunk(self, chunk: ScheduledChunk) -> SeqChunk:
         """The runner's input for one chunk: per group, the request's table and where the chunk writes."""
@@ -346,12 +398,17 @@ class Engine:
         return SeqChunk(chunk.token_ids, chunk.start_pos, groups)
 
     def _end_step(self, out: SchedulerOutput, finished: list[Request]) -> None:
-        """Let go of what finished requests held here (and verify their replays), then tell listeners."""
+        """Let go of what ended requests held here (and verify their replays), then tell listeners."""
         for request in finished:
-            self._generators.pop(request.request_id, None)
-            if self._verifier is not None:
-                self._verifier.verify(request)
+            self._let_go(request)
         self._publish(self.log.take(), out.changed)
+
+    def _let_go(self, request: Request) -> None:
+        """Drop what the engine kept for a request that ended: its generator and its captured replay
+        logits (verified first when it finished; see `ReplayVerifier.verify`)."""
+        self._generators.pop(request.request_id, None)
+        if self._verifier is not None:
+            self._verifier.verify(request)
 
     def has_work(self) -> bool:
         with self._lock:
@@ -448,7 +505,9 @@ class Engine:
 
     def _claim_id(self, request_id: str | None, taken: set[str] | frozenset[str] = frozenset()) -> str:
         """A free request id: `request_id` checked, or the next "req-N"; `taken` are ids claimed but not
-        yet recorded (the other children of one `fork_many`)."""
+        yet recorded (the other children of one `fork_many`). A retired engine claims none (ValueError)."""
+        if self._retired is not None:
+            raise ValueError(f"this engine takes no new requests: {self._retired}; reload the page for the new one")
         if request_id is None:
             request_id = f"req-{next(self._ids)}"
             while request_id in self._requests:

@@ -177,12 +177,7 @@ class ModelRunner:
             self._check_chunk(chunk)
             end = chunk.start_pos + len(chunk.token_ids)
             for g, table in enumerate(chunk.groups):
-                scratch = self.num_blocks[g] * size
-                ids, first = table.block_ids, table.first_block
-                slots[g].extend(
-                    scratch + p % size if p < table.write_from else ids[p // size - first] * size + p % size
-                    for p in range(chunk.start_pos, end)
-                )
+                slots[g].extend(self._slots(chunk, g))
                 queries[g].append(ChunkQueries(len(token_ids), chunk.start_pos, len(chunk.token_ids), table))
             token_ids.extend(chunk.token_ids)
             positions.extend(range(chunk.start_pos, end))
@@ -219,6 +214,28 @@ class ModelRunner:
             paged_context=context,
         )
         return output.logits[0].float()
+
+    @torch.inference_mode()
+    def clear_slots(self, chunk: SeqChunk) -> None:
+        """Zero the K/V a computed chunk wrote, in every layer (for a chunk whose forward went non-finite).
+
+        Masked keys are still multiplied by their zero weight: a NaN left in a freed block's slots would
+        turn into NaN for the next request that gathers that block, so it must not outlive its request.
+        """
+        for g, kv in enumerate(self.kv):
+            slots = torch.tensor(self._slots(chunk, g), device=kv.device)
+            kv.view(*kv.shape[:2], -1, *kv.shape[-2:]).index_fill_(2, slots, 0)
+
+    def _slots(self, chunk: SeqChunk, g: int) -> list[int]:
+        """The cache slot each of the chunk's positions writes in KV group g (the scratch block below
+        `write_from`)."""
+        size, table = self.block_size, chunk.groups[g]
+        scratch = self.num_blocks[g] * size
+        ids, first = table.block_ids, table.first_block
+        return [
+            scratch + p % size if p < table.write_from else ids[p // size - first] * size + p % size
+            for p in range(chunk.start_pos, chunk.start_pos + len(chunk.token_ids))
+        ]
 
     @torch.inference_mode()
     def reference_logits(self, token_ids: list[int]) -> torch.Tensor:

@@ -6,7 +6,8 @@ of the transitions below, each a method that makes all of that transition's chan
     submitted ──admitted──> running ──finished──> finished | retained ──released──> released
         │  ^                  │  ^                   (retained: blocks kept as a fork base)
         │  └────preempted─────┘  └─ reserved, chunk_computed, append_token (every step)
-        └─ rejected                 (a fork child starts with `seeded_by_fork`, still waiting)
+        ├─ rejected                 (a fork child starts with `seeded_by_fork`, still waiting)
+        └──────── stopped (waiting or running) ──> failed | aborted   (ended unfinished; blocks freed)
 
 `RequestView` (engine/snapshot.py) is the immutable copy handed to other threads (console, storage, CLI).
 """
@@ -30,6 +31,8 @@ class RequestStatus(str, enum.Enum):
     FINISHED = "finished"  # done; its blocks were released
     RELEASED = "released"  # a retained request that an operator released
     REJECTED = "rejected"  # refused (too large for the pool, ...); never held blocks
+    FAILED = "failed"  # stopped by an error of its own (non-finite logits); its blocks were freed
+    ABORTED = "aborted"  # stopped unfinished because its engine was shut down (a restart); blocks freed
 
 
 class HitSource(str, enum.Enum):
@@ -207,11 +210,27 @@ class Request:
         self, reason: str, block_tables: dict[str, tuple[int, ...]], now: float, *, prompt_keys: PromptKeys
     ) -> None:
         """It stopped generating; `block_tables` are its tables at that moment, `prompt_keys` its prompt's."""
+        self.prompt_keys = prompt_keys
+        self._ended(RequestStatus.RETAINED if self.retain else RequestStatus.FINISHED, reason, block_tables, now)
+
+    def stopped(self, status: RequestStatus, reason: str, block_tables: dict[str, tuple[int, ...]], now: float) -> None:
+        """It ended unfinished, waiting or running: FAILED by an error of its own (non-finite logits) or
+        ABORTED because its engine shut down. `block_tables` are the tables it held (empty if none); they
+        are freed, and it records no prompt keys (nothing it computed is kept).
+
+        Raises:
+            ValueError: a status other than FAILED or ABORTED.
+        """
+        if status not in (RequestStatus.FAILED, RequestStatus.ABORTED):
+            raise ValueError(f"a stopped request ends failed or aborted, not {status.value}")
+        self._ended(status, reason, block_tables, now)
+
+    def _ended(self, status: RequestStatus, reason: str, block_tables: dict[str, tuple[int, ...]], now: float) -> None:
+        """The fields every end sets (`finished` and `stopped` both end through here)."""
+        self.status = status
         self.finish_reason = reason
         self.finish_time = now
         self.final_block_tables = block_tables
-        self.prompt_keys = prompt_keys
-        self.status = RequestStatus.RETAINED if self.retain else RequestStatus.FINISHED
 
     def release_when_finished(self) -> None:
         """An operator released it before it finished: it frees its blocks when it does."""

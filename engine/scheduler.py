@@ -5,7 +5,8 @@ and unfinished prefill chunks, oldest first), then waiting requests (oldest firs
 cannot get blocks waits; when a running request cannot grow, the newest running request is preempted:
 its blocks are released and it goes back to the front of the queue, to be recomputed later (usually
 a prefix hit, since its full blocks stay cached). After the forward, `postprocess` accounts for the
-computed chunks, appends the sampled tokens and finishes the requests that stop.
+computed chunks, appends the sampled tokens and finishes the requests that stop; a request whose
+forward went non-finite fails instead, and `stop_request` ends one unfinished (failed or aborted).
 
 Invariant between steps: for every running or retained request, its block table holds exactly
 `num_computed_tokens` tokens, and those are its context's first tokens.
@@ -16,7 +17,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Collection
+from typing import Collection, Mapping
 
 from engine.config import EngineConfig
 from engine.events import EventKind, EventLog
@@ -224,18 +225,29 @@ class Scheduler:
         self.waiting.appendleft(request)
 
     # ------------------------------------------------------------------ after the forward
-    def postprocess(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
+    def postprocess(
+        self, out: SchedulerOutput, sampled: dict[str, int], failed: Mapping[str, str] | None = None
+    ) -> list[Request]:
         """Account for the forward over `out`: computed chunks enter the cache, sampled tokens are
-        appended, and requests that stop finish. Returns the finished requests, in chunk order.
+        appended, requests that stop finish, and requests whose forward went wrong fail. Returns the
+        requests that ended (finished or failed), in chunk order.
 
         Args:
             out: this step's schedule.
             sampled: the token sampled for each request whose chunk reached its context's end.
+            failed: why each request in it failed (request id -> reason), for chunks whose forward came
+                out non-finite: such a chunk is not computed, its request ends FAILED and its blocks are
+                freed, none of them cached.
         """
+        failed = failed or {}
         finished = []
         now = time.time()
         for chunk in out.chunks:
             request = chunk.request
+            if request.request_id in failed:
+                self.stop_request(request, RequestStatus.FAILED, failed[request.request_id])
+                finished.append(request)
+                continue
             request.chunk_computed(len(chunk.token_ids))
             self.kv.finish_chunk(request.request_id, cacheable=request.cacheable)
             token = sampled.get(request.request_id)
@@ -261,7 +273,33 @@ class Scheduler:
         rid = request.request_id
         keys = self.kv.prompt_keys(rid, request.prompt_token_ids)
         request.finished(reason, self.kv.block_ids(rid), now, prompt_keys=keys)
-        if request.status is RequestStatus.FINISHED:
-            self.kv.free(request.request_id)
-        detail = {"reason": reason, "output_tokens": len(request.output_token_ids)}
-        self._log.emit(EventKind.FINISH, detail, request_id=request.request_id, tokens=len(request.output_token_ids))
+        self._end(request)
+
+    def stop_request(self, request: Request, status: RequestStatus, reason: str) -> None:
+        """End a waiting or running request unfinished (`status` FAILED or ABORTED); its blocks are freed.
+
+        Raises:
+            ValueError: a request that is neither waiting nor running, or a status that is not such an
+                end; nothing changes.
+        """
+        rid = request.request_id
+        if request in self.running:
+            queue = self.running
+        elif request in self.waiting:
+            queue = self.waiting
+        else:
+            raise ValueError(f"request {rid!r} is {request.status.value}: neither waiting nor running")
+        tables = self.kv.block_ids(rid) if self.kv.has_table(rid) else {}
+        request.stopped(status, reason, tables, time.time())  # raises on a wrong status, before any change
+        queue.remove(request)
+        self._end(request)
+
+    def _end(self, request: Request) -> None:
+        """What every end shares, after the request's own transition: its blocks are freed unless it is
+        retained, and a FINISH event records how it ended (its status and reason)."""
+        rid = request.request_id
+        if request.status is not RequestStatus.RETAINED and self.kv.has_table(rid):
+            self.kv.free(rid)
+        num_output = len(request.output_token_ids)
+        detail = {"reason": request.finish_reason, "output_tokens": num_output, "status": request.status.value}
+        self._log.emit(EventKind.FINISH, detail, request_id=rid, tokens=num_output)

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from engine.events import EventKind, EventLog
-from engine.request import ReplayMode, Request
+from engine.request import ReplayMode, Request, RequestStatus
 
 if TYPE_CHECKING:
     from engine.model_runner import ModelRunner
@@ -68,9 +68,10 @@ class ReplayVerifier:
                 self._logits.setdefault(request.request_id, []).append(row.cpu())
 
     def verify(self, request: Request) -> None:
-        """For a finished request with captured logits: compare them with a from-scratch forward."""
+        """For a finished request with captured logits: compare them with a from-scratch forward. A
+        request that ended unfinished (failed, aborted) only has its logits dropped."""
         recorded = self._logits.pop(request.request_id, None)
-        if not recorded:
+        if not recorded or request.status not in (RequestStatus.FINISHED, RequestStatus.RETAINED):
             return
         # After a preemption the last sampled positions were sampled again: the final rows are the outputs'.
         n = min(len(recorded), len(request.output_token_ids))

@@ -11,7 +11,7 @@ from app.frames import HOLDING, align_tables, block_category, block_counts
 from app.hosting import get_host
 from app.prompting import decode, token_pieces
 from app.scenario import ScenarioError, ScenarioRun, SharingScenario
-from app.ui import REFRESH_S, SLOW_REFRESH_S, age, fmt_clock, fmt_time, kept, read_history
+from app.ui import REFRESH_S, SLOW_REFRESH_S, age, fmt_clock, fmt_time, kept, read_history, wait_for_history
 from storage import queries
 
 LARGE_POOL = 4096  # pools above this refresh less often
@@ -157,6 +157,7 @@ highlight = c[2].selectbox(
     help="Outlines in blue the blocks its table holds",
 )
 interval = (REFRESH_S * 2 if num_blocks <= LARGE_POOL else REFRESH_S * 5) if live else None
+wait_for_history(host)  # what this operator just did (a finished request, a reset) is in before the page reads
 run_ids = read_history(lambda db: queries.runs(db, limit=50)["id"].tolist(), host.db) or []
 if console.run_id not in run_ids:
     run_ids.insert(0, console.run_id)

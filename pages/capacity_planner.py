@@ -12,7 +12,7 @@ from analysis.samples import SAMPLES
 from app.hosting import get_host
 from app.planner import MAX_UPLOAD_BYTES, REASONS, JobState, PlannerJob, PlannerRequest, curve_frame, read_upload
 from app.planner_charts import miss_ratio_curves
-from app.ui import kept, read_history
+from app.ui import kept, read_history, wait_for_history
 from storage import queries
 
 SOURCES = ("Sample", "Upload", "This console's history")
@@ -59,6 +59,7 @@ elif source == "Upload":
                 return read_upload(data)
 
 else:
+    wait_for_history(host)  # the requests this operator just ran are stored before the page reads them
     runs = read_history(queries.runs, host.db, limit=500)
     if runs is not None and not runs.empty:
         labels = {run.id: f"{run.id} · {run.model} · {run.num_blocks}×{run.block_size}" for run in runs.itertuples()}

@@ -11,7 +11,7 @@ import streamlit as st
 
 from app import charts
 from app.hosting import get_host
-from app.ui import fmt_duration, fmt_time, kept, read_history
+from app.ui import fmt_duration, fmt_time, kept, read_history, wait_for_history
 from engine.events import EvictReason
 from storage import queries
 from storage.queries import EvictionFilters
@@ -26,6 +26,7 @@ state = st.session_state
 st.title("Evictions")
 st.caption("Every block that lost its key, persisted by the history writer: this run and earlier ones.")
 st.button("Refresh", key="evict_refresh")
+wait_for_history(host)  # what this operator just did (a reset, a release) is in before the page reads
 
 runs = read_history(queries.runs, host.db, limit=500)
 if runs is None:

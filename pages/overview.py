@@ -10,7 +10,7 @@ import streamlit as st
 from app import charts
 from app.frames import Headline, headline, history_frame
 from app.hosting import get_host
-from app.ui import REFRESH_S, SLOW_REFRESH_S, fmt_duration, kept, read_history
+from app.ui import REFRESH_S, SLOW_REFRESH_S, fmt_duration, kept, read_history, wait_for_history
 from engine.snapshot import PoolStats
 from storage import queries
 
@@ -117,14 +117,16 @@ def headline_numbers() -> None:
 
     writer = host.writer_stats()
     st.subheader("History writer")
-    c = st.columns(5)
-    c[0].metric("Rows dropped", f"{writer.dropped:,}", help="Rows that will never be written (queue full, batch given up)")
+    c = st.columns(7)
+    c[0].metric("Rows dropped", f"{writer.dropped:,}", help="Rows that will never be written (queue full, batch given up, writer process killed)")
     c[1].metric("Failed batches", f"{writer.failed_batches:,}")
     c[2].metric("Queued rows", f"{writer.queued:,}")
-    c[3].metric("Events written", f"{writer.written_events:,}")
-    c[4].metric("Retrying", "yes" if writer.retrying else "no")
+    c[3].metric("History lag", fmt_duration(writer.lag_s), help="Age of the oldest row handed to the writer and not yet written (0 when none)")
+    c[4].metric("Events written", f"{writer.written_events:,}")
+    c[5].metric("Retrying", "yes" if writer.retrying else "no")
+    c[6].metric("Writer restarts", f"{writer.restarts:,}", help="Writer processes started again after one exited unexpectedly")
     if writer.last_error:
-        st.caption(f"Last database error: `{writer.last_error}`")
+        st.caption(f"Last writer error: `{writer.last_error}`")
     if console.listener_errors:
         st.error(f"{console.listener_errors} engine-listener calls failed; see the server log.")
 
@@ -161,6 +163,7 @@ bucket = st.select_slider("Bucket", options=[10, 60, 300, 3600], format_func=fmt
 @st.fragment(run_every=SLOW_REFRESH_S)
 def stored_hit_rate() -> None:
     run_id = host.console.run_id if scope == "This run" else None
+    wait_for_history(host)
     frame = read_history(queries.hit_rate_over_time, host.db, bucket_seconds=float(bucket), run_id=run_id)
     if frame is None:
         return

@@ -12,7 +12,7 @@ import streamlit as st
 from sqlalchemy import make_url
 
 from app.hosting import get_host
-from app.ui import fmt_duration, fmt_time
+from app.ui import expect_in_history, fmt_duration, fmt_time
 from engine.config import DTYPES, MAX_BATCHED_TOKENS, MAX_BLOCK_SIZE, MAX_NUM_BLOCKS, EngineConfig
 from engine.eviction import EvictionPolicyName
 from engine.kv_memory import kv_bytes_per_block
@@ -101,12 +101,13 @@ writer = host.writer_stats()
 st.caption(
     f"writer: {writer.written_events:,} events and {writer.written_requests:,} request records written in "
     f"{writer.written_batches:,} transactions · {writer.queued:,} rows queued · {writer.dropped:,} dropped · "
-    f"{writer.failed_batches:,} failed batches · {writer.pruned_rows:,} pruned by retention"
+    f"{writer.failed_batches:,} failed batches · {writer.pruned_rows:,} pruned by retention · lag "
+    f"{fmt_duration(writer.lag_s)} · {writer.restarts:,} writer restarts"
 )
 if host.schema_error:
     st.error(f"Schema upgrade failed at start: {host.schema_error}")
 if writer.last_error:
-    st.warning(f"Last database error: {writer.last_error}")
+    st.warning(f"Last writer error: {writer.last_error}")
 
 # ---------------------------------------------------------------- reset
 st.subheader("Reset the prefix cache")
@@ -123,6 +124,7 @@ else:
     c = st.columns([1, 1, 4])
     if c[0].button("Confirm reset", type="primary", key="settings_reset_confirm"):
         result = engine.reset_cache()
+        expect_in_history(host, "the reset's evictions")
         state.pop("settings_confirm")
         if result.ok:
             flash("success", f"Prefix cache reset: {result.dropped_blocks:,} blocks evicted; the cache is empty.")
@@ -222,7 +224,8 @@ if state.get("settings_confirm") == "restart" and "settings_pending" in state:
         f"Restart the shared engine as **{new.model}**, {new.num_blocks:,} blocks × {new.block_size} tokens, "
         f"{new.dtype} on {new.device}, {new.eviction_policy.value} eviction"
         + (f" (about {needed / 2**20:,.0f} MiB of KV)" if needed is not None else "")
-        + "? Every request and cached block is dropped for every operator."
+        + "? For every operator: unfinished requests end aborted, retained ones are released and the cache "
+        "starts empty."
     )
     c = st.columns([1, 1, 4])
     if c[0].button("Confirm restart", type="primary", key="settings_restart_confirm"):
@@ -234,6 +237,7 @@ if state.get("settings_confirm") == "restart" and "settings_pending" in state:
         except Exception as exc:  # the old engine keeps serving; say why the new one did not start
             flash("error", f"Restart failed, the previous engine keeps running: {exc}")
         else:
+            expect_in_history(host, f"the new run {restarted.run_id}")
             flash("success", f"Engine restarted: run {restarted.run_id}, {restarted.engine.num_blocks:,} blocks.")
         st.rerun()
     if c[1].button("Cancel", key="settings_restart_cancel"):

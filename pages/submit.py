@@ -8,11 +8,13 @@ import streamlit as st
 from app.frames import HOLDING, requests_frame
 from app.hosting import get_host
 from app.prompting import CHAT, MODES, PRESETS, TEXT, TOKEN_IDS, decode, encode_prompt, parse_suffixes, token_pieces
-from app.ui import REFRESH_S, fmt_duration, kept
+from app.ui import REFRESH_S, expect_in_history, fmt_duration, kept
 from engine.config import MAX_NEW_TOKENS
 from engine.engine import RequestRejected
 from engine.prompts import first_divergence
 from engine.request import SamplingParams
+
+DONE = ("retained", "finished", "released", "rejected", "failed", "aborted")  # statuses whose record is final (until a release)
 
 host = get_host()
 console = host.console
@@ -260,6 +262,10 @@ def live_output() -> None:
         except KeyError:
             continue
         done = len(view.output_token_ids)
+        recorded = st.session_state.setdefault("submit_recorded", set())  # (run, request) seen done here
+        if view.status in DONE and (console.run_id, rid) not in recorded:
+            recorded.add((console.run_id, rid))  # its final record is with the writer now
+            expect_in_history(host, f"{rid}'s record")
         with st.container(border=True):
             st.markdown(f"**{rid}** · `{view.status}`" + (f" ({view.finish_reason})" if view.finish_reason else ""))
             st.progress(min(1.0, done / view.max_new_tokens), text=f"{done}/{view.max_new_tokens} new tokens")
@@ -285,6 +291,7 @@ def release_picked() -> None:
     except ValueError as exc:
         state["submit_release_outcome"] = ("error", f"Not released: {exc}")
     else:
+        expect_in_history(host, f"the release of {rid}")
         state["submit_release_outcome"] = (
             "success", f"Released {rid}: its blocks return to the pool (cached blocks stay for hits).",
         )  # fmt: skip

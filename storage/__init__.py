@@ -10,10 +10,12 @@ Imports no Streamlit and no torch, and from the engine only the types it persist
     rows        engine Events and RequestViews -> table rows (the only code that knows engine field
                 names); the writers' input checks.
     writer      `EventWriter`: the single writer (a thread that batches, retries, counts and prunes).
+    progress    a writer process's committed totals, saved in its own transactions (exact counts after a crash).
     bulk        a batch's inserts and upserts, per dialect: bulk_sqlite (one statement over a JSON
                 array), bulk_postgres (COPY, ON CONFLICT), executemany elsewhere.
     writer_process  `WriterProcess`: the same interface, with the EventWriter in a child process (what
                 the console and the CLI use: the database work never shares the engine's interpreter).
+    writer_child  that child (`python -m storage.writer_child`): an EventWriter fed from a pipe.
     recorder    `record_engine(engine, writer)`, `persistence_listener(writer)`: an engine's listener.
     frame_pipe  `FramePipe`: length-prefixed frames into a pipe without ever blocking the writer.
     rollups     per-minute eviction aggregates kept equal to the log.
@@ -34,11 +36,19 @@ Engine side (never blocks on the database; nothing is lost without being counted
     writer.record_requests(views)                   # engine.snapshot.RequestViews; one upsert per request per
                                                     #   batch (latest wins). Anything else: TypeError at the call
     writer.stats()                                  # WriterStats: queued, written_*, dropped, failed_batches,
-                                                    #   retries, retrying, last_error, schema_ready, pruned_rows
-    writer.flush(timeout_s=None) -> bool            # wait until everything queued so far is written or dropped
-                                                    #   (a batch otherwise gathers rows for up to 0.5 s, and a
-                                                    #   WriterProcess holds them up to 0.5 s before sending)
-    writer.close(timeout_s=30.0) -> bool            # stop the run, drain, stop the thread (and process)
+                                                    #   retries, retrying, last_error, schema_ready, pruned_rows,
+                                                    #   lag_s (oldest unwritten row's age), done_mark, restarts
+    mark = writer.mark()                            # names every row handed over so far (read-your-writes)
+    writer.wait(mark, timeout_s=None) -> bool       # hurry those rows, wait until written or dropped
+    writer.flush(timeout_s=None) -> bool            # wait(mark()): everything queued so far (a batch otherwise
+                                                    #   gathers rows for up to 0.5 s; a WriterProcess holds them
+                                                    #   up to 0.5 s, or 512 events, before sending)
+    writer.close(timeout_s=30.0) -> bool            # stop the run, drain, stop the thread (and process); a
+                                                    #   failing batch is given up at the timeout, and counted
+
+Faults (storage.writer, storage.writer_process): a locked, full, read-only or unreachable database is
+retried for `WriterOptions.retry_for_s` (120 s) while rows wait in bounded queues, then counted as dropped;
+a killed writer process is replaced and its uncommitted rows counted exactly; the engine never waits.
 
 Console side (`db` is an Engine, Connection or Session; times are epoch seconds):
 

@@ -10,6 +10,8 @@ Tables:
                eviction charts read thousands of rows instead of millions.
     fleet_sources, fleet_events, fleet_blocks, fleet_evictions  what KV-event collectors saw of vLLM /
                SGLang servers (revision 0006; see "Fleet" below).
+    writer_progress  per writer process: the rows it has committed so far, updated in every one of its
+               transactions, so a writer started after a crash knows exactly what its predecessor wrote.
 
 Invariants:
     * Times are float seconds since the epoch, so bucketing is plain arithmetic on every backend.
@@ -18,6 +20,8 @@ Invariants:
     * Strings are unbounded (VARCHAR without a length on PostgreSQL): an engine value that outgrew a
       length would otherwise fail its whole batch, or block a run row forever.
     * Every row but a run's belongs to a run (foreign key to ``runs.id``).
+    * After every commit of a writer process, its ``writer_progress`` row counts exactly the event rows
+      and request records it has committed (storage.progress).
     * ``requests.block_keys`` and ``content_keys`` are NULL or hold ``prompt_tokens // runs.block_size``
       keys of 16 bytes each, set together when the request finished.
     * After every commit, each ``eviction_rollups`` row equals the aggregate of the ``evictions`` rows
@@ -183,6 +187,17 @@ class EvictionRollup(Base):
     )
 
 
+class WriterProgress(Base):
+    """What one `WriterProcess` has committed so far, across the child processes it started (revision 0005)."""
+
+    __tablename__ = "writer_progress"
+
+    writer_id: Mapped[str] = mapped_column(String, primary_key=True)  # random, one per WriterProcess
+    written_events: Mapped[int] = mapped_column(BigInteger)  # event rows committed
+    written_requests: Mapped[int] = mapped_column(BigInteger)  # request records committed (coalesced ones too)
+    updated_at: Mapped[float] = mapped_column(Double, index=True)  # epoch seconds of the last commit; retention
+
+
 # Core tables, for the writer's bulk statements, the queries, retention and rollups (one definition each).
 RUNS = Run.__table__
 REQUESTS = RequestRecord.__table__
@@ -190,6 +205,7 @@ EVENTS = EventRecord.__table__
 EVICTIONS = Eviction.__table__
 PRUNES = Prune.__table__
 ROLLUPS = EvictionRollup.__table__
+PROGRESS = WriterProgress.__table__
 
 # The `events` columns the writer fills, in the order of its row tuples (storage.rows.event_values).
 EVENT_COLUMNS = ("run_id", "step", "time", "kind", "request_id", "block_id", "tokens", "detail")

@@ -2,7 +2,8 @@
 
 Invariants:
     * Only rows older than the age limit, or beyond the newest `max_*` rows (by id, i.e. insertion
-      order), are deleted; runs are never deleted.
+      order), are deleted; runs are never deleted. A `writer_progress` row goes once its writer has not
+      committed for that long (a writer that is still running saves it again with its next commit).
     * Deleting evictions keeps `eviction_rollups` equal to the log (see storage.rollups).
     * Deletions run in chunks of `chunk_rows`, one short transaction each, so readers and the next
       write batch never wait behind one huge delete.
@@ -28,6 +29,7 @@ from storage.models import (
     FLEET_EVENTS,
     FLEET_EVICTIONS,
     FLEET_SOURCES,
+    PROGRESS,
     PRUNES,
     REQUESTS,
 )
@@ -39,7 +41,7 @@ SECONDS_PER_DAY = 86_400.0
 class RetentionPolicy:
     """How much history to keep. None disables a bound."""
 
-    max_age_days: float | None = 30.0  # events, evictions, requests and prune logs older than this go
+    max_age_days: float | None = 30.0  # events, evictions, requests, prune logs, idle writers' progress
     max_events: int | None = 5_000_000  # newest events rows kept
     max_evictions: int | None = 1_000_000  # newest evictions rows kept
     max_fleet_events: int | None = 5_000_000  # newest fleet_events rows kept (max_age_days applies too)
@@ -68,6 +70,7 @@ def prune(engine: Engine, policy: RetentionPolicy, now: float) -> list[PruneResu
             (EVICTIONS, EVICTIONS.c.time),
             (REQUESTS, REQUESTS.c.arrival_time),
             (PRUNES, PRUNES.c.time),
+            (PROGRESS, PROGRESS.c.updated_at),
         )
         for table, time_column in aged:
             deleted = _delete_chunked(engine, table, time_column < cutoff, time_column, policy.chunk_rows)

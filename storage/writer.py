@@ -8,13 +8,19 @@ Contract with the engine thread:
       and counted in `stats().dropped`.
     * The writer thread gathers a batch for up to `batch_interval_s` after its first item (or until
       `batch_rows`), so a request updated on every step is upserted once per batch, its latest view
-      winning. `flush` and `close` cut the wait short.
+      winning. `flush` and `wait` cut the wait short.
     * One `submit()` call of at most `WriterOptions.item_rows` events is written in one transaction,
       together with the `evictions` rows of its EVICT events: a crash loses whole calls, never part
       of one. Longer calls are split into items of that size, each atomic.
-    * Nothing is lost silently. A batch that fails is retried with exponential backoff, at most
-      `max_attempts` times; a batch given up is counted (`failed_batches`, `dropped`) and the error kept
-      in `last_error`. The engine keeps serving throughout; the writer recovers when the database does.
+    * Read-your-writes: `mark()` names everything handed over so far; `wait(mark, timeout_s)` hurries
+      those rows and returns once they are written or dropped. `stats().done_mark` is the newest mark
+      reached, `stats().lag_s` the age of the oldest row not yet written or dropped.
+    * Nothing is lost silently. A batch that fails with a transient error (locked, busy, full, read-only,
+      unreachable) is retried with exponential backoff for up to `retry_for_s`; meanwhile new rows wait in
+      the bounded queue. A batch given up (or failing with bad data) is counted (`failed_batches`,
+      `dropped`) and the error kept in `last_error`. The engine keeps serving throughout; the writer
+      recovers when the database does: a lock or an outage shorter than `retry_for_s` loses nothing
+      as long as the queue holds what arrives meanwhile.
     * Eviction rollups are updated in the transaction that inserts their evictions.
     * A run row is never dropped: it stays pending, and goes into every write transaction until one
       commits, so the rows of that run always find their run.
@@ -23,6 +29,9 @@ Contract with the engine thread:
       written by their own bulk function `write(connection, [rows, ...])` in the batch's transaction.
       Unlike the engine, such a producer may wait for room in the queue (`wait=True`) instead of
       dropping: it can be slowed down, and what its sources send meanwhile is theirs to buffer.
+    * With a `progress_key` (a WriterProcess's child), every transaction also saves the writer's running
+      totals (storage.progress), and the counters start from the totals saved under that key: the
+      `written_*` counts are then those of every writer that ran under the key.
 
 Only the writer thread touches the database; it also applies the retention policy every
 `prune_interval_s` seconds. The rows of a batch go in through storage.bulk, which picks each dialect's
@@ -38,8 +47,9 @@ import queue
 import secrets
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
-from dataclasses import asdict, dataclass, field
+from collections import deque
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field, replace
 from datetime import UTC, datetime
 from typing import Any
 
@@ -48,7 +58,7 @@ from sqlalchemy.exc import DBAPIError, OperationalError
 
 from engine.events import Event
 from engine.snapshot import RequestView
-from storage import bulk, migrate, rollups
+from storage import bulk, migrate, progress, rollups
 from storage.db import DEFAULT_BUSY_TIMEOUT_MS, db_engine
 from storage.models import EVICTION_ROW_COLUMNS, EVICTIONS, RUNS
 from storage.retention import RetentionPolicy, prune
@@ -84,14 +94,15 @@ class WriterOptions:
     queue_items: int = 2048  # queue bound, in items (one item = one submit chunk or one request call)
     item_rows: int = 512  # most events per item; a submit() of at most this many is atomic
     batch_rows: int = 5000  # rows gathered into one transaction (whole items; may exceed by one item)
-    batch_interval_s: float = 0.5  # a batch waits this long after its first item for more (flush cuts it)
-    max_attempts: int = 5  # tries per batch before it is given up and counted as dropped
+    batch_interval_s: float = 0.5  # a batch waits this long after its first item for more (wait cuts it)
+    retry_for_s: float = 120.0  # a batch failing with transient errors is retried this long, then dropped
     first_backoff_s: float = 0.05  # wait after the first failure; doubles per failure
     max_backoff_s: float = 2.0  # cap on that wait
     busy_timeout_ms: int = DEFAULT_BUSY_TIMEOUT_MS  # per statement wait for another writer's lock
     prune_interval_s: float = 60.0  # retention runs this often (and once right after start)
     retention: RetentionPolicy = field(default_factory=RetentionPolicy)
     poll_s: float = 0.2  # idle wake-up period of the writer thread
+    child_niceness: int = 0  # a WriterProcess's child runs at this nice value (see storage.writer_process)
 
 
 @dataclass(frozen=True)
@@ -110,27 +121,35 @@ class WriterStats:
     schema_ready: bool  # migrations applied; nothing is written before
     pruned_rows: int  # rows deleted by retention
     written_other: int = 0  # rows handed in through `submit_rows` (the fleet's), as their producers count them
+    lag_s: float = 0.0  # age of the oldest row handed over and not yet written or dropped (0: none)
+    done_mark: int = 0  # every row handed over before `mark()` returned at most this is written or dropped
+    restarts: int = 0  # writer processes started again after one exited unexpectedly (WriterProcess)
 
 
 @dataclass(frozen=True)
 class _Item:
     """One unit of the queue, written whole or not at all. An empty item only wakes the thread."""
 
-    seq: int  # order of submission; `flush` waits on it
+    seq: int  # order of submission; `mark` and `wait` name it
     run_id: str | None = None  # the run its rows belong to
     events: EncodedEvents | None = None  # at most `item_rows` events, written in one transaction
     requests: tuple[RequestView, ...] = ()
     rows: Any = None  # another producer's row set (`submit_rows`), written by `write_rows`
     write_rows: RowWriter | None = None  # its bulk function
     num_other: int = 0  # rows in `rows`, as its producer counts them
+    superseded: int = 0  # earlier records of these requests that `requests` replaced (counted with them)
 
     @property
     def num_events(self) -> int:
         return 0 if self.events is None else self.events.count
 
     @property
+    def num_requests(self) -> int:
+        return len(self.requests) + self.superseded
+
+    @property
     def num_rows(self) -> int:
-        return self.num_events + len(self.requests) + self.num_other
+        return self.num_events + self.num_requests + self.num_other
 
 
 @dataclass
@@ -160,13 +179,18 @@ def new_run_id(started_at: float) -> str:
 class EventWriter:
     """The one writer of the history database. See the module docstring for its contract."""
 
-    def __init__(self, url: str, options: WriterOptions | None = None) -> None:
+    def __init__(self, url: str, options: WriterOptions | None = None, progress_key: str | None = None) -> None:
         """Start the writer thread for `url` (any SQLAlchemy URL; see `storage.db.default_db_url`).
 
         The thread first upgrades the schema (retrying while the database is unavailable); nothing
         here touches the database, so a bad or unreachable database shows up in `stats()`.
+
+        Args:
+            progress_key: save the running totals under this key in every transaction, and start from
+                the totals saved under it (storage.progress; a WriterProcess passes its id).
         """
         self._options = options or WriterOptions()
+        self._progress_key = progress_key
         self._engine = db_engine(url, busy_timeout_ms=self._options.busy_timeout_ms)
         self._queue: queue.Queue[_Item] = queue.Queue(maxsize=self._options.queue_items)
         self._lock = threading.Lock()
@@ -177,8 +201,10 @@ class EventWriter:
         self._current_run: str | None = None
         self._last_seq = 0  # the newest item put into the queue
         self._done_seq = 0  # the newest item written or dropped by the thread
-        self._hurry_seq = 0  # a flush waits for this item: batches stop waiting for more until it is done
+        self._hurry_seq = 0  # a waiter waits for this item: batches stop waiting for more until it is done
+        self._waiting: deque[tuple[int, float]] = deque()  # (seq, monotonic time queued) of items with rows
         self._closing = threading.Event()
+        self._close_deadline = float("inf")  # monotonic time after which failing batches are no longer retried
         self._thread = threading.Thread(target=self._run, name="storage-writer", daemon=True)
         self._thread.start()
 
@@ -197,6 +223,20 @@ class EventWriter:
         self._enqueue(lambda seq: _Item(seq))
         return run_id
 
+    def restore_runs(self, runs: Mapping[str, tuple[RunInfo, float | None]]) -> None:
+        """Record runs that an earlier writer may not have committed: run id -> (info, stopped_at or None).
+
+        Each run row is inserted unless it is there, each stop time written again; the last run is the
+        current one. A WriterProcess's replacement child starts with this.
+        """
+        with self._lock:
+            for run_id, (info, stopped_at) in runs.items():
+                self._pending_runs[run_id] = {"id": run_id, "stopped_at": None, **asdict(info)}
+                if stopped_at is not None:
+                    self._pending_stops[run_id] = stopped_at
+                self._current_run = run_id
+        self._enqueue(lambda seq: _Item(seq))
+
     def submit(self, events: Sequence[Event]) -> None:
         """Queue events of the current run; EVICT events also become eviction-log rows.
 
@@ -204,21 +244,27 @@ class EventWriter:
             RuntimeError: no run was started.
             TypeError: an element is not an `engine.events.Event` (nothing is queued).
         """
-        self._require_run()
+        run_id = self._require_run()
         checked_events(events)
         size = self._options.item_rows
         for start in range(0, len(events), size):
-            self.submit_encoded(encode_events(events[start : start + size]))
+            encoded = encode_events(events[start : start + size])
+            self._enqueue(lambda seq, part=encoded: _Item(seq, run_id, events=part), encoded.count)
 
-    def submit_encoded(self, events: EncodedEvents) -> None:
-        """Queue events of the current run that `encode_events` encoded, as one atomic item.
+    def submit_frame(self, events: EncodedEvents, views: tuple[RequestView, ...], superseded: int) -> bool:
+        """Queue rows of the current run as one atomic item: encoded events (`encode_events`), request
+        views (at most one per request) and the number of earlier records of those requests that the
+        views replaced (counted as written, or dropped, with them). A WriterProcess's child calls it.
+
+        Returns:
+            False if the rows were dropped at once (the queue was full, or the writer closed).
 
         Raises:
             RuntimeError: no run was started.
         """
         run_id = self._require_run()
-        if events.count:
-            self._enqueue(lambda seq: _Item(seq, run_id, events=events), events.count)
+        item = _Item(0, run_id, events if events.count else None, views, superseded=superseded)
+        return self._enqueue(lambda seq: replace(item, seq=seq), item.num_rows)
 
     def record_requests(self, views: Iterable[RequestView]) -> None:
         """Queue request views of the current run (upserted by (run_id, request_id), the latest wins).
@@ -265,33 +311,58 @@ class EventWriter:
 
     def stats(self) -> WriterStats:
         with self._lock:
-            return WriterStats(**vars(self._counters))
+            lag_s = time.monotonic() - self._waiting[0][1] if self._waiting else 0.0
+            return WriterStats(**vars(self._counters), lag_s=lag_s, done_mark=self._done_seq)
 
-    def flush(self, timeout_s: float | None = None) -> bool:
-        """Wait until everything queued before this call was written or dropped.
+    def mark(self) -> int:
+        """A mark for every row handed over so far (see `wait`)."""
+        with self._lock:
+            return self._last_seq
+
+    def wait(self, mark: int, timeout_s: float | None = None) -> bool:
+        """Write the rows up to `mark` without waiting for more (`hurry`), and wait until they are written
+        or dropped.
 
         Returns:
             False if `timeout_s` passed first. Check `stats()` for what was dropped.
         """
+        self.hurry(mark)
         with self._progress:
-            target = self._last_seq
-            self._hurry_seq = max(self._hurry_seq, target)
+            return self._progress.wait_for(lambda: self._done_seq >= mark or not self._thread.is_alive(), timeout_s)
+
+    def hurry(self, mark: int) -> None:
+        """Write the rows up to `mark` without waiting for more to join their batch."""
+        with self._progress:
+            if self._done_seq >= mark:
+                return
+            self._hurry_seq = max(self._hurry_seq, mark)
         self._enqueue(lambda seq: _Item(seq))  # wakes a batch that is waiting for more items
+
+    def flush(self, timeout_s: float | None = None) -> bool:
+        """Wait until everything queued before this call was written or dropped (`wait(mark())`)."""
+        return self.wait(self.mark(), timeout_s)
+
+    def wait_for_progress(self, done_mark: int, timeout_s: float) -> None:
+        """Return once an item after `done_mark` is done (written or dropped), or after `timeout_s`."""
         with self._progress:
-            return self._progress.wait_for(lambda: self._done_seq >= target or not self._thread.is_alive(), timeout_s)
+            self._progress.wait_for(lambda: self._done_seq > done_mark, timeout_s)
 
     def close(self, timeout_s: float | None = 30.0) -> bool:
         """Mark the current run stopped, write what is queued, stop the thread, release the engine.
 
-        If the database fails while closing, the rest of the queue is dropped (and counted) rather
-        than retried batch by batch. Calls after close are dropped and counted.
+        A batch failing while closing is retried until `timeout_s` has passed (at most `retry_for_s`);
+        then it and the rest of the queue are dropped (and counted) rather than retried batch by batch.
+        Calls after close are dropped and counted. Calling close again waits again (the first deadline stays).
 
         Returns:
-            False if the thread was still working after `timeout_s` (it is a daemon thread).
+            False if the thread was still working after `timeout_s` (it is a daemon thread; it stops
+            within one more attempt).
         """
         with self._lock:
-            if self._current_run is not None:
+            if self._current_run is not None and not self._closing.is_set():
                 self._pending_stops[self._current_run] = time.time()
+            if not self._closing.is_set() and timeout_s is not None:
+                self._close_deadline = time.monotonic() + timeout_s
         self._closing.set()
         self._enqueue(lambda seq: _Item(seq))
         self._thread.join(timeout_s)
@@ -308,8 +379,8 @@ class EventWriter:
         return run_id
 
     def _enqueue(self, make_item, num_rows: int = 0, count_drop: bool = True) -> bool:
-        """Queue `make_item(seq)`. Returns False if the queue was full or the writer is gone; the rows are
-        then counted as dropped, unless `count_drop` is False (the caller will try again)."""
+        """Queue the item `make_item(seq)` makes. Returns False if the queue was full or the writer is gone;
+        the rows are then counted as dropped, unless `count_drop` is False (the caller will try again)."""
         with self._lock:
             if self._closing.is_set() and num_rows and not self._thread.is_alive():
                 self._counters.dropped += num_rows
@@ -323,6 +394,8 @@ class EventWriter:
                 return False
             self._last_seq = item.seq
             self._counters.queued += num_rows
+            if num_rows:
+                self._waiting.append((item.seq, time.monotonic()))
             return True
 
     # ---- writer thread -------------------------------------------------------------------------
@@ -349,6 +422,9 @@ class EventWriter:
         while True:
             try:
                 migrate.upgrade(self._engine)
+                if self._progress_key is not None:
+                    with self._engine.connect() as connection:
+                        written = progress.load(connection, self._progress_key)
             except Exception as error:  # the thread must outlive any failure; report it instead
                 self._note_failure(error, retrying=not self._closing.is_set())
                 if self._closing.is_set():
@@ -357,13 +433,16 @@ class EventWriter:
                 backoff = min(backoff * 2, self._options.max_backoff_s)
             else:
                 with self._lock:
+                    if self._progress_key is not None:
+                        self._counters.written_events += written.events
+                        self._counters.written_requests += written.requests
                     self._counters.schema_ready = True
                     self._counters.retrying = False
                 return True
 
     def _next_batch(self) -> list[_Item]:
         """Items for one transaction: what arrives within `batch_interval_s` of the first, up to
-        `batch_rows` rows; only what is queued already while a flush or close is waiting."""
+        `batch_rows` rows; only what is queued already while a waiter or close is waiting."""
         try:
             first = self._queue.get(timeout=self._options.poll_s)
         except queue.Empty:
@@ -386,34 +465,41 @@ class EventWriter:
             return self._closing.is_set() or self._hurry_seq > self._done_seq
 
     def _write(self, items: list[_Item]) -> bool:
-        """Write one batch with bounded retries. Returns False if it was given up."""
+        """Write one batch, retrying transient failures for up to `retry_for_s`. Returns False if it was
+        given up."""
         with self._lock:
             runs = dict(self._pending_runs)
             stops = dict(self._pending_stops)
+            written = progress.Written(
+                self._counters.written_events + sum(item.num_events for item in items),
+                self._counters.written_requests + sum(item.num_requests for item in items),
+            )
         backoff = self._options.first_backoff_s
-        attempt = 1
+        give_up_at = None
         while True:
             try:
                 with self._engine.begin() as connection:
                     _insert_runs(connection, runs)
                     _insert_rows(connection, items)
                     _stop_runs(connection, stops)
+                    if self._progress_key is not None and items:
+                        progress.save(connection, self._progress_key, written)
             except Exception as error:  # the thread must outlive any failure; report it instead
-                retry = _is_transient(error) and attempt < self._options.max_attempts
+                give_up_at = give_up_at or time.monotonic() + self._options.retry_for_s
+                retry = _is_transient(error) and time.monotonic() + backoff < min(give_up_at, self._close_deadline)
                 self._note_failure(error, retrying=retry)
                 if not retry:
                     self._finish(items, runs, stops, written=False)
                     return False
                 time.sleep(backoff)
                 backoff = min(backoff * 2, self._options.max_backoff_s)
-                attempt += 1
             else:
                 self._finish(items, runs, stops, written=True)
                 return True
 
     def _finish(self, items: list[_Item], runs: dict, stops: dict, written: bool) -> None:
         num_events = sum(item.num_events for item in items)
-        num_requests = sum(len(item.requests) for item in items)
+        num_requests = sum(item.num_requests for item in items)
         num_other = sum(item.num_other for item in items)
         with self._progress:
             counters = self._counters
@@ -433,8 +519,7 @@ class EventWriter:
                 counters.dropped += num_events + num_requests + num_other
                 counters.failed_batches += 1
             if items:
-                self._done_seq = items[-1].seq
-            self._progress.notify_all()
+                self._mark_done(items[-1].seq)
 
     def _drop_queued(self) -> None:
         while True:
@@ -445,8 +530,14 @@ class EventWriter:
             with self._progress:
                 self._counters.queued -= item.num_rows
                 self._counters.dropped += item.num_rows
-                self._done_seq = item.seq
-                self._progress.notify_all()
+                self._mark_done(item.seq)
+
+    def _mark_done(self, seq: int) -> None:
+        """Every item up to `seq` is written or dropped (the lock held)."""
+        self._done_seq = seq
+        while self._waiting and self._waiting[0][0] <= seq:
+            self._waiting.popleft()
+        self._progress.notify_all()
 
     def _prune(self) -> None:
         try:

@@ -15,6 +15,7 @@ import sys
 import time
 import urllib.request
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -43,6 +44,34 @@ def require_chromium() -> None:
     pytest.skip(message)
 
 
+@dataclass(frozen=True)
+class ConsoleServer:
+    """A running `streamlit run app`."""
+
+    url: str  # http://127.0.0.1:PORT
+    pid: int  # its process
+
+
+def open_connections(server: ConsoleServer) -> int:
+    """Established TCP connections to the server's port that its process holds now (Linux: /proc)."""
+    inodes = set()
+    for fd in os.listdir(f"/proc/{server.pid}/fd"):
+        try:
+            target = os.readlink(f"/proc/{server.pid}/fd/{fd}")
+        except OSError:  # closed meanwhile
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[len("socket:[") : -1])
+    port = f"{int(server.url.rsplit(':', 1)[1]):04X}"
+    count = 0
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            fields = line.split()  # sl, local address:port, remote address:port, state, ..., inode at 9
+            if fields[1].endswith(f":{port}") and fields[3] == "01" and fields[9] in inodes:  # 01: ESTABLISHED
+                count += 1
+    return count
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -50,22 +79,26 @@ def free_port() -> int:
 
 
 @pytest.fixture
-def console_server(tmp_path: Path) -> Iterator[str]:
-    """`streamlit run app` on a free loopback port; yields its URL."""
-    with serve_console(tmp_path) as url:
-        yield url
+def console_server(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[ConsoleServer]:
+    """`streamlit run app` on a free loopback port: a pool of 24 blocks of 16, or as many blocks as an
+    indirect parameter says."""
+    with serve_console(tmp_path, num_blocks=getattr(request, "param", 24)) as server:
+        yield server
 
 
 @contextlib.contextmanager
-def serve_console(tmp_path: Path, extra_env: dict[str, str] | None = None) -> Iterator[str]:
-    """`streamlit run app` on a free loopback port with `extra_env` added to its environment; yields its URL."""
+def serve_console(
+    tmp_path: Path, extra_env: dict[str, str] | None = None, num_blocks: int = 24
+) -> Iterator[ConsoleServer]:
+    """`streamlit run app` on a free loopback port, a pool of `num_blocks` blocks of 16, with `extra_env`
+    added to its environment; yields the server."""
     require_chromium()
     ARTIFACTS.mkdir(exist_ok=True)
     port = free_port()
     env = {
         **os.environ,
         "PREFIX_CONSOLE_MODEL": "tiny-chat",
-        "PREFIX_CONSOLE_NUM_BLOCKS": "24",
+        "PREFIX_CONSOLE_NUM_BLOCKS": str(num_blocks),
         "PREFIX_CONSOLE_BLOCK_SIZE": "16",
         "PREFIX_CONSOLE_DEVICE": "cpu",
         "PREFIX_CONSOLE_DB_URL": f"sqlite:///{tmp_path / 'history.sqlite'}",
@@ -94,7 +127,7 @@ def serve_console(tmp_path: Path, extra_env: dict[str, str] | None = None) -> It
             if process.poll() is not None or time.monotonic() > deadline:
                 raise AssertionError(f"streamlit did not start; see {ARTIFACTS / 'browser-server.log'}")
             time.sleep(0.2)
-        yield url
+        yield ConsoleServer(url, process.pid)
     finally:
         process.terminate()
         try:

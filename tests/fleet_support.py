@@ -492,8 +492,8 @@ def fleet_console(tmp_path: Path) -> Iterator[tuple[str, list[VllmPod]]]:
     # Stale after 10 min: the pods publish before the console starts, and nothing here waits for staleness.
     env = {"PREFIX_CONSOLE_FLEET_PODS": spec, "PREFIX_CONSOLE_FLEET_STALE_AFTER_S": "600"}
     try:
-        with serve_console(tmp_path, env) as url:
-            yield url, pods
+        with serve_console(tmp_path, env) as server:
+            yield server.url, pods
     finally:
         for pod in pods:
             pod.close()

@@ -2,7 +2,8 @@
 
 Every test that takes `db_url` runs once per backend. The PostgreSQL server comes from
 $PREFIX_CONSOLE_TEST_PG_URL, else `.ci/start-postgres` starts one for the session; without server
-binaries the postgresql cases fail under CI (CI=true) and are skipped locally.
+binaries the postgresql cases fail under CI (CI=true) and are skipped locally. `postgres_control` stops
+and starts the session's own server (tests that take it skip with an external one).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import subprocess
 import tempfile
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -134,12 +136,39 @@ def postgres_bin_dir() -> Path | None:
     return max(found, key=lambda path: int(path.parts[-2]), default=None)
 
 
+@dataclass(frozen=True)
+class ThrowawayPostgres:
+    """The server `.ci/start-postgres` started for this session, which tests may stop and start again."""
+
+    url: str
+    directory: Path  # holds data/ and the server's socket; the script's DIR
+    bin_dir: Path
+
+    def stop(self) -> None:
+        """Stop the server (fast shutdown: open connections are cut, as in a crash of the server)."""
+        self._pg_ctl("stop", "-m", "fast")
+
+    def start(self) -> None:
+        """Start it again, as the script did: same port, socket directory and log."""
+        port = make_url(self.url).port
+        options = f"-c listen_addresses=127.0.0.1 -p {port} -k {self.directory}"
+        self._pg_ctl("start", "-w", "-t", "60", "-l", str(self.directory / "server.log"), "-o", options)
+
+    def is_running(self) -> bool:
+        return self._pg_ctl("status", check=False).returncode == 0
+
+    def _pg_ctl(self, *args: str, check: bool = True) -> subprocess.CompletedProcess:
+        command = [str(self.bin_dir / "pg_ctl"), "-D", str(self.directory / "data"), *args]
+        if os.geteuid() == 0:  # the server runs as `postgres` (initdb refuses root)
+            command = ["runuser", "-u", "postgres", "--", *command]
+        return subprocess.run(command, capture_output=True, text=True, timeout=90, check=check)
+
+
 @pytest.fixture(scope="session")
-def postgres_server() -> Iterator[str]:
-    """URL of a PostgreSQL server: $PREFIX_CONSOLE_TEST_PG_URL, else one started for this session."""
-    url = os.environ.get(PG_URL_ENV)
-    if url:
-        yield url
+def throwaway_postgres() -> Iterator[ThrowawayPostgres | None]:
+    """The session's own PostgreSQL server, or None when $PREFIX_CONSOLE_TEST_PG_URL names one."""
+    if os.environ.get(PG_URL_ENV):
+        yield None
         return
     bin_dir = postgres_bin_dir()
     if bin_dir is None:
@@ -154,21 +183,36 @@ def postgres_server() -> Iterator[str]:
     if started.returncode != 0:
         shutil.rmtree(directory, ignore_errors=True)
         pytest.fail(f".ci/start-postgres failed: {started.stderr}")
+    server = ThrowawayPostgres(started.stdout.split()[-1], directory, bin_dir)
     try:
-        yield started.stdout.split()[-1]
+        yield server
     finally:
-        stop = [str(bin_dir / "pg_ctl"), "-D", str(directory / "data"), "stop", "-m", "fast"]
-        if os.geteuid() == 0:
-            stop = ["runuser", "-u", "postgres", "--", *stop]
-        subprocess.run(stop, capture_output=True, timeout=60)
+        if server.is_running():
+            server.stop()
         shutil.rmtree(directory, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def postgres_server(throwaway_postgres: ThrowawayPostgres | None) -> str:
+    """URL of a PostgreSQL server: $PREFIX_CONSOLE_TEST_PG_URL, else one started for this session."""
+    return os.environ[PG_URL_ENV] if throwaway_postgres is None else throwaway_postgres.url
+
+
+@pytest.fixture
+def postgres_control(throwaway_postgres: ThrowawayPostgres | None, postgres_server: str) -> Iterator[ThrowawayPostgres]:
+    """The session's server, for a test that stops it; running again after the test, whatever happened."""
+    if throwaway_postgres is None:
+        pytest.skip(f"${PG_URL_ENV} names an external server, which tests do not stop")
+    yield throwaway_postgres
+    if not throwaway_postgres.is_running():
+        throwaway_postgres.start()
 
 
 @pytest.fixture(scope="session")
 def postgres_database(postgres_server: str) -> Iterator[str]:
     """URL of a database created on the server for this test session, dropped at its end."""
     name = f"prefix_console_test_{secrets.token_hex(4)}"
-    admin = create_engine(postgres_server, isolation_level="AUTOCOMMIT")
+    admin = create_engine(postgres_server, isolation_level="AUTOCOMMIT", pool_pre_ping=True)  # survives restarts
     with admin.connect() as connection:
         connection.execute(text(f'CREATE DATABASE "{name}"'))  # a generated identifier: DDL takes no parameters
     try:
@@ -184,13 +228,42 @@ def db_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
     """An empty database: a SQLite file, or a fresh schema in the session's PostgreSQL database."""
     if request.param == "sqlite":
         return f"sqlite:///{tmp_path / 'history.sqlite'}"
-    url = request.getfixturevalue("postgres_database")
-    engine = create_engine(url, isolation_level="AUTOCOMMIT")
+    return request.getfixturevalue("postgres_url")
+
+
+@pytest.fixture
+def postgres_url(postgres_database: str) -> str:
+    """The session's PostgreSQL database with a fresh, empty schema."""
+    engine = create_engine(postgres_database, isolation_level="AUTOCOMMIT")
     with engine.connect() as connection:
         connection.execute(DropSchema("public", cascade=True, if_exists=True))
         connection.execute(CreateSchema("public"))
     engine.dispose()
-    return url
+    return postgres_database
+
+
+@pytest.fixture
+def small_disk(tmp_path: Path) -> Iterator[Path]:
+    """A directory on a 1 MiB tmpfs of its own, to fill up. Mounting needs root: skipped otherwise."""
+    mount_point = tmp_path / "small-disk"
+    mount_point.mkdir()
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=1m,mode=0777", "tmpfs", str(mount_point)], capture_output=True, text=True
+    )
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.strip()}")
+    try:
+        yield mount_point
+    finally:
+        subprocess.run(["umount", "--lazy", str(mount_point)], capture_output=True)
+
+
+def fill_disk(directory: Path, leave_bytes: int) -> Path:
+    """Fill the file system of `directory` up to `leave_bytes` of free space; returns the filler file."""
+    stat = os.statvfs(directory)
+    filler = directory / "filler"
+    filler.write_bytes(b"\0" * max(stat.f_bavail * stat.f_frsize - leave_bytes, 0))
+    return filler
 
 
 @pytest.fixture

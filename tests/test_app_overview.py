@@ -4,15 +4,16 @@ from __future__ import annotations
 
 import time
 
+from app.hosting import HISTORY_INTERVAL_S
 from engine.request import SamplingParams
-from tests.test_app_support import console_env, host, no_exceptions, open_page, wait_idle  # noqa: F401
+from tests.test_app_support import console_env, host, no_exceptions, open_page, wait_for, wait_idle  # noqa: F401
 
 LABELS = [
     "KV usage", "Blocks free", "Blocks cached", "Blocks referenced", "Sharing ratio",
     "Prefix-cache hit rate", "Fork sharing", "Tokens saved", "Prefill time saved", "Replayed tokens",
     "Copy-on-write copies", "Preemptions", "Re-prefill from cache",
     "Evictions / min", "Evictions (total)", "Running", "Waiting", "Retained",
-    "Rows dropped", "Failed batches", "Queued rows", "Events written", "Retrying",
+    "Rows dropped", "Failed batches", "Queued rows", "History lag", "Events written", "Retrying", "Writer restarts",
 ]  # fmt: skip
 
 
@@ -26,7 +27,7 @@ def test_overview_metrics_render_for_an_idle_engine(console_env):
     assert [m.label for m in at.metric] == LABELS
     values = metrics(at)
     assert (values["KV usage"], values["Blocks free"], values["Sharing ratio"]) == ("0.0%", "64", "1.00×")
-    assert (values["Rows dropped"], values["Failed batches"]) == ("0", "0")
+    assert (values["Rows dropped"], values["Failed batches"], values["Writer restarts"]) == ("0", "0", "0")
 
 
 def test_overview_metrics_follow_the_engine(console_env):
@@ -39,7 +40,9 @@ def test_overview_metrics_follow_the_engine(console_env):
     engine.fork(parent, [7, 8], params, retain=True)
     engine.submit(prompt + [9], params)  # a prefix hit on the parent's 4 cached blocks
     wait_idle()
-    time.sleep(0.6)  # one history sample interval: the page adds a second sample
+    history = host().console.history
+    # Once the newest sample is one sample interval old, the page adds a second one (so charts can draw).
+    wait_for(lambda: time.time() - history.samples()[-1][0] >= HISTORY_INTERVAL_S, "a history sample interval")
     at = open_page("overview")
     values = metrics(at)
     stats = engine.stats()

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import time
+import pytest
 
 from engine.request import SamplingParams
 from tests.test_app_support import console_env, errors, host, no_exceptions, open_page, texts, wait_idle  # noqa: F401
@@ -65,9 +65,11 @@ def test_restart_asks_for_confirmation_then_starts_a_new_run(console_env):
     no_exceptions(at)
     new = host().console
     assert new is not old and new.engine.num_blocks == 32 and new.run_id != old.run_id
-    stale = old.engine.submit([5, 6, 7], PARAMS)  # a session still holding the old engine
-    time.sleep(0.5)
-    assert old.engine.get(stale).status == "waiting"  # its loop was stopped
+    with pytest.raises(ValueError, match="takes no new requests: the engine was restarted; reload the page"):
+        old.engine.submit([5, 6, 7], PARAMS)  # a session still holding the old engine is told, not queued
+    fresh = new.engine.submit([5, 6, 7], PARAMS)
+    wait_idle()
+    assert new.engine.get(fresh).status == "finished"
     assert [s.value for s in at.success] == [f"Engine restarted: run {new.run_id}, 32 blocks."]
 
 

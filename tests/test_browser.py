@@ -1,25 +1,32 @@
-"""One real-browser walk through the console: Debian's chromium, driven by Playwright, against
-`streamlit run app` in a subprocess (tiny-chat model, temporary SQLite history, 127.0.0.1 only).
+"""Real-browser tests of the console: Debian's chromium, driven by Playwright, against `streamlit run app`
+in a subprocess (tiny-chat model, temporary SQLite history, 127.0.0.1 only).
 
-It submits a retained request, forks it twice in one action, finds the shared blocks at reference
+The walk submits a retained request, forks it twice in one action, finds the shared blocks at reference
 count 3 on the Blocks page, forces evictions (a second request, then a confirmed cache reset) and finds
-them on the Evictions page. Screenshots land in artifacts/ (git-ignored).
+them on the Evictions page at once: the page waits for the history writer to store the reset (no
+Refresh). Screenshots land in artifacts/ (git-ignored). The second test closes a browser page while its
+live output streams and checks that the server and the engine go on and that nothing is left behind.
 
-Without chromium the test skips locally and fails when CI=true (the `console_server` fixture, in
-tests/browser_support.py).
+Without chromium the tests skip locally and fail when CI=true (the `console_server` fixture, in
+tests/browser_support.py). Nothing here waits a fixed time: every wait is for something on the page.
 """
 
 from __future__ import annotations
 
 import re
+import urllib.request
 
-from tests.browser_support import ARTIFACTS, CHROMIUM, CHROMIUM_ARGS
+import pytest
+
+from tests.browser_support import ARTIFACTS, CHROMIUM, CHROMIUM_ARGS, ConsoleServer, open_connections
+from tests.storage_support import wait_for
 
 TIMEOUT_MS = 60_000
+LONG_REQUEST_TOKENS = 600  # streams for seconds (an idle machine) to half a minute (a loaded one)
 PROMPT = "Operators share one long system prompt across many requests, so its blocks are cached once. " * 2
 
 
-def test_submit_fork_inspect_evict_in_a_real_browser(console_server: str) -> None:
+def test_submit_fork_inspect_evict_in_a_real_browser(console_server: ConsoleServer) -> None:
     from playwright.sync_api import expect, sync_playwright
 
     with sync_playwright() as playwright:
@@ -28,7 +35,7 @@ def test_submit_fork_inspect_evict_in_a_real_browser(console_server: str) -> Non
         page.set_default_timeout(TIMEOUT_MS)
         expect.set_options(timeout=TIMEOUT_MS)
         try:
-            walk(page, console_server, expect)
+            walk(page, console_server.url, expect)
         except Exception:
             page.screenshot(path=str(ARTIFACTS / "browser-failure.png"), full_page=True)
             raise
@@ -38,14 +45,12 @@ def test_submit_fork_inspect_evict_in_a_real_browser(console_server: str) -> Non
 
 def shot(page, name: str) -> None:
     """A screenshot of the whole page: Streamlit scrolls inside its main section, so grow the viewport."""
-    page.wait_for_timeout(800)  # let charts finish drawing
     height = page.evaluate(
         "() => Math.max(...Array.from(document.querySelectorAll('[data-testid=\"stMain\"], "
         "[data-testid=\"stMainBlockContainer\"]')).map(e => e.scrollHeight), 900)"
     )
     size = page.viewport_size
     page.set_viewport_size({"width": size["width"], "height": min(int(height) + 80, 6000)})
-    page.wait_for_timeout(800)
     page.wait_for_function(  # every chart drawn (a live panel may be redrawing one)
         "() => Array.from(document.querySelectorAll('[data-testid=\"stPlotlyChart\"]'))"
         ".every(c => c.querySelector('.main-svg'))",
@@ -119,17 +124,10 @@ def walk(page, url: str, expect) -> None:
     page.get_by_role("button", name="Confirm reset").click()
     expect(main.get_by_text("blocks evicted")).to_be_visible()
 
-    # Evictions: the reset's rows are in the persisted log.
+    # Evictions: the reset's rows are in the persisted log as soon as the page shows (it waits for them).
     go(page, "Evictions")
-    # The count heading ("N evictions"), not the page title: the rows may land after the first render.
-    heading = main.get_by_role("heading", name=re.compile(r"^[\d,]+ evictions$"))
-    expect(heading).to_be_visible()
-    for _ in range(20):  # the writer commits in the background; Refresh until the rows are there
-        if not heading.inner_text().startswith("0 "):
-            break
-        page.get_by_role("button", name="Refresh").click()
-        page.wait_for_timeout(500)
-    expect(heading).not_to_have_text("0 evictions")
+    count = main.get_by_role("heading", name=re.compile(r"^[\d,]+ evictions?$"))
+    expect(count).to_have_text(re.compile(r"^[1-9][\d,]* evictions?$"))
     expect(main.locator("[data-testid='stDataFrame']").first).to_be_visible()
     shot(page, "05-evictions")
 
@@ -162,6 +160,7 @@ def click_block(page, block_id: int, num_blocks: int) -> None:
     cell, cols = grid_cell_px(num_blocks), grid_columns(num_blocks)
     plot = page.locator("[data-testid='stPlotlyChart'] .js-plotly-plot .nsewdrag").first
     heading = page.get_by_role("heading", name=f"Block {block_id} —")
+    hover = page.locator(".hoverlayer .hovertext").first
     for _ in range(10):
         plot.wait_for(state="visible")
         box = plot.bounding_box()
@@ -169,12 +168,77 @@ def click_block(page, block_id: int, num_blocks: int) -> None:
             x = box["x"] + (block_id % cols) * cell + cell / 2
             y = box["y"] + (block_id // cols) * cell + cell / 2
             page.mouse.move(x, y)
-            page.wait_for_timeout(300)  # plotly picks the point on hover, then takes the click
-            page.mouse.click(x, y)
             try:
+                hover.wait_for(state="visible", timeout=5_000)  # plotly picked the point: it takes the click
+                page.mouse.click(x, y)
                 heading.wait_for(state="visible", timeout=10_000)
                 return
             except Exception:  # the grid was redrawn under the pointer; try again
-                pass
-        page.wait_for_timeout(500)
+                page.mouse.move(0, 0)
     raise AssertionError(f"clicking block {block_id} in the grid did not select it")
+
+
+@pytest.mark.parametrize("console_server", [128], indirect=True)  # blocks: room for long requests
+def test_sessions_that_disconnect_mid_stream_leave_the_server_and_engine_running(console_server: ConsoleServer) -> None:
+    """Browser pages closed while their live output streams a long request: the requests still finish,
+    another session keeps working, and the server keeps no connection of theirs. (Its thread count is no
+    measure: the server's worker pools grow and shrink with load, by several threads either way.)"""
+    from playwright.sync_api import expect, sync_playwright
+
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        expect.set_options(timeout=TIMEOUT_MS)
+        watcher = browser.new_page(viewport={"width": 1400, "height": 1000})
+        watcher.set_default_timeout(TIMEOUT_MS)
+        try:
+            watcher.goto(console_server.url)
+            expect(watcher.get_by_text("KV usage", exact=True).first).to_be_visible(timeout=4 * TIMEOUT_MS)
+            watched = watcher.locator("[data-testid='stMain']")
+            go(watcher, "Settings")  # a page without live panels: nothing in flight while counting
+            connections_before = open_connections(console_server)
+
+            for _ in range(2):
+                streaming = submit_in_new_page(browser, console_server.url, max_new_tokens=LONG_REQUEST_TOKENS)
+                partly_done = re.compile(rf"^(?!{LONG_REQUEST_TOKENS}/)[1-9]\d*/{LONG_REQUEST_TOKENS} new tokens$")
+                expect(streaming.get_by_text(partly_done)).to_be_visible()
+                streaming.context.close()  # mid-stream: its live fragment was rerunning every second
+
+            go(watcher, "Submit & fork")  # the engine finishes the requests on its own; follow them here
+            watch = watched.get_by_role("combobox", name="Watch")
+            for request_id in ("req-0", "req-1"):
+                watch.click()
+                watch.fill(request_id)
+                watch.press("Enter")
+            watch.press("Escape")  # close the option list (it hides the page from the accessibility tree)
+            for request_id in ("req-0", "req-1"):
+                expect(watched.get_by_text(re.compile(rf"^{request_id} · finished"))).to_be_visible(timeout=4 * TIMEOUT_MS)
+            go(watcher, "Overview")
+            blocks = watched.locator("[data-testid='stMetric']").filter(has_text="Blocks referenced")
+            expect(blocks).to_have_text(re.compile(r"^Blocks referenced\s*0\s*$"))  # finished requests hold none
+            with urllib.request.urlopen(f"{console_server.url}/_stcore/health", timeout=10) as response:
+                assert response.status == 200
+            go(watcher, "Settings")
+            assert wait_for(lambda: open_connections(console_server) <= connections_before, timeout_s=60), (
+                f"the server holds {open_connections(console_server) - connections_before} more connections"
+            )
+        except Exception:
+            watcher.screenshot(path=str(ARTIFACTS / "browser-disconnect-failure.png"), full_page=True)
+            raise
+        finally:
+            browser.close()
+
+
+def submit_in_new_page(browser, url: str, max_new_tokens: int):
+    """A new session that submits one request, EOS ignored, on Submit & fork; returns its page, alone in a
+    browser context of its own (closing the context closes every connection the page made)."""
+    page = browser.new_context(viewport={"width": 1400, "height": 1000}).new_page()
+    page.set_default_timeout(TIMEOUT_MS)
+    page.goto(url)
+    go(page, "Submit & fork")
+    page.get_by_role("textbox", name="Prompt", exact=True).fill("Stream a long answer. " * 4)
+    page.get_by_role("textbox", name="Prompt", exact=True).press("Control+Enter")
+    page.get_by_role("spinbutton", name="Max new tokens").fill(str(max_new_tokens))
+    page.get_by_role("spinbutton", name="Max new tokens").press("Enter")
+    page.get_by_text("Ignore EOS").click()
+    page.get_by_role("button", name="Submit", exact=True).click()
+    return page

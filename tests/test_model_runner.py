@@ -12,6 +12,7 @@ import random
 import pytest
 import torch
 
+from engine.attention_plan import ALWAYS_CASCADE, NO_CASCADE
 from engine.config import EngineConfig
 from engine.kv_memory import kv_bytes_per_block
 from engine.model_runner import GroupSlots, ModelRunner, SeqChunk
@@ -193,3 +194,54 @@ def test_malformed_chunks_are_refused(runner_pair, chunk_args):
     runner, _ = runner_pair("tiny-llama")
     with pytest.raises(ValueError):
         runner.execute([SeqChunk.of_table(*chunk_args)])
+
+
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-mistral"])
+def test_a_nan_in_a_block_no_chunk_holds_never_reaches_a_padded_decode_batch(runner_pair, name):
+    """Regression: decode batches padded their gathers with block 0, masked yet multiplied by zero
+    weights, so a NaN another request of the same step wrote into block 0 made every shorter decode NaN.
+    The padding is `engine/attention_plan.py`'s `_gathered_call`: each element pads with its own first block."""
+    runner, reference = runner_pair(name)
+    blocks = [b for b in shuffled_blocks(14) if b != 0]
+    contexts = [tokens(n, 20 + n) for n in (3, 14, 8)]
+    tables = [blocks[0:1], blocks[1:5], blocks[5:7]]
+    for context, table in zip(contexts, tables):
+        runner.execute([chunk(runner, context[:-1], 0, table)])
+    for kv in runner.kv:
+        kv[:, :, 0] = float("nan")
+    logits = runner.execute([chunk(runner, c[-1:], len(c) - 1, t) for c, t in zip(contexts, tables)])
+    for row, context in zip(logits, contexts):
+        assert_close(row, reference_logits(reference, context)[-1])
+
+
+
+@pytest.mark.parametrize("cascade", [NO_CASCADE, ALWAYS_CASCADE], ids=["plain", "cascade"])
+def test_a_nan_in_a_block_no_chunk_holds_never_reaches_forks_decoding_over_a_shared_prefix(runner_pair, cascade):
+    """The same regression where cascade attention splits a decode batch: two forks read their shared
+    prefix once, and their private tails (padded to the longest, with an unrelated decode) must not
+    read block 0 either."""
+    runner, reference = runner_pair("tiny-llama")
+    runner.cascade = cascade
+    blocks = [b for b in shuffled_blocks(15) if b != 0]
+    prefix = tokens(8, 30)
+    contexts = [prefix + tokens(1, 31), prefix + tokens(9, 32), tokens(6, 33)]
+    shared = blocks[0:2]  # the prefix's two full blocks, in both forks' tables
+    tables = [shared + blocks[2:3], shared + blocks[3:6], blocks[6:8]]
+    runner.execute([chunk(runner, prefix, 0, tables[0]), chunk(runner, contexts[2][:-1], 0, tables[2])])
+    runner.execute([chunk(runner, contexts[1][8:-1], 8, tables[1])])
+    for kv in runner.kv:
+        kv[:, :, 0] = float("nan")
+    logits = runner.execute([chunk(runner, c[-1:], len(c) - 1, t) for c, t in zip(contexts, tables)])
+    for row, context in zip(logits, contexts):
+        assert_close(row, reference_logits(reference, context)[-1])
+def test_clear_slots_zeroes_exactly_what_a_chunk_wrote(runner_pair):
+    runner, _ = runner_pair("tiny-llama")
+    kept, cleared = chunk(runner, tokens(6, 1), 0, [3, 4]), chunk(runner, tokens(5, 2), 0, [7, 8])
+    runner.execute([kept, cleared])
+    before = runner.kv[0].clone()
+    runner.clear_slots(cleared)
+    after = runner.kv[0]
+    assert after[:, :, 7].eq(0).all() and after[:, :, 8, :1].eq(0).all()  # positions 0..4: block 7, slot 0 of 8
+    assert before[:, :, 7].ne(0).any()  # they held K/V before
+    after[:, :, 7:9] = before[:, :, 7:9]
+    assert torch.equal(after, before)  # nothing else changed

@@ -38,6 +38,24 @@ def test_a_finished_request_is_retained_only_when_asked():
     assert dropped.status is RequestStatus.FINISHED
 
 
+
+def test_a_stopped_request_ends_failed_or_aborted_even_when_retained_and_keeps_no_prompt_keys():
+    failed = Request("a", (1, 2, 3), SamplingParams(), retain=True)
+    failed.stopped(RequestStatus.FAILED, "non-finite logits", {"full": (4,)}, now=2.0)
+    assert (failed.status, failed.finish_reason, failed.finish_time) == (RequestStatus.FAILED, "non-finite logits", 2.0)
+    assert failed.final_block_tables == {"full": (4,)} and failed.prompt_keys is None
+    aborted = Request("b", (1, 2, 3), SamplingParams())
+    aborted.stopped(RequestStatus.ABORTED, "the engine was restarted", {}, now=3.0)
+    assert aborted.status is RequestStatus.ABORTED
+
+
+@pytest.mark.parametrize("status", [RequestStatus.FINISHED, RequestStatus.RETAINED, RequestStatus.WAITING])
+def test_a_stop_that_is_not_a_failure_or_an_abort_is_refused_and_changes_nothing(status):
+    request = Request("a", (1, 2, 3), SamplingParams())
+    with pytest.raises(ValueError, match="failed or aborted"):
+        request.stopped(status, "why", {"full": (4,)}, now=2.0)
+    assert (request.status, request.finish_reason, request.final_block_tables) == (RequestStatus.WAITING, None, {})
+
 @pytest.mark.parametrize(("start", "end"), [(0, 0), (0, 3), (2, 5), (3, 6), (4, 6), (0, 6), (6, 6)])
 def test_tokens_slices_the_context_across_prompt_and_output(start, end):
     request = Request("a", (10, 11, 12, 13), SamplingParams())

@@ -11,16 +11,10 @@ import io
 import json
 import math
 import os
-import random
-import signal
-import sqlite3
 import subprocess
 import sys
 import threading
-import time
 from collections import Counter
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -28,7 +22,7 @@ from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from sqlalchemy import JSON, Column, Engine, Index, MetaData, String, Table, create_engine, func, insert, inspect, make_url, select, text
+from sqlalchemy import JSON, Column, Engine, Index, MetaData, String, Table, func, insert, inspect, select
 from sqlalchemy import column as sql_column
 from sqlalchemy import table as sql_table
 from sqlalchemy.exc import DBAPIError
@@ -45,10 +39,7 @@ from storage.models import (
     REQUESTS,
     ROLLUPS,
     Base,
-    EventRecord,
-    Eviction,
     Prune,
-    Run,
 )
 from storage.queries import Cursor, EvictionFilters
 from storage.retention import RetentionPolicy, prune
@@ -283,12 +274,33 @@ def test_a_batch_waits_for_more_rows_but_flush_cuts_the_wait_short(db_url: str, 
     writer.start_run(RUN_INFO)
     writer.submit([evict(i, BASE_TIME + i) for i in range(5)])
     assert wait_for(lambda: writer.stats().schema_ready)
-    time.sleep(0.3)
-    assert count_rows(engine_for(db_url), EVENTS) == 0  # still gathering its batch
-    started = time.monotonic()
-    assert writer.flush(timeout_s=10)
-    assert time.monotonic() - started < 5
+    assert count_rows(engine_for(db_url), EVENTS) == 0  # still gathering its batch (for 30 s)
+    assert writer.stats().queued == 5 and writer.stats().lag_s > 0
+    assert writer.flush(timeout_s=10)  # well before the 30 s are up
     assert count_rows(engine_for(db_url), EVENTS) == 5
+    assert writer.stats().lag_s == 0.0
+
+
+def test_a_mark_is_reached_once_every_row_before_it_is_written(db_url: str, make_writer, engine_for) -> None:
+    """Read-your-writes: the console takes a mark after an action and waits for it before it reads."""
+    writer = make_writer(db_url, batch_interval_s=30.0)
+    run_id = writer.start_run(RUN_INFO)
+    writer.submit([evict(i, BASE_TIME + i) for i in range(5)])
+    writer.record_requests([request_view("a", status="running")])
+    writer.record_requests([request_view("a")])
+    mark = writer.mark()
+    assert writer.stats().done_mark < mark
+    assert wait_for(lambda: writer.stats().lag_s >= 0.05)  # the oldest row is getting older
+    assert writer.wait(mark, timeout_s=20)  # long before the batch interval ends
+    stats = writer.stats()
+    assert stats.done_mark >= mark and stats.queued == 0 and stats.lag_s == 0.0
+    assert (stats.written_events, stats.written_requests) == (5, 2)
+    engine = engine_for(db_url)
+    assert queries.eviction_count(engine, use_rollups=False) == 5
+    assert queries.recent_requests(engine, run_id)["status"].tolist() == ["finished"]
+    assert writer.wait(writer.mark(), timeout_s=0)  # nothing new: reached at once
+    writer.submit([cache(9, BASE_TIME)])
+    assert writer.mark() > mark and writer.wait(mark, timeout_s=0)  # a later row does not hold an earlier mark
 
 
 def test_request_views_are_coalesced_per_batch(db_url: str, make_writer, engine_for) -> None:
@@ -374,8 +386,9 @@ def test_readers_see_monotonic_counts_while_the_writer_inserts(db_url: str, make
         t = BASE_TIME + step
         writer.submit([evict(step * 40 + i, t) for i in range(20)] + [cache(step * 40 + i, t) for i in range(20)])
         total += 20
-        if step % 10 == 0:
-            time.sleep(0.01)
+        if step % 25 == 24:  # let the reader read while rows keep coming
+            reads = len(seen)
+            assert wait_for(lambda: len(seen) > reads or errors)
     assert writer.flush(timeout_s=30)
     done.set()
     reader.join(timeout=30)
@@ -389,159 +402,6 @@ def test_readers_see_monotonic_counts_while_the_writer_inserts(db_url: str, make
     assert writer.stats().written_events == 2 * total
 
 
-# An engine process that writes groups of events (one submit each, so one transaction each) until
-# killed, printing the number of every group it knows to be committed. With a WriterProcess it first
-# prints the writer process's pid.
-KILLED_CHILD = """
-import sys, time
-from engine.events import Event, EventKind
-from storage.writer import EventWriter, RunInfo, WriterOptions
-from storage.writer_process import WriterProcess
-from storage.retention import RetentionPolicy
-
-url, size, kind = sys.argv[1], int(sys.argv[2]), sys.argv[3]
-options = WriterOptions(item_rows=size, batch_rows=size * 3, retention=RetentionPolicy(None, None, None))
-writer = EventWriter(url, options) if kind == "thread" else WriterProcess(url, options)
-if kind == "process":
-    print(writer.pid, flush=True)
-writer.start_run(RunInfo(model="m", num_blocks=8, block_size=16, dtype="float32", device="cpu"))
-group = 0
-while True:
-    t = time.time()
-    detail = {"reason": "lru", "key": "ab", "age_s": 1.0, "hit_count": 1}
-    writer.submit([
-        Event(EventKind.EVICT if i % 3 == 0 else EventKind.CACHE, group, t, f"group-{group}", i, 16, detail)
-        for i in range(size)
-    ])
-    if group % 4 == 3:
-        writer.flush()
-        print(group, flush=True)
-    group += 1
-"""
-
-
-def process_exited(pid: int) -> bool:
-    """True once `pid` is gone or a zombie (an orphan's reaper may be slow)."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
-    except FileNotFoundError:
-        return True
-
-
-@pytest.mark.parametrize("kind", ["thread", "process"])
-def test_a_killed_writer_loses_only_unflushed_whole_batches(db_url: str, kind: str, engine_for) -> None:
-    """Killing the engine's process (SIGKILL) mid-stream. A writer thread dies with it; a writer process
-    sees its pipe close and writes everything it had received, then stops the run and exits."""
-    size = 60
-    child = subprocess.Popen(
-        [sys.executable, "-c", KILLED_CHILD, db_url, str(size), kind],
-        cwd=REPO,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    writer_pid = int(child.stdout.readline()) if kind == "process" else None
-    flushed = -1
-    try:
-        deadline = time.monotonic() + 60
-        while flushed < 40 and time.monotonic() < deadline:
-            line = child.stdout.readline()
-            assert line, f"the child died: {child.stderr.read()}"
-            flushed = int(line)
-        time.sleep(random.Random(7).uniform(0.0, 0.05))  # land the kill somewhere mid-stream
-    finally:
-        child.send_signal(signal.SIGKILL)
-        child.wait(timeout=30)
-        child.stdout.close()
-        child.stderr.close()
-    assert flushed >= 40
-    if writer_pid is not None:
-        assert wait_for(lambda: process_exited(writer_pid), timeout_s=60)
-
-    engine = engine_for(db_url)
-    if make_url(db_url).get_backend_name() == "sqlite":
-        with engine.connect() as connection:
-            assert connection.exec_driver_sql("PRAGMA integrity_check").scalar() == "ok"
-    with engine.connect() as connection:
-        events = dict(
-            connection.execute(select(EventRecord.request_id, func.count()).group_by(EventRecord.request_id)).all()
-        )
-        evictions = Counter(
-            dict(connection.execute(select(Eviction.request_id, func.count()).group_by(Eviction.request_id)).all())
-        )
-    groups = sorted(int(name.removeprefix("group-")) for name in events)
-    assert groups == list(range(len(groups)))  # commits are in order: no gaps
-    assert groups[-1] >= flushed  # everything flushed survived
-    assert all(count == size for count in events.values())  # every group whole ...
-    assert all(evictions[name] == size // 3 for name in events)  # ... with its eviction rows
-    assert queries.eviction_count(engine) == sum(evictions.values())  # and rollups
-    if writer_pid is not None:
-        with engine.connect() as connection:
-            assert connection.scalar(select(Run.stopped_at)) is not None  # it closed the run on its way out
-
-
-def test_a_dead_writer_process_is_reported_and_its_rows_counted(tmp_path: Path, engine_for) -> None:
-    url = f"sqlite:///{tmp_path / 'history.sqlite'}"
-    writer = WriterProcess(url, WriterOptions(**FAST))
-    writer.start_run(RUN_INFO)
-    writer.submit([cache(i, BASE_TIME) for i in range(10)])
-    assert writer.flush(timeout_s=20)
-    os.kill(writer.pid, signal.SIGKILL)
-    assert wait_for(lambda: writer.stats().last_error is not None)
-    writer.submit([cache(i, BASE_TIME) for i in range(10, 15)])  # the engine keeps serving
-    writer.record_requests([request_view("a")])
-    stats = writer.stats()
-    assert "writer process exited" in stats.last_error and not stats.retrying
-    assert stats.written_events == 10 and stats.dropped == 6 and stats.queued == 0
-    assert writer.flush(timeout_s=5) and writer.close(timeout_s=5)
-    assert count_rows(engine_for(url), EVENTS) == 10
-
-
-def test_a_stalled_writer_process_never_blocks_the_engine(tmp_path: Path, engine_for) -> None:
-    """With the child stopped (SIGSTOP), submits still return at once: frames fill the pipe, then a
-    bounded backlog, then are dropped and counted. Once it runs again, everything accepted is written."""
-    url = f"sqlite:///{tmp_path / 'history.sqlite'}"
-    writer = WriterProcess(url, WriterOptions(**FAST, queue_items=4, item_rows=100, batch_interval_s=0.0))
-    writer.start_run(RUN_INFO)
-    assert writer.flush(timeout_s=20)
-    os.kill(writer.pid, signal.SIGSTOP)
-    padding = {"note": "x" * 2000}  # ~200 kB a frame, so a few frames fill the pipe
-    batches = [
-        [Event(EventKind.CACHE, b, BASE_TIME, "req-0", i, 16, padding) for i in range(100)] for b in range(40)
-    ]
-    submitter = threading.Thread(target=lambda: [writer.submit(batch) for batch in batches])
-    try:
-        submitter.start()
-        submitter.join(timeout=60)
-        assert not submitter.is_alive(), "submit waited for the stopped writer process"
-        stats = writer.stats()
-        assert stats.dropped > 0 and stats.dropped % 100 == 0  # whole frames
-        assert stats.dropped + stats.queued == 4000
-    finally:
-        os.kill(writer.pid, signal.SIGCONT)
-    assert writer.flush(timeout_s=60)
-    stats = writer.stats()
-    assert stats.written_events + stats.dropped == 4000 and stats.queued == 0
-    assert count_rows(engine_for(url), EVENTS) == stats.written_events
-    assert writer.close(timeout_s=20)
-
-
-def test_a_record_that_cannot_reach_the_writer_process_is_counted_and_the_rest_flows(tmp_path: Path) -> None:
-    url = f"sqlite:///{tmp_path / 'history.sqlite'}"
-    writer = WriterProcess(url, WriterOptions(**FAST, batch_interval_s=30.0))
-    writer.start_run(RUN_INFO)
-    writer.record_requests([request_view("a", replay_divergence=threading.Lock())])  # cannot be pickled
-    assert writer.flush(timeout_s=20)
-    stats = writer.stats()
-    assert stats.dropped == 1 and "could not be sent" in stats.last_error and "lock" in stats.last_error
-    writer.submit([cache(i, BASE_TIME) for i in range(5)])
-    writer.record_requests([request_view("b")])
-    assert writer.flush(timeout_s=20)
-    stats = writer.stats()
-    assert (stats.written_events, stats.written_requests, stats.dropped, stats.queued) == (5, 1, 1, 0)
-    assert writer.close(timeout_s=20)
-
-
 def test_a_writer_process_sends_pending_request_records_once_the_engine_is_quiet(tmp_path: Path) -> None:
     """Request records wait to be coalesced; with no flush and nothing else coming they still go out."""
     writer = WriterProcess(f"sqlite:///{tmp_path / 'history.sqlite'}", WriterOptions(**FAST, batch_interval_s=0.2))
@@ -552,106 +412,6 @@ def test_a_writer_process_sends_pending_request_records_once_the_engine_is_quiet
     assert wait_for(lambda: writer.stats().written_requests == 3, timeout_s=20)  # the superseded one counts
     assert writer.stats().queued == 0
     writer.close(timeout_s=20)
-
-
-@contextmanager
-def write_lock(url: str) -> Iterator[None]:
-    """Hold a lock that keeps every other connection from writing the events table."""
-    parsed = make_url(url)
-    if parsed.get_backend_name() == "sqlite":
-        connection = sqlite3.connect(parsed.database, isolation_level=None)
-        connection.execute("BEGIN EXCLUSIVE")
-        try:
-            yield
-        finally:
-            connection.execute("ROLLBACK")
-            connection.close()
-        return
-    engine = create_engine(url)
-    with engine.connect() as connection:
-        connection.execute(text("LOCK TABLE events IN ACCESS EXCLUSIVE MODE"))
-        try:
-            yield
-        finally:
-            connection.rollback()
-    engine.dispose()
-
-
-def test_a_locked_database_is_reported_and_the_writer_recovers(db_url: str, make_writer, engine_for) -> None:
-    writer = make_writer(db_url, busy_timeout_ms=50, max_attempts=2)
-    writer.start_run(RUN_INFO)
-    assert writer.flush(timeout_s=10)
-    with write_lock(db_url):
-        started = time.perf_counter()
-        for step in range(5):
-            writer.submit([cache(step * 10 + i, BASE_TIME + step) for i in range(10)])
-        assert time.perf_counter() - started < 0.5  # the engine side never waits on the database
-        assert wait_for(lambda: writer.stats().failed_batches >= 1)
-        assert writer.flush(timeout_s=20)
-        stats = writer.stats()
-        assert stats.dropped == 50 and stats.written_events == 0 and stats.queued == 0
-        assert "lock" in stats.last_error.lower()
-    writer.submit([cache(100 + i, BASE_TIME + 10) for i in range(10)])
-    assert writer.flush(timeout_s=10)
-    stats = writer.stats()
-    assert stats.written_events == 10 and stats.dropped == 50 and not stats.retrying
-    assert count_rows(engine_for(db_url), EVENTS) == 10
-
-
-def test_a_lock_released_within_the_retries_loses_nothing(db_url: str, make_writer) -> None:
-    writer = make_writer(db_url, busy_timeout_ms=50, max_attempts=100)
-    writer.start_run(RUN_INFO)
-    assert writer.flush(timeout_s=10)
-    with write_lock(db_url):
-        writer.submit([evict(i, BASE_TIME + i) for i in range(10)])
-        assert wait_for(lambda: writer.stats().retrying)
-    assert writer.flush(timeout_s=20)
-    stats = writer.stats()
-    assert stats.written_events == 10 and stats.dropped == 0 and stats.retries >= 1 and not stats.retrying
-
-
-def read_only_url(url: str) -> str:
-    parsed = make_url(url)
-    if parsed.get_backend_name() == "sqlite":
-        return f"sqlite:///file:{parsed.database}?mode=ro&uri=true"
-    options = {"options": "-c default_transaction_read_only=on"}
-    return parsed.update_query_dict(options).render_as_string(hide_password=False)
-
-
-def test_a_read_only_database_is_reported_not_raised(db_url: str, make_writer) -> None:
-    migrate.upgrade(db_url)
-    writer = make_writer(read_only_url(db_url), max_attempts=2)
-    writer.start_run(RUN_INFO)
-    writer.submit([cache(i, BASE_TIME) for i in range(7)])
-    writer.record_requests([request_view("a")])
-    assert writer.flush(timeout_s=20)
-    stats = writer.stats()
-    assert stats.schema_ready and stats.written_events == 0
-    assert stats.dropped == 8 and stats.failed_batches >= 1
-    assert "read" in stats.last_error.lower() and "only" in stats.last_error.lower()
-    assert writer.close(timeout_s=20)
-
-
-@pytest.mark.parametrize(
-    "url",
-    ["sqlite:///{tmp}/a-file/history.sqlite", "postgresql+psycopg://nobody@127.0.0.1:1/none?connect_timeout=2"],
-    ids=["sqlite", "postgresql"],
-)
-def test_an_unreachable_database_is_reported_and_everything_counted(url: str, tmp_path: Path, make_writer) -> None:
-    (tmp_path / "a-file").write_text("a file where the database directory should be")
-    writer = make_writer(url.format(tmp=tmp_path), queue_items=3, item_rows=10)
-    writer.start_run(RUN_INFO)
-    for step in range(5):
-        writer.submit([cache(step * 10 + i, BASE_TIME) for i in range(10)])
-    stats = writer.stats()
-    assert not stats.schema_ready
-    assert stats.dropped + stats.queued == 50
-    # The writer's queue holds at most 3 items of 10 (a WriterProcess's child reports its drops a moment later).
-    assert wait_for(lambda: writer.stats().dropped >= 20)
-    assert wait_for(lambda: writer.stats().last_error is not None and writer.stats().retrying)
-    assert writer.close(timeout_s=20)
-    stats = writer.stats()
-    assert stats.dropped == 50 and stats.queued == 0 and stats.written_events == 0
 
 
 def test_retention_runs_in_the_background_and_is_logged(db_url: str, make_writer, engine_for) -> None:
@@ -887,7 +647,7 @@ def test_the_rollup_table_never_keeps_empty_minutes(history) -> None:
 
 
 def test_the_storage_package_imports_no_streamlit_and_no_torch() -> None:
-    modules = "storage.writer_process, storage.queries"
+    modules = "storage.writer_process, storage.writer_child, storage.queries"
     code = f"import sys, {modules}; print(sorted({{'streamlit', 'torch'}} & set(sys.modules)))"
     result = subprocess.run(
         [sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120, env=os.environ

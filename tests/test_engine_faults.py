@@ -1,0 +1,213 @@
+"""Engine faults a console must survive, on a real tiny model (fp32, CPU), and a property test of the
+engine's invariants under random submits, forks, releases, resets, NaN requests and a retire (restart).
+
+Non-finite logits are injected through the weights: one row of the input embedding (token POISON) is
+set to NaN, as a corrupted checkpoint row or an fp16 overflow would leave it. Every request whose
+context holds that token computes NaN from that position on, through the real forward, attention and
+KV blocks; every other token's computation is the untouched seeded model, so the other requests are
+checked against the transformers reference on clean weights (conftest's `tiny_llama_reference`).
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from hypothesis import settings, strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from engine.config import EngineConfig
+from engine.engine import Engine, RequestRejected
+from engine.models import LoadedModel, load_model
+from engine.request import SamplingParams
+from tests.engine_reference import LogitSpy, assert_matches_reference
+from tests.storage_support import wait_for
+
+POISON = 7  # the token id whose embedding is NaN
+GREEDY = SamplingParams(max_new_tokens=6, ignore_eos=True)
+SAMPLED = SamplingParams(max_new_tokens=6, temperature=0.8, seed=3, ignore_eos=True)
+
+
+def tokens(n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(8, 512) for _ in range(n)]  # never POISON
+
+
+def poisoned_model(data_dir) -> LoadedModel:
+    """Seeded tiny-llama whose embedding row POISON is NaN (the LM head stays finite)."""
+    loaded = load_model(EngineConfig(model="tiny-llama", dtype="float32", device="cpu", data_dir=data_dir))
+    embedding = loaded.model.get_input_embeddings().weight
+    assert embedding.data_ptr() != loaded.model.get_output_embeddings().weight.data_ptr()  # untied
+    with torch.no_grad():
+        embedding[POISON] = float("nan")
+    return loaded
+
+
+def poisoned_engine(tmp_path, num_blocks: int, loaded: LoadedModel | None = None) -> Engine:
+    config = EngineConfig(model="tiny-llama", device="cpu", block_size=4, num_blocks=num_blocks, data_dir=tmp_path)
+    return Engine(config, loaded=loaded or poisoned_model(tmp_path))
+
+
+def assert_block_memory_finite(engine: Engine) -> None:
+    assert all(bool(torch.isfinite(kv).all()) for kv in engine.runner.kv), "a NaN outlived its request"
+
+
+def test_a_request_whose_logits_go_nan_fails_alone_and_the_others_match_the_reference(tmp_path, tiny_llama_reference):
+    """Before: greedy argmax of NaN logits returned a token silently, and a sampled request's
+    `torch.multinomial` raised, which stopped the background loop with every request unfinished."""
+    engine = poisoned_engine(tmp_path, num_blocks=32)
+    spy = LogitSpy(engine)
+    good = [engine.submit(tokens(13, 1), GREEDY), engine.submit(tokens(9, 2), SAMPLED)]
+    sampled_bad = engine.submit(tokens(5, 3) + [POISON] + tokens(5, 4), SAMPLED)
+    finished = engine.step()  # the good ones decode from here on
+    greedy_bad = engine.submit([POISON], GREEDY)  # joins their decode batch
+    finished += engine.run_until_idle()
+
+    for rid, position in ((sampled_bad, 10), (greedy_bad, 0)):
+        view = engine.get(rid)
+        assert view.status == "failed"
+        assert view.finish_reason == f"non-finite logits (NaN or inf) at position {position}"
+        assert view.output_token_ids == () and not engine.kv.has_table(rid)  # its blocks went back
+    assert {v.request_id for v in finished} == {*good, sampled_bad, greedy_bad}
+    for rid in good:
+        assert engine.get(rid).status == "finished" and len(engine.get(rid).output_token_ids) == 6
+    assert_matches_reference(engine, spy, tiny_llama_reference, good[0])  # greedy: logits and tokens
+    engine.check_invariants()
+    stats = engine.stats()
+    assert stats.used_blocks == 0 and stats.free_blocks + stats.cached_blocks == stats.num_blocks
+    assert_block_memory_finite(engine)
+    cached = [b for b in engine.snapshot().blocks if b.key is not None]
+    assert cached and all(POISON not in b.token_ids for b in cached)  # nothing of theirs can be hit
+
+
+def test_blocks_a_failed_request_held_serve_the_next_requests_correctly(tmp_path, tiny_llama_reference):
+    """A pool so small that the next two requests need every block, the failed request's included."""
+    engine = poisoned_engine(tmp_path, num_blocks=16)
+    spy = LogitSpy(engine)
+    bad = engine.submit(tokens(20, 5) + [POISON] + tokens(9, 6), GREEDY)  # 36 tokens: 9 blocks
+    engine.run_until_idle()
+    assert engine.get(bad).status == "failed"
+    assert_block_memory_finite(engine)
+    after = [engine.submit(tokens(25, 7 + i), GREEDY) for i in range(2)]  # 31 tokens: 8 blocks each
+    engine.run_until_idle()
+    for rid in after:
+        assert engine.get(rid).status == "finished"
+        assert_matches_reference(engine, spy, tiny_llama_reference, rid)
+    engine.check_invariants()
+
+
+def test_a_failed_request_on_the_background_loop_leaves_the_loop_serving(tmp_path):
+    engine = poisoned_engine(tmp_path, num_blocks=32)
+    engine.start()
+    try:
+        bad = engine.submit(tokens(6, 8) + [POISON], SAMPLED)
+        good = engine.submit(tokens(6, 9), SAMPLED)
+        assert wait_for(lambda: not engine.has_work() or engine.failure is not None, timeout_s=60)
+        assert engine.failure is None
+        assert (engine.get(bad).status, engine.get(good).status) == ("failed", "finished")
+    finally:
+        engine.stop()
+    engine.check_invariants()
+
+
+# ---------------------------------------------------------------- property test
+STEMS = [tokens(8, 10), tokens(8, 10)[:4] + tokens(4, 11), tokens(5, 12)]  # shared stems: prefix hits are common
+tails = st.lists(st.integers(8, 40), max_size=10)
+_MODEL: list[LoadedModel] = []  # one poisoned model for every example (each engine has its own KV memory)
+
+
+class EngineFaultMachine(RuleBasedStateMachine):
+    """Random submits and forks (some holding POISON, some sampled), releases, steps, resets and the
+    retire of a restart, on a 16-block pool (preemptions are common). After every rule: the engine's
+    invariants hold, the block memory is finite, nothing cached holds POISON, exactly the poisoned
+    requests fail, and after `retire` no request holds a block and no new one is taken."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        if not _MODEL:
+            _MODEL.append(poisoned_model(None))
+        self.engine = poisoned_engine(None, num_blocks=16, loaded=_MODEL[0])
+        self.poisoned: set[str] = set()
+        self.retired = False  # after `retire` every submit is refused
+
+    def _params(self, sampled: bool, new: int) -> SamplingParams:
+        return SamplingParams(max_new_tokens=new, temperature=0.9 if sampled else 0.0, seed=1, ignore_eos=True)
+
+    @rule(stem=st.sampled_from(STEMS), tail=tails, poison_at=st.none() | st.integers(0, 20),
+          sampled=st.booleans(), retain=st.booleans(), new=st.integers(1, 6))  # fmt: skip
+    def submit(self, stem, tail, poison_at, sampled, retain, new):
+        prompt = stem + tail
+        if poison_at is not None:
+            prompt.insert(min(poison_at, len(prompt)), POISON)
+        if self.retired:
+            with pytest.raises(ValueError, match="takes no new requests: restart"):
+                self.engine.submit(prompt, self._params(sampled, new), retain=retain)
+            return
+        try:
+            rid = self.engine.submit(prompt, self._params(sampled, new), retain=retain)
+        except RequestRejected:
+            return
+        if poison_at is not None:
+            self.poisoned.add(rid)
+
+    def _holders(self) -> list[str]:
+        return sorted(r.request_id for r in self.engine.requests() if r.status in ("running", "retained"))
+
+    @precondition(lambda self: self._holders())
+    @rule(data=st.data(), suffix=st.lists(st.integers(8, 40), min_size=1, max_size=6), poison=st.booleans())
+    def fork(self, data, suffix, poison):
+        parent = data.draw(st.sampled_from(self._holders()))
+        try:
+            child = self.engine.fork(parent, suffix + ([POISON] if poison else []), self._params(False, 3))
+        except RequestRejected:
+            return
+        if poison or parent in self.poisoned:
+            self.poisoned.add(child)
+
+    @precondition(lambda self: any(r.status == "retained" for r in self.engine.requests()))
+    @rule(data=st.data())
+    def release(self, data):
+        retained = sorted(r.request_id for r in self.engine.requests() if r.status == "retained")
+        self.engine.release(data.draw(st.sampled_from(retained)))
+
+    @rule(steps=st.integers(1, 4))
+    def step(self, steps):
+        for _ in range(steps):
+            if self.engine.has_work():
+                self.engine.step()
+
+    @rule()
+    def reset(self):
+        self.engine.reset_cache()
+
+    @rule()
+    def retire(self):
+        self.engine.retire("restart")
+        self.retired = True
+        stats = self.engine.stats()
+        assert (stats.used_blocks, stats.num_running, stats.num_waiting, stats.num_retained) == (0, 0, 0, 0)
+
+    @invariant()
+    def invariants_hold(self):
+        self.engine.check_invariants()
+
+    @invariant()
+    def block_memory_is_finite(self):
+        assert_block_memory_finite(self.engine)
+
+    @invariant()
+    def nothing_cached_holds_poison(self):
+        assert all(POISON not in b.token_ids for b in self.engine.snapshot().blocks if b.key is not None)
+
+    @invariant()
+    def exactly_the_poisoned_requests_fail(self):
+        for view in self.engine.requests():
+            if view.status == "failed":
+                assert view.request_id in self.poisoned
+            if view.request_id in self.poisoned:
+                assert view.status not in ("finished", "retained", "released"), view.request_id
+
+
+TestEngineFaultMachine = EngineFaultMachine.TestCase
+TestEngineFaultMachine.settings = settings(max_examples=30, stateful_step_count=30, deadline=None)
