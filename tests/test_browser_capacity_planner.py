@@ -4,11 +4,11 @@ and the hot prefixes. The screenshot lands in artifacts/capacity-planner.png."""
 
 from __future__ import annotations
 
-from tests.browser_support import ARTIFACTS, CHROMIUM, CHROMIUM_ARGS
+from tests.browser_support import ARTIFACTS, CHROMIUM, CHROMIUM_ARGS, ConsoleServer
 from tests.test_browser import TIMEOUT_MS, go, shot
 
 
-def test_the_capacity_planner_analyses_a_sample_in_a_real_browser(console_server: str) -> None:
+def test_the_capacity_planner_analyses_a_sample_in_a_real_browser(console_server: ConsoleServer) -> None:
     from playwright.sync_api import expect, sync_playwright
 
     with sync_playwright() as playwright:
@@ -17,7 +17,7 @@ def test_the_capacity_planner_analyses_a_sample_in_a_real_browser(console_server
         page.set_default_timeout(TIMEOUT_MS)
         expect.set_options(timeout=TIMEOUT_MS)
         try:
-            page.goto(console_server)
+            page.goto(console_server.url)
             expect(page.get_by_text("KV usage", exact=True).first).to_be_visible(timeout=4 * TIMEOUT_MS)
             go(page, "Capacity planner")
             main = page.locator("[data-testid='stMain']")

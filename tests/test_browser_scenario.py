@@ -8,7 +8,7 @@ page. The timeline's screenshot lands in artifacts/ (docs/console-sharing-timeli
 
 from __future__ import annotations
 
-from tests.browser_support import ARTIFACTS, CHROMIUM, CHROMIUM_ARGS
+from tests.browser_support import ARTIFACTS, CHROMIUM, CHROMIUM_ARGS, ConsoleServer
 from tests.test_browser import TIMEOUT_MS, go
 
 SAFE = "no holder left: safe to reuse"
@@ -20,7 +20,7 @@ ANNOTATIONS = """plot => Array.from(plot.querySelectorAll('g.annotation')).map(a
 })"""
 
 
-def test_the_guided_scenario_marks_the_old_tail_safe_to_reuse_in_a_real_browser(console_server: str) -> None:
+def test_the_guided_scenario_marks_the_old_tail_safe_to_reuse_in_a_real_browser(console_server: ConsoleServer) -> None:
     from playwright.sync_api import expect, sync_playwright
 
     with sync_playwright() as playwright:
@@ -29,7 +29,7 @@ def test_the_guided_scenario_marks_the_old_tail_safe_to_reuse_in_a_real_browser(
         page.set_default_timeout(TIMEOUT_MS)
         expect.set_options(timeout=TIMEOUT_MS)
         try:
-            play_scenario(page, console_server, expect)
+            play_scenario(page, console_server.url, expect)
         except Exception:
             page.screenshot(path=str(ARTIFACTS / "browser-scenario-failure.png"), full_page=True)
             raise
