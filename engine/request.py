@@ -215,8 +215,8 @@ class Request:
 
     def stopped(self, status: RequestStatus, reason: str, block_tables: dict[str, tuple[int, ...]], now: float) -> None:
         """It ended unfinished, waiting or running: FAILED by an error of its own (non-finite logits) or
-        ABORTED because its engine shut down. `block_tables` are the tables it held (empty if none); they
-        are freed, and it records no prompt keys (nothing it computed is kept).
+        ABORTED because its engine shut down. `block_tables` are the tables it held (empty if none; the
+        scheduler frees them), and it records no prompt keys (nothing it computed is kept).
 
         Raises:
             ValueError: a status other than FAILED or ABORTED.

@@ -72,7 +72,7 @@ def stream_view(index: int, step: int) -> RequestView:
         cached_tokens=0, computed_tokens=3, hit_source="none", cow_copies=0, preemptions=0, finish_reason=None,
         arrival_time=time.time(), first_scheduled_time=None, first_token_time=None, finish_time=None,
         block_tables={}, max_new_tokens=128, window_start=0, window_end=0, replay_from=0, replay_mode="none",
-        replayed_tokens=0, replay_divergence=None,
+        replayed_tokens=0, replay_divergence=None, block_keys=None, content_keys=None,
     )  # fmt: skip
 
 

@@ -211,7 +211,9 @@ def test_sessions_that_disconnect_mid_stream_leave_the_server_and_engine_running
                 watch.press("Enter")
             watch.press("Escape")  # close the option list (it hides the page from the accessibility tree)
             for request_id in ("req-0", "req-1"):
-                expect(watched.get_by_text(re.compile(rf"^{request_id} · finished"))).to_be_visible(timeout=4 * TIMEOUT_MS)
+                # The live output's card ("req-1 · finished (length)"), not the fork box's note on its status.
+                finished = watched.get_by_text(re.compile(rf"^{request_id} · finished \("))
+                expect(finished).to_be_visible(timeout=4 * TIMEOUT_MS)
             go(watcher, "Overview")
             blocks = watched.locator("[data-testid='stMetric']").filter(has_text="Blocks referenced")
             expect(blocks).to_have_text(re.compile(r"^Blocks referenced\s*0\s*$"))  # finished requests hold none
