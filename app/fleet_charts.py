@@ -5,7 +5,7 @@ from __future__ import annotations
 import pandas as pd
 import plotly.graph_objects as go
 
-from app.charts import _bin_label
+from app.charts import _bin_label, prefix_icicle
 
 
 def block_rate_lines(rates: pd.DataFrame, bucket_seconds: float) -> go.Figure:
@@ -42,27 +42,7 @@ def fleet_icicle(frame: pd.DataFrame, hover: list[str]) -> go.Figure:
     parents = ["" if pd.isna(parent) else f"n{int(parent)}" for parent in frame["parent_id"]]
     labels = [f"{replicas} pod{'s' if replicas != 1 else ''}" for replicas in frame["replicas"]]
     values = [len(tokens) for tokens in frame["token_ids"]]
-    fig = go.Figure(
-        go.Icicle(
-            ids=ids,
-            parents=parents,
-            labels=labels,
-            values=values,
-            branchvalues="remainder",
-            marker={
-                "colors": frame["replicas"].tolist(),
-                "colorscale": "Viridis",
-                "showscale": True,
-                "colorbar": {"title": "pods"},
-            },
-            hovertext=hover,
-            hoverinfo="text",
-            tiling={"orientation": "h"},
-            maxdepth=12,
-        )
-    )
-    fig.update_layout(height=520, margin={"l": 4, "r": 4, "t": 10, "b": 4})
-    return fig
+    return prefix_icicle(ids, parents, labels, values, frame["replicas"].tolist(), hover, colour_title="pods")
 
 
 def binned_bars(frame: pd.DataFrame, count: str, title: str, colour: str | None = None) -> go.Figure:
