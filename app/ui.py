@@ -47,6 +47,19 @@ def kept(key: str, default: object) -> dict[str, object]:
     return {"key": key, "persist_state": "session"}
 
 
+LIVE = "This console's collector"  # a Fleet page's source: the index this console's collector keeps live
+HISTORY = "History database (every collector)"  # or what every collector sharing the database stored
+
+
+def fleet_source(container, key: str, live: bool) -> str:
+    """The Fleet pages' source radio in `container`: LIVE (offered only while this console's collector
+    runs) or HISTORY; a remembered choice that is no longer offered falls back to the first."""
+    views = [LIVE, HISTORY] if live else [HISTORY]
+    if st.session_state.get(key) not in views:
+        st.session_state[key] = views[0]
+    return container.radio("Source", views, horizontal=True, **kept(key, views[0]))
+
+
 def read_history(query: Callable[..., T], *args, **kwargs) -> T | None:
     """Run a storage query; on a database error show it (st.error) and return None."""
     try:

@@ -11,17 +11,14 @@ from app import fleet_charts
 from app.fleet_hosting import ENV_FLEET_PODS, get_fleet_host
 from app.fleet_view import history_pods, live_pods, pod_metrics
 from app.hosting import get_host
-from app.ui import SLOW_REFRESH_S, fmt_duration, kept, read_history
+from app.ui import LIVE, SLOW_REFRESH_S, fleet_source, fmt_duration, kept, read_history
 from fleet.source import parse_pods
 from storage import fleet_queries
 
-LIVE = "This console's collector"
-HISTORY = "History database (every collector)"
 RATE_WINDOWS = {"Last 5 minutes": 300, "Last 15 minutes": 900, "Last hour": 3600}
 
 host = get_host()
 fleet = get_fleet_host()
-state = st.session_state
 
 st.title("Fleet pods")
 st.caption(
@@ -36,11 +33,8 @@ if feed_error:
     st.warning(f"This console's engine could not publish its KV-event feed or metrics: {feed_error}")
 
 watch = fleet.watch
-views = [LIVE, HISTORY] if watch is not None else [HISTORY]
-if state.get("fleet_view") not in views:
-    state["fleet_view"] = views[0]
 c = st.columns([3, 2])
-view = c[0].radio("Source", views, horizontal=True, **kept("fleet_view", views[0]))
+view = fleet_source(c[0], "fleet_view", live=watch is not None)
 window = c[1].selectbox("Rates over", list(RATE_WINDOWS), **kept("fleet_rate_window", "Last 5 minutes"))
 
 

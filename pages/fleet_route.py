@@ -9,10 +9,8 @@ import streamlit as st
 from app.fleet_hosting import get_fleet_host
 from app.fleet_view import encode_with, index_from_history, local_tokenizer, media_and_groups, prompt_token_ids, route_frame
 from app.hosting import get_host
-from app.ui import kept, read_history
+from app.ui import LIVE, fleet_source, kept, read_history
 
-LIVE = "This console's collector"
-HISTORY = "History database (every collector)"
 CONSOLE_TOKENIZER = "Text, this console's tokenizer"
 LOCAL_TOKENIZER = "Text, tokenizer.json of a local model directory"
 TOKEN_IDS = "Token ids"
@@ -29,10 +27,7 @@ st.caption(
     "pods' tokenizer must be the one used here, or the blocks will not match."
 )
 watch = fleet.watch
-views = [LIVE, HISTORY] if watch is not None else [HISTORY]
-if state.get("fleet_route_view") not in views:
-    state["fleet_route_view"] = views[0]
-view = st.radio("Source", views, horizontal=True, **kept("fleet_route_view", views[0]))
+view = fleet_source(st, "fleet_route_view", live=watch is not None)
 mode = st.radio("Prompt as", MODES, horizontal=True, **kept("fleet_route_mode", CONSOLE_TOKENIZER))
 directory = ""
 if mode == LOCAL_TOKENIZER:

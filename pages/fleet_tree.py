@@ -12,10 +12,8 @@ from app.fleet_hosting import get_fleet_host
 from app.fleet_view import index_from_history, media_and_groups, tree_frame
 from app.hosting import get_host
 from app.prompting import decode
-from app.ui import kept, read_history
+from app.ui import LIVE, fleet_source, kept, read_history
 
-LIVE = "This console's collector"
-HISTORY = "History database (every collector)"
 
 host = get_host()
 fleet = get_fleet_host()
@@ -29,11 +27,8 @@ st.caption(
     "router's choice matters."
 )
 watch = fleet.watch
-views = [LIVE, HISTORY] if watch is not None else [HISTORY]
-if state.get("fleet_tree_view") not in views:
-    state["fleet_tree_view"] = views[0]
 c = st.columns([3, 1, 1])
-view = c[0].radio("Source", views, horizontal=True, **kept("fleet_tree_view", views[0]))
+view = fleet_source(c[0], "fleet_tree_view", live=watch is not None)
 limit = c[1].number_input("Most nodes", 100, 20_000, step=100, **kept("fleet_tree_limit", 2_000))
 decoded = c[2].toggle("Decode tokens", **kept("fleet_tree_decode", True), help="With this console's tokenizer")
 st.button("Refresh", key="fleet_tree_refresh")
