@@ -8,7 +8,8 @@ policies the engine ships (LRU, reuse-LRU) from the engine's own code. For one r
   1. lookup: its leading blocks, one `BlockPool.lookup` each (key, parent key and tokens confirmed),
      until the first that is not cached; those are its hit blocks;
   2. `touch_blocks(hits)`, then `allocate_blocks` for the rest of its first `capacity_blocks` blocks
-     (free blocks first, then the policy's victims), each new full block `cache`d under its chain key;
+     (free blocks first, then the policy's victims), the new full blocks indexed under their chain keys
+     in one `cache_chain` (what `cache` does block by block);
   3. `free_blocks` of every block it holds, last block first (so a chain's tail is evicted first).
 
 That is the simulator's rule (analysis/sequential.py): blocks past the capacity are computed, not kept.
@@ -131,9 +132,7 @@ class PoolCache:
             new = pool.allocate_blocks(len(missing), REQUEST_ID, hit * size)
             for block, physical in zip(missing, new):
                 physical.token_ids = [block] * size  # the KV the request computes into it
-                key = keys[block]
-                pool.cache(physical, key, parent, parent_key)
-                parent, parent_key = physical, key
+            pool.cache_chain(new, [keys[block] for block in missing], parent, parent_key)
             held += new
         held.reverse()
         pool.free_blocks(held, REQUEST_ID)

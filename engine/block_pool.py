@@ -191,13 +191,16 @@ class BlockPool:
             raise NoFreeBlocksError(f"{num} blocks asked for, {self.num_allocatable} of {self.num_blocks} available")
         bs = self.block_size
         now = self._clock()
+        free, pop_victim, drop_key, reason = self._free, self._evictable.pop_victim, self._drop_key, EvictReason.LRU
         blocks = []
         for i in range(num):
-            if self._free:
-                block = self._free.popleft()
+            if free:  # first (again after a victim whose descendants were evicted with it)
+                block = free.popleft()
             else:
-                block = self._evictable.pop_victim()
-                self._uncache(block, EvictReason.LRU, request_id)
+                block = pop_victim()
+                drop_key(block, reason, request_id)  # `_uncache`, in two steps: leaves are the usual victims
+                if block.first_child is not None:
+                    self._drop_descendants(block, request_id)
             block.ref_count = 1
             block.token_ids = [] if token_ids is None else token_ids[i * bs : (i + 1) * bs]
             block.start_pos = start_pos + i * bs
@@ -326,19 +329,44 @@ class BlockPool:
         Raises:
             ValueError: `can_cache` says no; nothing changes.
         """
-        if not self.can_cache(block, key, parent, parent_key):
-            raise ValueError(f"block {block.block_id} cannot be cached under this key and parent")
-        block.key = key
-        block.parent_key = parent_key
-        self._index[key] = block
-        self._evictable.cached(block)
-        if self.chained and parent is not None:
-            first = parent.first_child
-            if first is not None:
-                first.prev_sibling = block
-            block.next_sibling = first
-            block.parent = parent
-            parent.first_child = block
+        self.cache_chain([block], [key], parent, parent_key)
+
+    def cache_chain(self, blocks: Sequence[Block], keys: Sequence[bytes], parent: Block | None, parent_key: bytes) -> None:
+        """Index consecutive full blocks of one table as one chain, in one pass: `blocks[0]` under `keys[0]`
+        hanging from `parent` / `parent_key` (as `cache`), and each later block under its key hanging from
+        the block before it. The same as `cache` block by block (the caller emits the CACHE event).
+
+        Raises:
+            ValueError: `cache` would refuse one of them, or two share a key; nothing changes.
+        """
+        if len(blocks) != len(keys):
+            raise ValueError(f"{len(blocks)} blocks and {len(keys)} keys")
+        if not blocks:
+            return
+        index, size = self._index, self.block_size
+        if not self.can_cache(blocks[0], keys[0], parent, parent_key):
+            raise ValueError(f"block {blocks[0].block_id} cannot be cached under this key and parent")
+        if len(set(keys)) != len(keys) or not index.keys().isdisjoint(keys):
+            raise ValueError("a key is given twice, or is already indexed")
+        for block in blocks:
+            if block.key is not None or len(block.token_ids) != size:
+                raise ValueError(f"block {block.block_id} is already keyed, or not full")
+        linked = self.chained
+        for block, key in zip(blocks, keys):
+            block.key = key
+            block.parent_key = parent_key
+            index[key] = block
+            if linked and parent is not None:
+                first = parent.first_child
+                if first is not None:
+                    first.prev_sibling = block
+                block.next_sibling = first
+                block.parent = parent
+                parent.first_child = block
+            parent, parent_key = block, key
+        if self._evictable.tracks_keys:
+            for block in blocks:
+                self._evictable.cached(block)
 
     def evict(self, block: Block, reason: EvictReason, request_id: str | None = None) -> None:
         """Evict one unreferenced cached block (and its indexed descendants) to the free queue.
@@ -371,35 +399,22 @@ class BlockPool:
         The block itself must already be out of the evictable set; the caller decides where it goes.
         Unreferenced descendants move from the evictable set to the free queue.
         """
-        parent = block.parent
-        if parent is not None:  # unlink it from its parent's child list
-            before, after = block.prev_sibling, block.next_sibling
-            if before is None:
-                parent.first_child = after
-            else:
-                before.next_sibling = after
-            if after is not None:
-                after.prev_sibling = before
-            block.parent = block.prev_sibling = block.next_sibling = None
         self._drop_key(block, reason, request_id)
-        if block.first_child is None:
-            return 0  # a leaf (every LRU victim of a chain: tails go first)
-        # The whole subtree leaves, so its links are cut wholesale, one child list at a time.
+        return 0 if block.first_child is None else self._drop_descendants(block, request_id)
+
+    def _drop_descendants(self, block: Block, request_id: str | None) -> int:
+        """`_uncache` of the indexed descendants of a block that has just left the index."""
         removed = 0
         subtree = [block]
         while subtree:
             node = subtree.pop()
-            child, node.first_child = node.first_child, None
-            while child is not None:
-                following = child.next_sibling
-                child.parent = child.prev_sibling = child.next_sibling = None
-                self._drop_key(child, EvictReason.PARENT_EVICTED, request_id)
+            while (child := node.first_child) is not None:
+                self._drop_key(child, EvictReason.PARENT_EVICTED, request_id)  # unlinks it from `node`
                 if child.ref_count == 0:
                     self._evictable.remove(child)
                     self._to_free(child)
                 subtree.append(child)
                 removed += 1
-                child = following
         return removed
 
     def _to_free(self, block: Block) -> None:
@@ -409,9 +424,21 @@ class BlockPool:
         self._free.append(block)
 
     def _drop_key(self, block: Block, reason: EvictReason, request_id: str | None) -> None:
-        """Take one block's key out of the index and emit its EVICT event (links are the caller's)."""
+        """Take one block out of the index (its key, its place in its parent's child list) and emit its
+        EVICT event. Its own children stay linked to it: the caller evicts them (`_drop_descendants`)."""
+        parent = block.parent
+        if parent is not None:
+            before, after = block.prev_sibling, block.next_sibling
+            if before is None:
+                parent.first_child = after
+            else:
+                before.next_sibling = after
+            if after is not None:
+                after.prev_sibling = before
+            block.parent = block.prev_sibling = block.next_sibling = None
         key = block.key
-        self._evictable.uncached(block)
+        if self._evictable.tracks_keys:
+            self._evictable.uncached(block)
         del self._index[key]  # type: ignore[arg-type]
         self.num_evictions += 1
         block.key = None

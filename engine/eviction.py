@@ -12,7 +12,8 @@ four things and asks it one:
     room is needed                                            pop_victim() -> the block to evict
 
 `cached` and `uncached` let a policy remember content across the block's physical reuse (the key, not
-the block id, names the content); a policy that needs neither ignores them.
+the block id, names the content); a policy that needs them says so with `tracks_keys = True`, and the
+pool calls them only then (LRU does not: two calls fewer per missed block on the analyzer's replays).
 
 Policies (`EvictionPolicyName`, chosen by `EngineConfig.eviction_policy`):
   * LRU: least recently released first, one intrusive doubly linked list through the blocks
@@ -140,6 +141,7 @@ class EvictionPolicy(ABC):
     """What the pool asks of a policy (see the module docstring). Misuse raises ValueError."""
 
     name: EvictionPolicyName
+    tracks_keys = False  # whether the pool must call `cached` and `uncached` (they do nothing otherwise)
 
     @abstractmethod
     def __len__(self) -> int:
@@ -223,6 +225,7 @@ class ReuseLruPolicy(EvictionPolicy):
     """
 
     name = EvictionPolicyName.REUSE_LRU
+    tracks_keys = True
     CREDIT_PER_REUSE = 2.0  # defaults: chosen on the Mooncake traces (benchmarks/analyzer.py --sensitivity)
     MAX_TIER = 2
     HISTORY_PER_BLOCK = 4
