@@ -23,15 +23,9 @@ import zmq
 from fleet.events import BatchOrigin, BlockHash, EventBatch, KVEvent, PodBatch
 from fleet.source import PodSource
 from tests.browser_support import serve_console
+from tests.ports import free_port
 
 TOPIC = "kv-events"
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on right now."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def wait_port_free(port: int, timeout_s: float = 5.0) -> None:

@@ -22,6 +22,7 @@ from typing import Any
 
 import pytest
 from sqlalchemy import Engine, create_engine, func, make_url, select, text
+from sqlalchemy.exc import OperationalError
 from sqlalchemy.schema import CreateSchema, DropSchema
 
 from engine.events import Event, EventKind, EvictReason
@@ -34,6 +35,11 @@ from storage.writer_process import WriterProcess
 REPO = Path(__file__).resolve().parents[1]
 PG_URL_ENV = "PREFIX_CONSOLE_TEST_PG_URL"
 LATEST_REVISION = "0006"  # the newest migration: a database upgraded to head is at this revision
+SCHEMA_LOCK_WAIT_S = 60  # how long a test's fresh schema waits for an earlier test's locks
+OTHER_SESSIONS = text(
+    "SELECT pid, application_name, state, xact_start, left(query, 200) FROM pg_stat_activity"
+    " WHERE datname = current_database() AND pid <> pg_backend_pid()"
+)
 BASE_TIME = 1_750_000_017.25  # not on a minute boundary, so time filters cut minutes
 NO_RETENTION = RetentionPolicy(max_age_days=None, max_events=None, max_evictions=None)
 FAST = {
@@ -233,12 +239,24 @@ def db_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
 
 @pytest.fixture
 def postgres_url(postgres_database: str) -> str:
-    """The session's PostgreSQL database with a fresh, empty schema."""
+    """The session's PostgreSQL database with a fresh, empty schema.
+
+    Dropping the schema waits for every lock on its tables. A session an earlier test left open in a
+    transaction would make it wait for ever, so it waits SCHEMA_LOCK_WAIT_S and then fails, naming the
+    sessions still connected.
+    """
     engine = create_engine(postgres_database, isolation_level="AUTOCOMMIT")
-    with engine.connect() as connection:
-        connection.execute(DropSchema("public", cascade=True, if_exists=True))
-        connection.execute(CreateSchema("public"))
-    engine.dispose()
+    try:
+        with engine.connect() as connection:
+            connection.execute(text(f"SET lock_timeout = '{SCHEMA_LOCK_WAIT_S}s'"))
+            try:
+                connection.execute(DropSchema("public", cascade=True, if_exists=True))
+            except OperationalError as error:
+                others = connection.execute(OTHER_SESSIONS).all()
+                pytest.fail(f"the schema is still locked after {SCHEMA_LOCK_WAIT_S} s ({error.orig}); sessions: {others}")
+            connection.execute(CreateSchema("public"))
+    finally:
+        engine.dispose()
     return postgres_database
 
 

@@ -15,7 +15,8 @@ import pytest
 from fleet.collector import Collector, CollectorConfig
 from fleet.index import FleetIndex
 from fleet.source import PodSource
-from tests.fleet_support import TOPIC, StallingSink, VllmPod, free_port, wait_port_free, wait_until
+from tests.fleet_support import TOPIC, StallingSink, VllmPod, wait_port_free, wait_until
+from tests.ports import free_port
 
 pytest.importorskip("vllm.v1.core.kv_cache_manager", reason="vLLM is installed by requirements-interop.txt")
 
