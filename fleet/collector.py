@@ -165,21 +165,27 @@ class _Link:
 
     def __init__(self, context: zmq.Context, source: PodSource, config: CollectorConfig, max_frame_bytes: int):
         self.sub = context.socket(zmq.SUB)
-        self.sub.setsockopt(zmq.LINGER, 0)
-        self.sub.setsockopt(zmq.RCVHWM, config.receive_hwm)
-        self.sub.setsockopt(zmq.MAXMSGSIZE, max_frame_bytes)
-        self.sub.setsockopt(zmq.RECONNECT_IVL, config.reconnect_ivl_ms)
-        self.sub.setsockopt(zmq.RECONNECT_IVL_MAX, config.reconnect_ivl_max_ms)
-        self.sub.setsockopt(zmq.SUBSCRIBE, source.topic.encode())
-        self.monitor = self.sub.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
-        self.sub.connect(source.endpoint)
+        self.monitor: zmq.Socket | None = None
+        try:
+            self.sub.setsockopt(zmq.LINGER, 0)
+            self.sub.setsockopt(zmq.RCVHWM, config.receive_hwm)
+            self.sub.setsockopt(zmq.MAXMSGSIZE, max_frame_bytes)
+            self.sub.setsockopt(zmq.RECONNECT_IVL, config.reconnect_ivl_ms)
+            self.sub.setsockopt(zmq.RECONNECT_IVL_MAX, config.reconnect_ivl_max_ms)
+            self.sub.setsockopt(zmq.SUBSCRIBE, source.topic.encode())
+            self.monitor = self.sub.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
+            self.sub.connect(source.endpoint)
+        except zmq.ZMQError:
+            self.close()  # an open socket would hold the collector's `term` for ever
+            raise
         self.poller = zmq.Poller()
         self.poller.register(self.sub, zmq.POLLIN)
         self.poller.register(self.monitor, zmq.POLLIN)
 
     def close(self) -> None:
-        self.sub.disable_monitor()
-        self.monitor.close(linger=0)
+        if self.monitor is not None:
+            self.sub.disable_monitor()
+            self.monitor.close(linger=0)
         self.sub.close(linger=0)
 
 
@@ -241,6 +247,10 @@ class _PodSubscriber:
         try:
             if self.source.replay_endpoint is not None:
                 self._catch_up()
+                # What the server sends while its subscription is on the way is dropped with no later
+                # batch to show the gap: a quiet start gets the same check as a quiet end.
+                self._quiet_since = time.monotonic()
+                self._tail_unchecked = True
             with self._lock:
                 self._stats.ready = True
             timeout_ms = max(1, int(config.poll_interval_s * 1000))

@@ -15,6 +15,7 @@ from urllib.parse import urlsplit
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,63}")
 _ZMQ_SCHEMES = ("tcp://", "ipc://", "inproc://")
 MAX_TOPIC_BYTES = 256
+MAX_IPC_PATH_BYTES = 107  # a Unix socket path, less its terminating NUL
 MAX_POD_TEXT_CHARS = 2048  # one pod's text
 MAX_PODS = 256  # pods in one list
 _OPTIONS = {"replay": "replay_endpoint", "metrics": "metrics_url", "topic": "topic"}  # option -> PodSource field
@@ -51,8 +52,18 @@ class PodSource:
 
 
 def _check_zmq(endpoint: str, what: str) -> None:
+    """Refuse what ZeroMQ's connect would refuse, or would take but never reach (a wildcard, no host)."""
     if not isinstance(endpoint, str) or not endpoint.startswith(_ZMQ_SCHEMES) or "*" in endpoint:
         raise ValueError(f"{what} {endpoint!r}: tcp://HOST:PORT, ipc://PATH or inproc://NAME (no wildcard)")
+    scheme, address = endpoint.split("://", 1)
+    if not address or any(char.isspace() for char in address):
+        raise ValueError(f"{what} {endpoint!r}: an empty address or one with spaces")
+    if scheme == "tcp":
+        host, _, port = address.rpartition(":")
+        if not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+            raise ValueError(f"{what} {endpoint!r}: tcp://HOST:PORT with a host and a port in 1-65535")
+    elif scheme == "ipc" and len(address.encode()) > MAX_IPC_PATH_BYTES:
+        raise ValueError(f"{what} {endpoint!r}: an ipc path of at most {MAX_IPC_PATH_BYTES} bytes")
 
 
 def parse_pod(text: str) -> PodSource:

@@ -28,6 +28,12 @@ from tests.ports import free_port
 TOPIC = "kv-events"
 
 
+def bind_loopback(sock: zmq.Socket) -> int:
+    """Bind `sock` to a loopback port the kernel picks (no window for another bind to take it); its port."""
+    sock.bind("tcp://127.0.0.1:*")
+    return int(sock.getsockopt_string(zmq.LAST_ENDPOINT).rsplit(":", 1)[1])
+
+
 def wait_port_free(port: int, timeout_s: float = 5.0) -> None:
     """Wait until a loopback port can be bound again (ZeroMQ closes a socket's listener asynchronously)."""
 
@@ -122,17 +128,21 @@ class HandFeed:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self.context = zmq.Context()
-        self.port = free_port()
-        self.replay_port = free_port()
-        # An XPUB is a PUB that also hands up its subscribers' subscriptions: `wait_for_subscriber`
-        # knows when a message sent now reaches the collector.
-        self.pub = self.context.socket(zmq.XPUB)
-        self.pub.setsockopt(zmq.XPUB_VERBOSE, 1)
-        self.pub.setsockopt(zmq.LINGER, 0)
-        self.pub.bind(f"tcp://127.0.0.1:{self.port}")
-        router = self.context.socket(zmq.ROUTER)
-        router.setsockopt(zmq.LINGER, 0)
-        router.bind(f"tcp://127.0.0.1:{self.replay_port}")
+        try:
+            # An XPUB is a PUB that also hands up its subscribers' subscriptions: `wait_for_subscriber`
+            # knows when a message sent now reaches the collector.
+            self.pub = self.context.socket(zmq.XPUB)
+            self.pub.setsockopt(zmq.XPUB_VERBOSE, 1)
+            self.pub.setsockopt(zmq.LINGER, 0)
+            self.port = bind_loopback(self.pub)
+            router = self.context.socket(zmq.ROUTER)
+            router.setsockopt(zmq.LINGER, 0)
+            self.replay_port = bind_loopback(router)
+        except BaseException:
+            # Left to the garbage collector, a context whose sockets are still open hangs the process
+            # in `term` (its socket list is weak and cleared first).
+            self.context.destroy(linger=0)
+            raise
         self._server = threading.Thread(target=self._serve, args=(router,), daemon=True)
         self._server.start()
 
@@ -329,6 +339,14 @@ class VllmPod:
             self.publisher.publish(KVEventBatch(ts=time.time(), events=events))
             self.num_published += 1
         return len(events)
+
+    def wait_sent(self) -> None:
+        """Wait until vLLM's publisher thread has sent every published batch and buffered it for replay.
+
+        That thread takes one batch off its queue per turn and serves a replay request first: a
+        subscriber that asks for a replay while batches are still queued gets only those sent so far.
+        """
+        wait_until(lambda: len(self.publisher._buffer) == self.num_published, "vLLM's publisher to send its queue")
 
     def cached(self) -> dict[tuple[str, int, int], int]:
         """What vLLM's block pool caches: physical blocks per (medium, group, published hash)."""

@@ -37,6 +37,11 @@ def run_cli(capsys, *argv: str) -> tuple[int, str, str]:
         ("pod-a=tcp://10.0.0.5:5557,color=red", "unknown option 'color=red'"),
         ("pod-a=tcp://10.0.0.5:5557,metrics=ftp://x", "metrics_url 'ftp://x'"),
         ("pod a=tcp://10.0.0.5:5557", "pod name 'pod a'"),
+        ("pod-a=tcp://10.0.0.5:", "a port in 1-65535"),  # ZeroMQ's connect raises
+        ("pod-a=tcp://10.0.0.5:70000", "a port in 1-65535"),  # ZeroMQ's connect takes it
+        ("pod-a=tcp://:5557", "with a host"),
+        ("pod-a=ipc://", "an empty address"),
+        (f"pod-a=ipc:///tmp/{'x' * 120}", "at most 107 bytes"),
     ],
 )
 def test_a_malformed_pod_is_refused_with_exit_status_2(capsys, tmp_path: Path, pod: str, says: str) -> None:

@@ -304,6 +304,18 @@ def test_a_quiet_feed_is_asked_for_batches_it_lost_at_its_end(feed):
         collector.stop()
 
 
+def test_a_batch_lost_right_after_the_start_up_replay_is_asked_for_once_the_feed_is_quiet(feed):
+    """No live batch follows it, so no gap shows it: the quiet-feed check, armed by the start, finds it."""
+    config = replace(FAST, idle_replay_after_s=3.0)  # the batch is "lost" well before the check
+    collector, index = start(feed, config)
+    try:
+        feed.send(0, encode_batch([stored_map([1], [1] * 4)]), live=False)
+        wait_until(applied(index, 0), "the lost first batch, by the quiet-feed check")
+        assert stats(collector).num_replays == 2 and stats(collector).num_replayed_batches == 1
+    finally:
+        collector.stop()
+
+
 def test_a_sink_that_raises_is_counted_and_the_other_sinks_still_get_every_batch(feed):
     class Broken:
         def open_pod(self, source, at):

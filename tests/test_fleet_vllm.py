@@ -155,6 +155,7 @@ def test_a_hybrid_models_two_kv_groups_are_indexed_apart():
 def test_a_subscriber_that_joins_late_recovers_everything_through_the_replay_socket(vllm_pod):
     seen = run_scenario(vllm_pod, lambda step: None)
     assert vllm_pod.num_published == 7
+    vllm_pod.wait_sent()  # late: after everything is out
     index = FleetIndex()
     with Collector([vllm_pod.source()], [index], FAST) as collector:
         wait_until(caught_up(index, vllm_pod), "the start-up replay")
