@@ -13,7 +13,7 @@ def free_port() -> int:
     """A TCP port on 127.0.0.1 that nothing listens on right now and that this process was never given.
 
     The kernel may offer a port it offered a moment ago if nothing bound it yet; two calls in a row (a
-    feed's publisher and its replay socket) could then get the same one and the second bind fail.
+    server's event port and its replay port) could then get the same one and the second bind fail.
     """
     with _lock:
         while True:
