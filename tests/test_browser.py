@@ -138,23 +138,17 @@ def walk(page, url: str, expect) -> None:
 
 def go(page, title: str) -> None:
     """Open a page from the sidebar; click again if a rerun in flight swallowed the first click."""
-    heading = page.locator("[data-testid='stMain']").get_by_role("heading", name=title, exact=True).first
-    for _ in range(3):
-        page.get_by_role("link", name=title, exact=True).click()  # not "Fleet prefix tree" for "Prefix tree"
-        try:
-            heading.wait_for(state="visible", timeout=TIMEOUT_MS // 3)
-            return
-        except Exception:  # retried below; the last attempt reports
-            pass
-    heading.wait_for(state="visible")
+    link = page.get_by_role("link", name=title, exact=True)  # not "Fleet prefix tree" for "Prefix tree"
+    click_until(link, page.locator("[data-testid='stMain']").get_by_role("heading", name=title, exact=True).first)
 
 
 def click_until(button, outcome, attempts: int = 3) -> None:
     """Click `button` until `outcome` shows, at most `attempts` times, as an operator would.
 
-    Only for a button that goes away once it has acted (a confirmation): a click that lands while a loaded
-    server finishes the previous run can be dropped (seen once in three `make test` runs beside two busy
-    processes: the confirmation still on the page a minute later), and clicking again is then safe.
+    Only where a second click is safe: a sidebar link, or a button that goes away once it has acted (a
+    confirmation). A click that lands while a loaded server finishes the previous run can be dropped
+    (seen once in three `make test` runs beside two busy processes: the confirmation still on the page a
+    minute later).
     """
     for _ in range(attempts - 1):
         button.click()
