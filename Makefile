@@ -30,7 +30,8 @@ run: install
 
 # The engine's checks must not lean on `assert` (python -O drops them): these run a second time under -O.
 OPTIMIZED_TESTS := tests/test_block_manager.py tests/test_block_manager_properties.py \
-	tests/test_block_pool_properties.py tests/test_block_pool_chain.py tests/test_kv_coordinator_properties.py tests/test_request.py \
+	tests/test_block_pool_properties.py tests/test_block_pool_batched_eviction.py tests/test_block_pool_chain.py \
+	tests/test_kv_coordinator_properties.py tests/test_request.py \
 	tests/test_engine.py tests/test_sliding_window.py tests/test_eviction.py
 
 test: install system-deps

@@ -191,23 +191,24 @@ class BlockPool:
             raise NoFreeBlocksError(f"{num} blocks asked for, {self.num_allocatable} of {self.num_blocks} available")
         bs = self.block_size
         now = self._clock()
-        free, pop_victim, drop_key, reason = self._free, self._evictable.pop_victim, self._drop_key, EvictReason.LRU
-        blocks = []
-        for i in range(num):
+        free = self._free
+        blocks: list[Block] = []
+        while len(blocks) < num:
             if free:  # first (again after a victim whose descendants were evicted with it)
-                block = free.popleft()
-            else:
-                block = pop_victim()
-                drop_key(block, reason, request_id)  # `_uncache`, in two steps: leaves are the usual victims
-                if block.first_child is not None:
-                    self._drop_descendants(block, request_id)
+                blocks += [free.popleft() for _ in range(min(len(free), num - len(blocks)))]
+                continue
+            victims = self._evictable.pop_victims(num - len(blocks))
+            self._drop_keys(victims, EvictReason.LRU, request_id)  # `_uncache` in two steps: victims are usually leaves
+            blocks += victims
+            if victims[-1].first_child is not None:  # only the last victim can still have indexed descendants
+                self._drop_descendants(victims[-1], request_id)
+        for i, block in enumerate(blocks):
             block.ref_count = 1
             block.token_ids = [] if token_ids is None else token_ids[i * bs : (i + 1) * bs]
             block.start_pos = start_pos + i * bs
             block.created_at = now
             block.last_used = now
             block.hit_count = 0
-            blocks.append(block)
         if blocks and self._log.recording:
             ids = [block.block_id for block in blocks]
             detail = {"block_ids": ids, "group": self.group}
@@ -399,7 +400,7 @@ class BlockPool:
         The block itself must already be out of the evictable set; the caller decides where it goes.
         Unreferenced descendants move from the evictable set to the free queue.
         """
-        self._drop_key(block, reason, request_id)
+        self._drop_keys((block,), reason, request_id)
         return 0 if block.first_child is None else self._drop_descendants(block, request_id)
 
     def _drop_descendants(self, block: Block, request_id: str | None) -> int:
@@ -409,7 +410,7 @@ class BlockPool:
         while subtree:
             node = subtree.pop()
             while (child := node.first_child) is not None:
-                self._drop_key(child, EvictReason.PARENT_EVICTED, request_id)  # unlinks it from `node`
+                self._drop_keys((child,), EvictReason.PARENT_EVICTED, request_id)  # unlinks it from `node`
                 if child.ref_count == 0:
                     self._evictable.remove(child)
                     self._to_free(child)
@@ -423,32 +424,38 @@ class BlockPool:
         block.token_ids = []
         self._free.append(block)
 
-    def _drop_key(self, block: Block, reason: EvictReason, request_id: str | None) -> None:
-        """Take one block out of the index (its key, its place in its parent's child list) and emit its
-        EVICT event. Its own children stay linked to it: the caller evicts them (`_drop_descendants`)."""
-        parent = block.parent
-        if parent is not None:
-            before, after = block.prev_sibling, block.next_sibling
-            if before is None:
-                parent.first_child = after
-            else:
-                before.next_sibling = after
-            if after is not None:
-                after.prev_sibling = before
-            block.parent = block.prev_sibling = block.next_sibling = None
-        key = block.key
-        if self._evictable.tracks_keys:
-            self._evictable.uncached(block)
-        del self._index[key]  # type: ignore[arg-type]
-        self.num_evictions += 1
-        block.key = None
-        block.parent_key = None
-        if not self._log.recording:
-            return
+    def _drop_keys(self, blocks: Sequence[Block], reason: EvictReason, request_id: str | None) -> None:
+        """Take blocks out of the index, in order (each one's key, its place in its parent's child list)
+        and emit their EVICT events. Their own children stay linked to them: the caller evicts those
+        (`_drop_descendants`)."""
+        index, policy, recording = self._index, self._evictable, self._log.recording
+        for block in blocks:
+            parent = block.parent
+            if parent is not None:
+                before, after = block.prev_sibling, block.next_sibling
+                if before is None:
+                    parent.first_child = after
+                else:
+                    before.next_sibling = after
+                if after is not None:
+                    after.prev_sibling = before
+                block.parent = block.prev_sibling = block.next_sibling = None
+            if policy.tracks_keys:
+                policy.uncached(block)
+            key = block.key
+            del index[key]  # type: ignore[arg-type]
+            block.key = None
+            block.parent_key = None
+            if recording:
+                self._emit_evict(block, key, reason, request_id)  # type: ignore[arg-type]
+        self.num_evictions += len(blocks)
+
+    def _emit_evict(self, block: Block, key: bytes, reason: EvictReason, request_id: str | None) -> None:
+        """The EVICT event of a block that has just left the index (it was under `key`)."""
         now = self._clock()
         detail = {
             "reason": reason.value,
-            "key": key.hex(),  # type: ignore[union-attr]
+            "key": key.hex(),
             "start_pos": block.start_pos,
             "end_pos": block.start_pos + len(block.token_ids),
             "age_s": now - block.created_at,

@@ -9,7 +9,8 @@ four things and asks it one:
     an evictable block stops being evictable (a prefix hit,   remove(block)
       or evicted out of turn: reset, window, parent evicted)
     a key enters the index / is about to leave it             cached(block) / uncached(block)
-    room is needed                                            pop_victim() -> the block to evict
+    room is needed                                            pop_victim() -> the block to evict, or
+                                                              pop_victims(n) -> the next ones, in order
 
 `cached` and `uncached` let a policy remember content across the block's physical reuse (the key, not
 the block id, names the content); a policy that needs them says so with `tracks_keys = True`, and the
@@ -159,6 +160,14 @@ class EvictionPolicy(ABC):
     def pop_victim(self) -> Block:
         """Take the block to evict next out of the evictable set. Raises IndexError when it is empty."""
 
+    def pop_victims(self, num: int) -> list[Block]:
+        """Take up to `num` (>= 1) blocks to evict out of the evictable set, in eviction order: what `num`
+        calls of `pop_victim` would take, except that it stops early after a block whose eviction would
+        evict other evictable blocks with it (an indexed child that is not among those taken). The pool
+        evicts the taken blocks in order, so each one's descendants are gone before it is. By default one
+        block. Raises IndexError when the set is empty."""
+        return [self.pop_victim()]
+
     @abstractmethod
     def in_eviction_order(self) -> list[Block]:
         """The evictable blocks, the next victim first (for inspection and tests)."""
@@ -182,6 +191,31 @@ class LruPolicy(LRUQueue, EvictionPolicy):
     name = EvictionPolicyName.LRU
     release = LRUQueue.extend
     pop_victim = LRUQueue.popleft
+
+    def pop_victims(self, num: int) -> list[Block]:
+        """The queue's first `num` blocks, or fewer: it stops after a block with an indexed child other
+        than the block taken just before it (a chain released tail first is taken whole)."""
+        if self.head is None:
+            raise IndexError("pop from an empty LRU queue")
+        taken: list[Block] = []
+        before, block = None, self.head
+        for _ in range(num):
+            taken.append(block)
+            after, child = block.lru_next, block.first_child
+            block.lru_prev = block.lru_next = None
+            if child is not None and (child is not before or child.next_sibling is not None):
+                block = after
+                break
+            before, block = block, after
+            if block is None:
+                break
+        self.head = block
+        if block is None:
+            self.tail = None
+        else:
+            block.lru_prev = None
+        self._len -= len(taken)
+        return taken
 
     def in_eviction_order(self) -> list[Block]:
         return list(self)

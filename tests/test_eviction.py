@@ -91,3 +91,19 @@ def test_a_policy_serves_one_pool_and_the_pool_checks_it():
         BlockPool(2, 2, EventLog(), eviction=policy)
     with pytest.raises(InvariantError, match="key is not the hash of its content"):
         pool.check_invariants()
+
+
+def test_lru_takes_a_chain_released_tail_first_in_one_batch_and_stops_at_a_block_with_another_child():
+    policy = LruPolicy()
+    root, child, other_child, grandchild = (Block(i, key=bytes([i])) for i in range(4))
+    child.parent = other_child.parent = root
+    root.first_child, child.next_sibling, other_child.prev_sibling = child, other_child, child
+    grandchild.parent, child.first_child = child, grandchild
+    policy.release([grandchild, child, root, other_child])
+    assert [b.block_id for b in policy.pop_victims(4)] == [3, 1, 0]  # root still has other_child: stop there
+    assert [b.block_id for b in policy.pop_victims(4)] == [2]
+    with pytest.raises(IndexError):
+        policy.pop_victims(1)
+    policy.release([grandchild, child])
+    assert [b.block_id for b in policy.pop_victims(1)] == [3]  # no more than asked for
+    assert len(policy) == 1 and policy.head is child and child.lru_prev is None
