@@ -6,8 +6,9 @@ Inserts go through storage.bulk (SQLite: one statement over a JSON array per tab
 The rows hold their JSON columns (hash lists, token ids) as Python lists: on SQLite the one JSON array
 of the rows carries them as they are (json_extract hands each column its JSON text), elsewhere each is
 encoded on its own first.
-Deletes of ended lifetimes go by primary key (source_id, n): on PostgreSQL one statement per batch,
-`... WHERE (source_id, n) IN (SELECT * FROM unnest(:sources, :ns))` (5x executemany's speed), elsewhere
+Deletes of ended lifetimes go by primary key (source_id, n): on PostgreSQL one statement per source of
+the batch, `... WHERE source_id = :source AND n = ANY(:ns)`, an index scan (a second array, of the
+sources, unnested beside the numbers cost the driver more than the server spent deleting), elsewhere
 executemany of the statement compiled once (on SQLite a row-value IN over json_each scanned the whole
 source per statement, where executemany probes the key; SQLAlchemy's per-row parameter processing is
 skipped, as storage.bulk does). Copies changes (duplicated blocks only) and source closes are
@@ -29,15 +30,13 @@ from sqlalchemy import (
     BigInteger,
     Connection,
     Delete,
-    String,
     Table,
     Update,
+    any_,
     bindparam,
     delete,
-    func,
     insert,
     select,
-    tuple_,
     update,
 )
 from sqlalchemy.dialects.postgresql import ARRAY
@@ -115,8 +114,11 @@ def _ensure_sources(connection: Connection, rows: dict[str, tuple]) -> None:
 def _delete_held(connection: Connection, keys: list[tuple]) -> None:
     """Delete fleet_blocks rows by (source_id, n)."""
     if connection.dialect.name == "postgresql":
-        sources, ns = (list(column) for column in zip(*keys))
-        connection.execute(_postgres_delete_statement(), {"key_sources": sources, "key_ns": ns})
+        by_source: dict[str, list[int]] = {}
+        for source, n in keys:
+            by_source.setdefault(source, []).append(n)
+        parameters = [{"key_source": source, "key_ns": ns} for source, ns in by_source.items()]
+        connection.execute(_postgres_delete_statement(), parameters)
     else:
         _driver_executemany(connection, _portable_delete_statement(), ("key_source", "key_n"), keys)
 
@@ -135,10 +137,10 @@ def _driver_executemany(connection: Connection, statement, names: tuple[str, ...
 
 @functools.cache
 def _postgres_delete_statement() -> Delete:
-    arrays = (bindparam("key_sources", type_=ARRAY(String)), bindparam("key_ns", type_=ARRAY(BigInteger)))
-    keys = func.unnest(*arrays).table_valued("source_id", "n").render_derived("keys")
-    pairs = select(keys.c.source_id, keys.c.n)
-    return delete(FLEET_BLOCKS).where(tuple_(FLEET_BLOCKS.c.source_id, FLEET_BLOCKS.c.n).in_(pairs))
+    """One source's rows by their numbers: `n = ANY(:key_ns)`, an index scan of the primary key."""
+    blocks = FLEET_BLOCKS.c
+    numbers = bindparam("key_ns", type_=ARRAY(BigInteger))
+    return delete(FLEET_BLOCKS).where(blocks.source_id == bindparam("key_source"), blocks.n == any_(numbers))
 
 
 @functools.cache
