@@ -26,6 +26,8 @@ history database.
    both encodings) against msgspec decoding straight into vLLM's own `KVEventBatch` classes (what
    vLLM's subscriber example does: the floor for a Python consumer), and applying to the index.
 
+The collector runs under `fleet watch`'s garbage-collector thresholds (cli/fleet.py `WATCH_GC_THRESHOLDS`).
+
 Goals: >= 100,000 block events per second into the index and >= 50,000 into the database on the
 2-core machine. The publishers take one core and the collector (with the writer thread and, for
 PostgreSQL, the server) the other; numbers are noisy when other work shares the machine, so each run
@@ -35,6 +37,7 @@ also prints its rate per second of the collector process's CPU time.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import random
@@ -52,6 +55,7 @@ os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "0")  # vLLM logs to stdout by d
 
 import msgspec  # noqa: E402
 
+from cli.fleet import WATCH_GC_THRESHOLDS  # noqa: E402
 from fleet.collector import Collector, CollectorConfig  # noqa: E402
 from fleet.decode import BatchDecoder  # noqa: E402
 from fleet.events import BatchOrigin, PodBatch, PodReset  # noqa: E402
@@ -496,6 +500,7 @@ def main() -> None:
         run_publishers(args)
         return
     print(f"machine: {os.cpu_count()} cores, load average {os.getloadavg()[0]:.2f} (shared with other work)")
+    gc.set_threshold(*WATCH_GC_THRESHOLDS)  # the collector runs as `fleet watch` runs it
     bench_end_to_end(args, rate=0)
     bench_end_to_end(args, rate=args.rate)
     if args.databases:

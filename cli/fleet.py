@@ -21,6 +21,7 @@ and exit status 2. The database and the collector are imported in `run`, so `--h
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import signal
 import sys
@@ -33,6 +34,12 @@ from fleet.source import PodSource, parse_pod
 NAME = "fleet"
 DEFAULT_STATUS_EVERY_S = 10.0
 MAX_STATUS_EVERY_S = 3600.0
+# The cyclic garbage collector's thresholds while a watch runs. The collector allocates a few containers
+# per block event (decoded events, index entries, history rows), and at full speed hundreds of thousands
+# of rows wait in the writer's queue, so CPython's defaults (700, 10, 10) traverse them over and over:
+# 5.4 s of a 14 s collector process's CPU into PostgreSQL in benchmarks/fleet.py, 1.4-1.9 s with these.
+# Reference counting still frees every row as soon as it is written; only reference cycles wait longer.
+WATCH_GC_THRESHOLDS = (10_000, 10, 10)
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -103,6 +110,8 @@ def run_watch(args: argparse.Namespace) -> int:
 
     stop = threading.Event()
     previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
+    previous_gc_thresholds = gc.get_threshold()
+    gc.set_threshold(*WATCH_GC_THRESHOLDS)
     writer = EventWriter(args.db)
     store = FleetStore(writer)
     index = FleetIndex()
@@ -118,6 +127,7 @@ def run_watch(args: argparse.Namespace) -> int:
         writer.close()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+        gc.set_threshold(*previous_gc_thresholds)
     print(status_line(collector, index, writer), file=sys.stderr, flush=True)
     lost = writer.stats().dropped
     if lost:

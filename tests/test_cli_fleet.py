@@ -6,16 +6,20 @@ KVCacheManager published by vLLM's own ZmqEventPublisher; `state` then reads the
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import signal
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
 
 from cli.__main__ import main
+from cli.fleet import WATCH_GC_THRESHOLDS
 from storage.db import db_engine
 from tests.fleet_history_support import held_copies
 
@@ -145,3 +149,23 @@ def test_watch_stops_cleanly_on_sigint_with_nothing_to_watch(tmp_path: Path) -> 
             process.kill()
     assert code == 0, err
     assert "Traceback" not in err
+
+
+def test_a_watch_raises_the_garbage_collectors_thresholds_while_it_runs_and_restores_them(tmp_path: Path) -> None:
+    before = gc.get_threshold()
+    seen = []
+
+    def look_then_interrupt() -> None:  # the thresholds change after the watch's signal handlers are in place
+        deadline = time.monotonic() + 30
+        while gc.get_threshold() == before and time.monotonic() < deadline:
+            time.sleep(0.02)
+        seen.append(gc.get_threshold())
+        os.kill(os.getpid(), signal.SIGINT)
+
+    looker = threading.Thread(target=look_then_interrupt)
+    looker.start()
+    code = main(["fleet", "watch", "--pod", "quiet=tcp://127.0.0.1:9", "--db", f"sqlite:///{tmp_path / 'h.sqlite'}"])
+    looker.join()
+    assert code == 0
+    assert seen == [WATCH_GC_THRESHOLDS]
+    assert gc.get_threshold() == before
