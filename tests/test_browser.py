@@ -84,7 +84,10 @@ def walk(page, url: str, expect) -> None:
     page.get_by_role("textbox", name="Suffixes, one child per line").fill(" Answer briefly.\n Answer in detail.")
     page.get_by_role("textbox", name="Suffixes, one child per line").press("Control+Enter")
     page.get_by_text("Retain children").click()
-    page.get_by_role("button", name="Fork children").click()
+    # The button's label says what the server has of both inputs: click only once it has them.
+    fork_button = page.get_by_role("button", name="Fork children (2, retained)")
+    expect(fork_button).to_be_visible()
+    fork_button.click()
     expect(main.get_by_text("Forked req-0 into 2 children: req-1, req-2.")).to_be_visible()
     expect(main.get_by_text("req-2 · retained", exact=False).first).to_be_visible()
     shot(page, "02-submit-and-fork")
