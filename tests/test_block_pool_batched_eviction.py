@@ -56,9 +56,9 @@ class BatchedVictimsMachine(RuleBasedStateMachine):
         reference = self.pools[0]
         cached = sorted(b.block_id for b in reference.blocks if b.key is not None)
         parent_id = data.draw(st.sampled_from([None, *cached]))
-        held = 0 if parent_id is None else 1
-        if not reference.can_allocate(num + held) or (held and reference.blocks[parent_id].ref_count == 0
-                                                      and not reference.can_allocate(num + 1)):  # fmt: skip
+        # Touching an evictable parent takes it out of what can be allocated.
+        parent_evictable = parent_id is not None and reference.blocks[parent_id].ref_count == 0
+        if not reference.can_allocate(num + parent_evictable):
             return
         contents = data.draw(st.lists(st.integers(0, 3), min_size=num, max_size=num))
         tokens = [token for content in contents for token in [content] * BLOCK_SIZE]
