@@ -35,6 +35,12 @@ def insert_rows(connection: Connection, table: Table, columns: Sequence[str], ro
     connection.execute(_rows_statement(table, tuple(columns)), {"rows": encode_json(rows)})
 
 
+def insert_new_rows(connection: Connection, table: Table, columns: Sequence[str], rows: list[tuple[Any, ...]]) -> None:
+    """Insert the row tuples whose primary key is not in the table yet (the others are left as they are),
+    in one statement that returns nothing: no round trip back through the GIL."""
+    connection.execute(_new_rows_statement(table, tuple(columns)), {"rows": encode_json(rows)})
+
+
 def upsert_views(connection: Connection, run_id: str, views: list[RequestView]) -> None:
     """Insert or replace the `requests` rows of one run's views (distinct requests) by (run_id, request_id).
 
@@ -69,6 +75,14 @@ def _keys_statement() -> Update:
 def _rows_statement(table: Table, columns: tuple[str, ...]) -> Insert:
     elements = _json_elements()
     return insert(table).from_select(columns, select(*(_element(elements, i) for i in range(len(columns)))))
+
+
+@functools.cache
+def _new_rows_statement(table: Table, columns: tuple[str, ...]) -> Insert:
+    elements = _json_elements()
+    # WHERE true: without it SQLite would read ON CONFLICT as a join constraint of the FROM clause.
+    rows = select(*(_element(elements, i) for i in range(len(columns)))).where(true())
+    return sqlite.insert(table).from_select(columns, rows).on_conflict_do_nothing()
 
 
 @functools.cache
