@@ -2,6 +2,7 @@
 
     insert_events(connection, run_id, parts)      `events` rows of one run (`encode_events` parts, in order)
     insert_rows(connection, table, columns, rows) driver-ready row tuples (storage.rows), e.g. evictions
+    insert_new_rows(connection, table, columns, rows)   the same, skipping rows whose key is present
     upsert_views(connection, run_id, views)       `requests` rows of one run's views, by (run_id, request_id)
 
 SQLite: one statement over a JSON array per call (storage.bulk_sqlite). PostgreSQL: COPY through psycopg
@@ -15,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from sqlalchemy import Connection, Table, insert, tuple_
+from sqlalchemy import Connection, Table, insert, select, tuple_
 
 from engine.snapshot import RequestView
 from storage import bulk_postgres, bulk_sqlite
@@ -40,6 +41,24 @@ def insert_rows(connection: Connection, table: Table, columns: Sequence[str], ro
         bulk_postgres.copy_rows(connection, table, columns, rows)
     else:
         _executemany(connection, table, columns, rows)
+
+
+def insert_new_rows(connection: Connection, table: Table, columns: Sequence[str], rows: list[tuple[Any, ...]]) -> None:
+    """Insert the row tuples whose primary key is not in `table` yet; rows already there stay as they are.
+
+    SQLite: one INSERT ... ON CONFLICT DO NOTHING over a JSON array, which returns nothing. Elsewhere a
+    SELECT of the present keys, then an insert of the rest (on PostgreSQL a multi-row INSERT ... ON
+    CONFLICT, compiled anew for every row count, measured no faster).
+    """
+    if connection.dialect.name == "sqlite":
+        bulk_sqlite.insert_new_rows(connection, table, columns, rows)
+        return
+    (key,) = table.primary_key.columns  # one-column keys only (fleet_sources.id)
+    position = list(columns).index(key.name)
+    present = set(connection.scalars(select(key).where(key.in_([row[position] for row in rows]))))
+    missing = [dict(zip(columns, row)) for row in rows if row[position] not in present]
+    if missing:
+        connection.execute(insert(table), missing)
 
 
 def upsert_views(connection: Connection, run_id: str, views: list[RequestView]) -> None:

@@ -39,13 +39,12 @@ from sqlalchemy import (
     bindparam,
     delete,
     func,
-    insert,
     select,
     update,
 )
 from sqlalchemy.dialects.postgresql import ARRAY
 
-from storage import bulk, bulk_sqlite
+from storage import bulk
 from storage.db import encode_json
 from storage.fleet_rows import FleetRows
 from storage.models import (
@@ -107,15 +106,8 @@ def _json_encoded(table: Table, columns: Sequence[str], rows: list[list]) -> lis
 
 def _ensure_sources(connection: Connection, rows: dict[str, tuple]) -> None:
     """Insert the source rows that are not in the table yet (an earlier unit may have been lost)."""
-    if not rows:
-        return
-    if connection.dialect.name == "sqlite":
-        bulk_sqlite.insert_new_rows(connection, FLEET_SOURCES, FLEET_SOURCE_COLUMNS, list(rows.values()))
-        return
-    present = set(connection.scalars(select(FLEET_SOURCES.c.id).where(FLEET_SOURCES.c.id.in_(list(rows)))))
-    missing = [dict(zip(FLEET_SOURCE_COLUMNS, row)) for source, row in rows.items() if source not in present]
-    if missing:
-        connection.execute(insert(FLEET_SOURCES), missing)
+    if rows:
+        bulk.insert_new_rows(connection, FLEET_SOURCES, FLEET_SOURCE_COLUMNS, list(rows.values()))
 
 
 def _delete_held(connection: Connection, keys: list[tuple]) -> None:
