@@ -152,7 +152,8 @@ def _sqlite_delete_statement() -> Delete:
     a search of the primary key per number inside one statement (the GIL is released for all of it)."""
     blocks = FLEET_BLOCKS.c
     numbers = func.json_each(bindparam("key_ns", type_=String)).table_valued("value")
-    return delete(FLEET_BLOCKS).where(blocks.source_id == bindparam("key_source"), blocks.n.in_(select(numbers.c.value)))
+    where = (blocks.source_id == bindparam("key_source")) & blocks.n.in_(select(numbers.c.value))
+    return delete(FLEET_BLOCKS).where(where)
 
 
 @functools.cache

@@ -219,6 +219,27 @@ def test_stored_blocks_always_equal_the_fleet_index(db_url: str, engine_for, ops
     assert all(copies >= 1 for _, _, copies, _ in held)
 
 
+def test_a_unit_brings_its_source_when_its_opening_was_lost_and_never_rewrites_it(db_url: str, engine_for) -> None:
+    """Every unit carries its source row: inserted when missing (the unit that opened the pod was lost),
+    left as it is when present (a later unit must not undo the source's closing time)."""
+    db = engine_for(db_url)
+    migrate.upgrade(db)
+    builder = FleetRowBuilder(f"lost-open-{time.monotonic_ns()}")
+    builder.open(pod_source("a"), 1.0)  # never written
+    with db.begin() as connection:
+        write_fleet_rows(connection, [builder.batch(batch("a", 0, stored([7]), ts=10.0))])
+        write_fleet_rows(connection, [builder.close(20.0)])
+    with db.begin() as connection:
+        write_fleet_rows(connection, [builder.batch(batch("a", 1, removed(7), ts=30.0))])
+    source_id = builder.source_ids()["a"]
+    with db.connect() as connection:
+        times = select(FLEET_SOURCES.c.opened_at, FLEET_SOURCES.c.closed_at).where(FLEET_SOURCES.c.id == source_id)
+        rows = [tuple(row) for row in connection.execute(times)]
+    assert rows == [(1.0, 20.0)]
+    assert held_rows(db, source_id) == []
+    assert evictions(db, source_id) == [(30.0, "removed", "7", 20.0, 0)]
+
+
 # ---------------------------------------------------------------- the writer hook
 
 
