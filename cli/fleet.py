@@ -37,9 +37,13 @@ MAX_STATUS_EVERY_S = 3600.0
 # The cyclic garbage collector's thresholds while a watch runs. The collector allocates a few containers
 # per block event (decoded events, index entries, history rows), and at full speed hundreds of thousands
 # of rows wait in the writer's queue, so CPython's defaults (700, 10, 10) traverse them over and over:
-# 5.4 s of a 14 s collector process's CPU into PostgreSQL in benchmarks/fleet.py, 1.4-1.9 s with these.
-# Reference counting still frees every row as soon as it is written; only reference cycles wait longer.
-WATCH_GC_THRESHOLDS = (10_000, 10, 10)
+# 5.4 s of a 14 s collector process's CPU into PostgreSQL in benchmarks/fleet.py. At (10_000, 10, 10)
+# the young passes still took 1.1-1.2 s and the older ones 0.4-0.9 s of a run; at these, 0.7-0.8 s
+# in all. The passes count containers allocated and not yet freed: a young pass after 100,000 more (so
+# most rows are written and freed before a pass sees them), a middle one after 5 M, a full one after
+# 100 M. Reference counting still frees every row as soon as it is written, and a young pass frees the
+# cycles that became garbage while young; only a cycle dropped after it had grown old waits longer.
+WATCH_GC_THRESHOLDS = (100_000, 50, 20)
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
