@@ -342,7 +342,8 @@ def bench_end_to_end(args: argparse.Namespace, rate: int, database: str | None =
     print(f"1. end to end into {into}, {pace}")
     print(f"   {args.pods} pods x {setup['batches_per_pod']} batches, {block_events:,} block events")
     print(f"   vLLM's publishers took them in {publish_s:.2f} s ({block_events / publish_s:,.0f} block events/s)")
-    print(f"   into the index in {wall_s:.2f} s: {block_events / wall_s:,.0f} block events/s (goal >= 100,000)")
+    index_goal = " (goal >= 100,000)" if database is None else ""  # with a database, its writer shares the core
+    print(f"   into the index in {wall_s:.2f} s: {block_events / wall_s:,.0f} block events/s{index_goal}")
     if writer is not None:
         db_s = written_at - lag.first_received_at
         db_lags = [done - ts for done, ts in zip(writer.written_at[args.pods :], lag.batch_ts, strict=True)]
