@@ -22,7 +22,10 @@ from tests.browser_support import ARTIFACTS, CHROMIUM, CHROMIUM_ARGS, ConsoleSer
 from tests.storage_support import wait_for
 
 TIMEOUT_MS = 60_000
-LONG_REQUEST_TOKENS = 600  # streams for seconds (an idle machine) to half a minute (a loaded one)
+# Streams for several seconds on an idle machine (600 tokens once finished between two of the live output's
+# one-second redraws, before the test saw it part done) to a minute or two on a loaded one; with the
+# prompt it fits tiny-chat's 2,048 positions.
+LONG_REQUEST_TOKENS = 1_900
 PROMPT = "Operators share one long system prompt across many requests, so its blocks are cached once. " * 2
 
 
@@ -227,7 +230,7 @@ def click_block(page, block_id: int, num_blocks: int) -> None:
     raise AssertionError(f"clicking block {block_id} in the grid did not select it")
 
 
-@pytest.mark.parametrize("console_server", [128], indirect=True)  # blocks: room for long requests
+@pytest.mark.parametrize("console_server", [256], indirect=True)  # blocks: room for two long requests at once
 def test_sessions_that_disconnect_mid_stream_leave_the_server_and_engine_running(console_server: ConsoleServer) -> None:
     """Browser pages closed while their live output streams a long request: the requests still finish,
     another session keeps working, and the server keeps no connection of theirs. (Its thread count is no
