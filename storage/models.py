@@ -207,6 +207,8 @@ PRUNES = Prune.__table__
 ROLLUPS = EvictionRollup.__table__
 PROGRESS = WriterProgress.__table__
 
+# The `runs` columns, in the order of the writer's row tuples (storage.writer._insert_runs).
+RUN_COLUMNS = tuple(RUNS.c.keys())
 # The `events` columns the writer fills, in the order of its row tuples (storage.rows.event_values).
 EVENT_COLUMNS = ("run_id", "step", "time", "kind", "request_id", "block_id", "tokens", "detail")
 # The eviction log as the pages and the CSV export show it; the writer fills every column but the id, in

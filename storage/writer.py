@@ -53,14 +53,14 @@ from dataclasses import asdict, dataclass, field, replace
 from datetime import UTC, datetime
 from typing import Any
 
-from sqlalchemy import Connection, insert, select, update
+from sqlalchemy import Connection, update
 from sqlalchemy.exc import DBAPIError, OperationalError
 
 from engine.events import Event
 from engine.snapshot import RequestView
 from storage import bulk, migrate, progress, rollups
 from storage.db import DEFAULT_BUSY_TIMEOUT_MS, db_engine
-from storage.models import EVICTION_ROW_COLUMNS, EVICTIONS, RUNS
+from storage.models import EVICTION_ROW_COLUMNS, EVICTIONS, RUN_COLUMNS, RUNS
 from storage.retention import RetentionPolicy, prune
 from storage.rows import EncodedEvents, checked_events, checked_views, encode_events, eviction_values
 
@@ -569,12 +569,9 @@ def _is_transient(error: Exception) -> bool:
 
 def _insert_runs(connection: Connection, runs: dict[str, dict[str, Any]]) -> None:
     """Insert the pending runs that are not in the table yet (a commit may have been lost)."""
-    if not runs:
-        return
-    present = set(connection.scalars(select(RUNS.c.id).where(RUNS.c.id.in_(list(runs)))))
-    missing = [row for run_id, row in runs.items() if run_id not in present]
-    if missing:
-        connection.execute(insert(RUNS), missing)
+    if runs:
+        rows = [tuple(row[name] for name in RUN_COLUMNS) for row in runs.values()]
+        bulk.insert_new_rows(connection, RUNS, RUN_COLUMNS, rows)
 
 
 def _insert_rows(connection: Connection, items: list[_Item]) -> None:
