@@ -149,7 +149,12 @@ def walk(page, url: str, expect) -> None:
 def go(page, title: str) -> None:
     """Open a page from the sidebar; click again if a rerun in flight swallowed the first click."""
     link = page.get_by_role("link", name=title, exact=True)  # not "Fleet prefix tree" for "Prefix tree"
-    click_until(link, page.locator("[data-testid='stMain']").get_by_role("heading", name=title, exact=True).first)
+    click_until(link, page_heading(page, title))
+
+
+def page_heading(page, title: str):
+    """The title heading of the page `title`, once it shows in the main section."""
+    return page.locator("[data-testid='stMain']").get_by_role("heading", name=title, exact=True).first
 
 
 def apply_text(page, title: str, box: str, text: str, shown) -> None:
@@ -173,7 +178,7 @@ def apply_text(page, title: str, box: str, text: str, shown) -> None:
             if attempt == 2 or not frontend_crashed(page):
                 raise
         page.reload()  # a new session on the same page: what the operator typed before is gone
-        page.locator("[data-testid='stMain']").get_by_role("heading", name=title, exact=True).first.wait_for()
+        page_heading(page, title).wait_for()
 
 
 def frontend_crashed(page) -> bool:
