@@ -77,10 +77,11 @@ class CascadeRule:
 NO_CASCADE = CascadeRule(enabled=False, min_saved_blocks=0)
 ALWAYS_CASCADE = CascadeRule(enabled=True, min_saved_blocks=0)  # every shareable run, even a lone chunk's
 # Measured with benchmarks/cascade_attention.py (SmolLM2's attention, fp32, 2 threads, block size 16, K/V out
-# of the caches, 96 cells of 1-64 sharers over 1-64 blocks): fitted on process CPU time, cascade pays from 24
-# saved copies per layer; the 14 cells on the wrong side differ by under 0.45 ms per layer either way, and
-# the fit on wall clock (the machine at load 8) gave 28. 8 decodes over a 1,024-token prefix save 448-512.
-CPU_CASCADE = CascadeRule(enabled=True, min_saved_blocks=24)
+# of the caches, head-major blocks, 96 cells of 1-64 sharers over 1-64 blocks): fitted on process CPU time,
+# cascade pays from 32 saved copies per layer; the 12 cells on the wrong side differ by under 0.2 ms per layer
+# either way. (With token-major blocks, whose gathers cost 3x more, it paid from 24.) 8 decodes over a
+# 1,024-token prefix save 448-512.
+CPU_CASCADE = CascadeRule(enabled=True, min_saved_blocks=32)
 # Not measured on a GPU yet (benchmarks/cuda_check.py reports cascade on and off side by side). Splitting
 # even a lone chunk's cached prefix off lets both halves run on FlashAttention instead of a masked kernel.
 CUDA_CASCADE = ALWAYS_CASCADE

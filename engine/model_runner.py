@@ -3,9 +3,15 @@
 The runner knows block ids and positions, never requests, hashes or tokenization. Memory is allocated
 once::
 
-    kv[layer, 0 = K | 1 = V, block, slot, kv_head, head_dim]
+    kv[layer, 0 = K | 1 = V, kv_head, block, slot, head_dim]
 
     position p of a sequence -> block_table[p // block_size], slot p % block_size
+
+Head-major, as the kernels read it: a run of consecutive blocks is one view with each head's keys in
+consecutive rows, a gather copies whole blocks of one head (block_size * head_dim values), and the
+model's new K/V ([kv_head, tokens, head_dim]) is written without a transpose. Measured against the
+token-major layout (block, slot, kv_head) on SmolLM2, 8 decodes over a shared 1,024-token prefix: the
+step's gathers took 1.2 ms instead of 3.9.
 
 `execute` packs the tokens of every chunk into one sequence (batch 1, per-token position ids) and runs
 the transformers model with a paged attention function registered through `AttentionInterface`; the
@@ -92,7 +98,7 @@ class ModelRunner:
 
     Memory, per KV group g (see engine/kv_groups.py) with num_blocks[g] blocks plus one scratch block::
 
-        kv[g][group layer, 0 = K | 1 = V, block, slot, kv_head, head_dim]
+        kv[g][group layer, 0 = K | 1 = V, kv_head, block, slot, head_dim]
 
     Creating a runner switches `loaded.model` to paged attention: from then on the model only runs
     through this runner. `cascade` says when chunks sharing leading blocks read them once (default: the
@@ -120,7 +126,7 @@ class ModelRunner:
         )
         self.kv = tuple(
             torch.zeros(
-                (len(spec.layers), 2, count + 1, block_size, loaded.num_kv_heads, loaded.head_dim),
+                (len(spec.layers), 2, loaded.num_kv_heads, count + 1, block_size, loaded.head_dim),
                 dtype=loaded.dtype,
                 device=loaded.device,
             )
@@ -153,7 +159,7 @@ class ModelRunner:
                 self._check_blocks(g, [src, dst])
                 if not 0 <= num_slots <= self.block_size:
                     raise ValueError(f"num_slots must be in [0, {self.block_size}], got {num_slots}")
-                self.kv[g][:, :, dst, :num_slots] = self.kv[g][:, :, src, :num_slots]
+                self.kv[g][:, :, :, dst, :num_slots] = self.kv[g][:, :, :, src, :num_slots]
 
     @torch.inference_mode()
     def execute(self, chunks: Sequence[SeqChunk]) -> torch.Tensor:
@@ -224,7 +230,7 @@ class ModelRunner:
         """
         for g, kv in enumerate(self.kv):
             slots = torch.tensor(self._slots(chunk, g), device=kv.device)
-            kv.view(*kv.shape[:2], -1, *kv.shape[-2:]).index_fill_(2, slots, 0)
+            kv.view(*kv.shape[:3], -1, kv.shape[-1]).index_fill_(3, slots, 0)
 
     def _slots(self, chunk: SeqChunk, g: int) -> list[int]:
         """The cache slot each of the chunk's positions writes in KV group g (the scratch block below
@@ -300,9 +306,9 @@ def paged_attention(
         raise RuntimeError(f"layer {module.layer_idx}: model window {kwargs['sliding_window']} != attention spec {window}")
     key_cache, value_cache = paged_context.kv[g][local]
     slots = paged_context.slots[g]
-    num_kv_heads, head_dim = key_cache.shape[-2:]
-    key_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, key[0].transpose(0, 1))
-    value_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, value[0].transpose(0, 1))
+    num_kv_heads, head_dim = key_cache.shape[0], key_cache.shape[-1]
+    key_cache.view(num_kv_heads, -1, head_dim).index_copy_(1, slots, key[0])
+    value_cache.view(num_kv_heads, -1, head_dim).index_copy_(1, slots, value[0])
 
     num_heads = query.shape[1]
     queries = query[0].transpose(0, 1)  # [T, num_heads, head_dim]
@@ -318,14 +324,14 @@ def paged_attention(
             )
         elif call.keys is KeySource.VIEW:  # consecutive blocks: read in place
             k, v = (
-                cache[call.blocks].view(1, -1, num_kv_heads, head_dim)[:, : call.num_keys].transpose(1, 2)
+                cache[:, call.blocks].view(1, num_kv_heads, -1, head_dim)[:, :, : call.num_keys]
                 for cache in (key_cache, value_cache)
             )
         else:
             k, v = (
                 _gather_blocks(cache, call.blocks, buffer)
-                .view(q.shape[0], -1, num_kv_heads, head_dim)[:, : call.num_keys]
-                .transpose(1, 2)
+                .view(num_kv_heads, q.shape[0], -1, head_dim)[:, :, : call.num_keys]
+                .transpose(0, 1)
                 for cache, buffer in zip((key_cache, value_cache), paged_context.gather)
             )
         kernel = paged_context.kernels.kernel(masked=call.bias is not None)
@@ -352,6 +358,8 @@ def _put_rows(tensor: torch.Tensor, rows: slice | torch.Tensor, values: torch.Te
 
 
 def _gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor, buffer: torch.Tensor) -> torch.Tensor:
-    """`cache[block_ids]`, written into the front of `buffer` (overwritten by the next gather)."""
-    out = buffer[: block_ids.numel() * cache[0].numel()].view(block_ids.numel(), *cache.shape[1:])
-    return torch.index_select(cache, 0, block_ids, out=out)
+    """`cache[:, block_ids]` as [kv_head, block, slot * head_dim], written into the front of `buffer`
+    (overwritten by the next gather)."""
+    num_kv_heads, block_numel = cache.shape[0], cache[0, 0].numel()
+    out = buffer[: num_kv_heads * block_ids.numel() * block_numel].view(num_kv_heads, block_ids.numel(), block_numel)
+    return torch.index_select(cache.view(num_kv_heads, -1, block_numel), 1, block_ids, out=out)

@@ -151,7 +151,7 @@ def test_all_sliding_model_never_reads_blocks_before_the_window(runner_pair):
     runner, reference = runner_pair("tiny-mistral")  # window 8
     context, table = tokens(28, 16), shuffled_blocks(16)
     runner.execute([chunk(runner, context[:24], 0, table)])
-    runner.kv[0][:, :, table[40]] = float("nan")  # any read of this block would poison the logits
+    runner.kv[0][:, :, :, table[40]] = float("nan")  # any read of this block would poison the logits
     scrubbed = [table[40]] * 4 + table[4:7]  # positions 0..15 now point at it
     logits = runner.execute([chunk(runner, context[24:], 24, scrubbed)])
     assert_close(logits[0], reference_logits(reference, context)[-1])
@@ -208,7 +208,7 @@ def test_a_nan_in_a_block_no_chunk_holds_never_reaches_a_padded_decode_batch(run
     for context, table in zip(contexts, tables):
         runner.execute([chunk(runner, context[:-1], 0, table)])
     for kv in runner.kv:
-        kv[:, :, 0] = float("nan")
+        kv[:, :, :, 0] = float("nan")
     logits = runner.execute([chunk(runner, c[-1:], len(c) - 1, t) for c, t in zip(contexts, tables)])
     for row, context in zip(logits, contexts):
         assert_close(row, reference_logits(reference, context)[-1])
@@ -230,7 +230,7 @@ def test_a_nan_in_a_block_no_chunk_holds_never_reaches_forks_decoding_over_a_sha
     runner.execute([chunk(runner, prefix, 0, tables[0]), chunk(runner, contexts[2][:-1], 0, tables[2])])
     runner.execute([chunk(runner, contexts[1][8:-1], 8, tables[1])])
     for kv in runner.kv:
-        kv[:, :, 0] = float("nan")
+        kv[:, :, :, 0] = float("nan")
     logits = runner.execute([chunk(runner, c[-1:], len(c) - 1, t) for c, t in zip(contexts, tables)])
     for row, context in zip(logits, contexts):
         assert_close(row, reference_logits(reference, context)[-1])
@@ -241,7 +241,7 @@ def test_clear_slots_zeroes_exactly_what_a_chunk_wrote(runner_pair):
     before = runner.kv[0].clone()
     runner.clear_slots(cleared)
     after = runner.kv[0]
-    assert after[:, :, 7].eq(0).all() and after[:, :, 8, :1].eq(0).all()  # positions 0..4: block 7, slot 0 of 8
-    assert before[:, :, 7].ne(0).any()  # they held K/V before
-    after[:, :, 7:9] = before[:, :, 7:9]
+    assert after[:, :, :, 7].eq(0).all() and after[:, :, :, 8, :1].eq(0).all()  # positions 0..4: block 7, slot 0 of 8
+    assert before[:, :, :, 7].ne(0).any()  # they held K/V before
+    after[:, :, :, 7:9] = before[:, :, :, 7:9]
     assert torch.equal(after, before)  # nothing else changed
