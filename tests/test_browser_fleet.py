@@ -17,7 +17,7 @@ import pytest
 
 from tests.browser_support import ARTIFACTS, CHROMIUM, CHROMIUM_ARGS
 from tests.fleet_support import fleet_console  # noqa: F401 (the fixture)
-from tests.test_browser import TIMEOUT_MS, shot
+from tests.test_browser import TIMEOUT_MS, click_until, page_heading, shot
 
 pytest.importorskip("vllm.v1.core.kv_cache_manager", reason="vLLM is installed by requirements-interop.txt")
 
@@ -64,15 +64,7 @@ def metric(page, label: str):
 
 def go(page, link: str, title: str) -> None:
     """Open a page from the sidebar; click again if a rerun in flight swallowed the first click."""
-    heading = page.locator("[data-testid='stMain']").get_by_role("heading", name=title, exact=True).first
-    for _ in range(3):
-        page.get_by_role("link", name=link, exact=True).click()
-        try:
-            heading.wait_for(state="visible", timeout=TIMEOUT_MS // 3)
-            return
-        except Exception:  # retried below; the last attempt reports
-            pass
-    heading.wait_for(state="visible")
+    click_until(page.get_by_role("link", name=link, exact=True), page_heading(page, title))
 
 
 def walk(page, url: str, expect, counts: tuple[int, int]) -> None:
