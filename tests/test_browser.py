@@ -254,10 +254,9 @@ def test_sessions_that_disconnect_mid_stream_leave_the_server_and_engine_running
             go(watcher, "Settings")  # a page without live panels: nothing in flight while counting
             connections_before = open_connections(console_server)
 
-            for _ in range(2):
+            for index in range(2):
                 streaming = submit_in_new_page(browser, console_server.url, max_new_tokens=LONG_REQUEST_TOKENS)
-                partly_done = re.compile(rf"^(?!{LONG_REQUEST_TOKENS}/)[1-9]\d*/{LONG_REQUEST_TOKENS} new tokens$")
-                expect(streaming.get_by_text(partly_done)).to_be_visible()
+                wait_part_done(streaming, LONG_REQUEST_TOKENS, f"browser-disconnect-stream-{index}.png")
                 streaming.context.close()  # mid-stream: its live fragment was rerunning every second
 
             go(watcher, "Submit & fork")  # the engine finishes the requests on its own; follow them here
@@ -290,14 +289,41 @@ def test_sessions_that_disconnect_mid_stream_leave_the_server_and_engine_running
 def submit_in_new_page(browser, url: str, max_new_tokens: int):
     """A new session that submits one request, EOS ignored, on Submit & fork; returns its page, alone in a
     browser context of its own (closing the context closes every connection the page made)."""
+    from playwright.sync_api import expect
+
     page = browser.new_context(viewport={"width": 1400, "height": 1000}).new_page()
     page.set_default_timeout(TIMEOUT_MS)
     page.goto(url)
     go(page, "Submit & fork")
     preview = page.locator("[data-testid='stMain']").get_by_text("full blocks of 16")
     apply_text(page, "Submit & fork", "Prompt", "Stream a long answer. " * 4, shown=preview)
-    page.get_by_role("spinbutton", name="Max new tokens").fill(str(max_new_tokens))
-    page.get_by_role("spinbutton", name="Max new tokens").press("Enter")
+    max_new = page.get_by_role("spinbutton", name="Max new tokens")
+    max_new.fill(str(max_new_tokens))
+    max_new.press("Enter")
+    expect(max_new).to_have_value(str(max_new_tokens))
     page.get_by_text("Ignore EOS").click()
+    expect(page.get_by_role("checkbox", name="Ignore EOS")).to_be_checked()
     page.get_by_role("button", name="Submit", exact=True).click()
     return page
+
+
+def wait_part_done(page, max_new_tokens: int, screenshot: str) -> None:
+    """Wait until the page's live output shows its request part done (some, not all, of its new tokens).
+
+    On failure the message says what the page showed instead (another count, a finished request, a blank
+    page after a frontend crash), and the page is saved as `screenshot` beside the other artifacts.
+    """
+    from playwright.sync_api import expect
+
+    part_done = re.compile(rf"^(?!{max_new_tokens}/)[1-9]\d*/{max_new_tokens} new tokens$")
+    try:
+        expect(page.get_by_text(part_done)).to_be_visible()
+    except AssertionError as error:
+        page.screenshot(path=str(ARTIFACTS / screenshot), full_page=True)
+        counts = page.get_by_text(re.compile(r"^\d+/\d+ new tokens$")).all_inner_texts()
+        main = page.locator("[data-testid='stMain']")
+        shown = " | ".join(main.first.inner_text().split("\n")[:40]) if main.count() else ""
+        raise AssertionError(
+            f"no part-done count of {max_new_tokens} new tokens; counts shown: {counts}; frontend crashed: "
+            f"{frontend_crashed(page)}; the page showed: {shown[:1500]}"
+        ) from error
