@@ -303,7 +303,8 @@ def submit_in_new_page(browser, url: str, max_new_tokens: int):
     expect(max_new).to_have_value(str(max_new_tokens))
     page.get_by_text("Ignore EOS").click()
     expect(page.get_by_role("checkbox", name="Ignore EOS")).to_be_checked()
-    page.get_by_role("button", name="Submit", exact=True).click()
+    page.get_by_role("button", name="Submit", exact=True).click()  # not retried: a second click submits twice
+    expect(page.get_by_text(re.compile(r"^Submitted req-\d+ \("))).to_be_visible()
     return page
 
 
