@@ -360,6 +360,6 @@ def _put_rows(tensor: torch.Tensor, rows: slice | torch.Tensor, values: torch.Te
 def _gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor, buffer: torch.Tensor) -> torch.Tensor:
     """`cache[:, block_ids]` as [kv_head, block, slot * head_dim], written into the front of `buffer`
     (overwritten by the next gather)."""
-    num_kv_heads, block_numel = cache.shape[0], cache[0, 0].numel()
+    num_kv_heads, block_numel = cache.shape[0], cache.shape[2] * cache.shape[3]
     out = buffer[: num_kv_heads * block_ids.numel() * block_numel].view(num_kv_heads, block_ids.numel(), block_numel)
     return torch.index_select(cache.view(num_kv_heads, -1, block_numel), 1, block_ids, out=out)
