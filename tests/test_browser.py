@@ -74,9 +74,7 @@ def walk(page, url: str, expect) -> None:
     go(page, "Submit & fork")
     preview = main.get_by_text("full blocks of 16")
     apply_text(page, "Submit & fork", "Prompt", PROMPT, shown=preview)
-    page.get_by_role("spinbutton", name="Max new tokens").fill("4")
-    page.get_by_role("spinbutton", name="Max new tokens").press("Enter")
-    page.get_by_text("Ignore EOS").click()
+    set_max_new_tokens_ignoring_eos(page, 4)
     page.get_by_text("Retain as fork base").click()
     page.get_by_role("button", name="Submit", exact=True).click()
     expect(main.get_by_text("Submitted req-0")).to_be_visible()
@@ -297,15 +295,23 @@ def submit_in_new_page(browser, url: str, max_new_tokens: int):
     go(page, "Submit & fork")
     preview = page.locator("[data-testid='stMain']").get_by_text("full blocks of 16")
     apply_text(page, "Submit & fork", "Prompt", "Stream a long answer. " * 4, shown=preview)
+    set_max_new_tokens_ignoring_eos(page, max_new_tokens)
+    page.get_by_role("button", name="Submit", exact=True).click()  # not retried: a second click submits twice
+    expect(page.get_by_text(re.compile(r"^Submitted req-\d+ \("))).to_be_visible()
+    return page
+
+
+def set_max_new_tokens_ignoring_eos(page, max_new_tokens: int) -> None:
+    """Set the submit form's max new tokens and tick Ignore EOS (from a fresh form), checking both took:
+    a dropped edit would submit the default 32 tokens, or let EOS end the request early."""
+    from playwright.sync_api import expect
+
     max_new = page.get_by_role("spinbutton", name="Max new tokens")
     max_new.fill(str(max_new_tokens))
     max_new.press("Enter")
     expect(max_new).to_have_value(str(max_new_tokens))
     page.get_by_text("Ignore EOS").click()
     expect(page.get_by_role("checkbox", name="Ignore EOS")).to_be_checked()
-    page.get_by_role("button", name="Submit", exact=True).click()  # not retried: a second click submits twice
-    expect(page.get_by_text(re.compile(r"^Submitted req-\d+ \("))).to_be_visible()
-    return page
 
 
 def wait_part_done(page, max_new_tokens: int, screenshot: str) -> None:
