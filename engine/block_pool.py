@@ -40,11 +40,11 @@ from __future__ import annotations
 import enum
 import struct
 from collections import deque
-from dataclasses import dataclass, field
-from typing import Callable, Iterable, Iterator, Sequence
+from typing import Callable, Iterable, Sequence
 
 import xxhash
 
+from engine.block import Block
 from engine.errors import require
 from engine.events import EventKind, EventLog, EvictReason
 from engine.eviction import EvictionPolicy, EvictionPolicyName, LruPolicy
@@ -73,30 +73,6 @@ def chain_key(parent_key: bytes, token_ids: Sequence[int]) -> bytes:
     if pack is None:
         pack = _TOKEN_PACKERS[len(token_ids)] = struct.Struct(f"<{len(token_ids)}I").pack
     return xxhash.xxh3_128_digest(parent_key + pack(*token_ids))
-
-
-@dataclass(slots=True, eq=False)
-class Block:
-    """One physical KV block of `block_size` token slots."""
-
-    block_id: int
-    token_ids: list[int] = field(default_factory=list)  # filled slots, in order
-    ref_count: int = 0  # number of block-table entries pointing here
-    start_pos: int = 0  # context position of slot 0 for its current holders
-    key: bytes | None = None  # set while the block is in the prefix index
-    parent_key: bytes | None = None  # the key its chain hangs from (namespace root for block 0)
-    created_at: float = 0.0  # when it was last handed out by `allocate_blocks`
-    # Last allocation, prefix hit or release. A fork's share is not stamped: the parent holds the block,
-    # so it cannot be evicted before a release stamps it again.
-    last_used: float = 0.0
-    hit_count: int = 0  # prefix hits (index lookups that reused it) since allocation; forks are not hits
-    lru_prev: Block | None = field(default=None, repr=False)  # LRU-queue neighbour towards the head
-    lru_next: Block | None = field(default=None, repr=False)  # LRU-queue neighbour towards the tail
-    # Prefix-tree links while indexed in a chained pool (see the module docstring).
-    parent: Block | None = field(default=None, repr=False)
-    first_child: Block | None = field(default=None, repr=False)
-    next_sibling: Block | None = field(default=None, repr=False)
-    prev_sibling: Block | None = field(default=None, repr=False)
 
 
 class BlockPool:

@@ -32,12 +32,9 @@ import enum
 from abc import ABC, abstractmethod
 from collections import OrderedDict
 from collections.abc import Iterator, Mapping, Sequence
-from typing import TYPE_CHECKING
 
+from engine.block import Block
 from engine.errors import require
-
-if TYPE_CHECKING:
-    from engine.block_pool import Block
 
 
 class EvictionPolicyName(enum.StrEnum):

@@ -31,7 +31,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import NamedTuple, Sequence
 
-from engine.block_pool import Block, BlockPool, NoFreeBlocksError, chain_key
+from engine.block import Block
+from engine.block_pool import BlockPool, NoFreeBlocksError, chain_key
 from engine.errors import require
 from engine.events import EventKind, EventLog, EvictReason
 from engine.namespace import CacheNamespace

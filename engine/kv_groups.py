@@ -31,15 +31,26 @@ that it came from a fork is its hit source, not a mode.
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 
-from engine.block_pool import Block, chain_key
-from engine.request import ReplayMode
+from engine.block import Block
+from engine.block_pool import chain_key
 
 FULL = "full"
 SLIDING = "sliding"
 FULL_ATTENTION = "full"  # the attention kind of a full-attention layer
 SLIDING_ATTENTION_PREFIX = "sliding:"  # a sliding layer's kind: this prefix and its window
+
+
+class ReplayMode(enum.StrEnum):
+    """How a new request's window state was recovered at its hit (the module docstring explains each)."""
+
+    NONE = "none"  # nothing reused
+    FULL = "full"  # full-attention model: the hit is ready
+    READY = "ready"  # the window state at the hit was cached: nothing replayed
+    EXACT = "exact"  # replayed from the last point with cached window state: exact
+    APPROXIMATE = "approximate"  # replayed a bounded suffix without its window state: approximate
 
 
 def attention_window(kind: str) -> int | None:

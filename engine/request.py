@@ -16,12 +16,10 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple
 
 from engine.config import MAX_NEW_TOKENS
-
-if TYPE_CHECKING:
-    from engine.kv_groups import HitPlan
+from engine.kv_groups import HitPlan, ReplayMode
 
 
 class RequestStatus(str, enum.Enum):
@@ -39,16 +37,6 @@ class HitSource(str, enum.Enum):
     NONE = "none"  # nothing reused; the whole context was computed
     PREFIX = "prefix"  # leading blocks came from the prefix index
     FORK = "fork"  # the block table was shared from a parent request
-
-
-class ReplayMode(enum.StrEnum):
-    """How a new request's window state was recovered at its hit (engine/kv_groups.py explains each)."""
-
-    NONE = "none"  # nothing reused
-    FULL = "full"  # full-attention model: the hit is ready
-    READY = "ready"  # the window state at the hit was cached: nothing replayed
-    EXACT = "exact"  # replayed from the last point with cached window state: exact
-    APPROXIMATE = "approximate"  # replayed a bounded suffix without its window state: approximate
 
 
 class PromptKeys(NamedTuple):

@@ -9,7 +9,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from engine.events import EventKind, EventLog
-from engine.request import ReplayMode, Request, RequestStatus
+from engine.kv_groups import ReplayMode
+from engine.request import Request, RequestStatus
 
 if TYPE_CHECKING:
     from engine.model_runner import ModelRunner

@@ -14,7 +14,8 @@ from __future__ import annotations
 from hypothesis import settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from engine.block_pool import Block, BlockPool, chain_key
+from engine.block import Block
+from engine.block_pool import BlockPool, chain_key
 from engine.events import EventLog
 from engine.eviction import EvictionPolicy, LruPolicy
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from engine.block_pool import Block, BlockPool
+from engine.block import Block
+from engine.block_pool import BlockPool
 from engine.errors import InvariantError
 from engine.events import EventLog
 from engine.eviction import EvictionPolicyName, LruPolicy, ReuseLruPolicy, make_eviction_policy

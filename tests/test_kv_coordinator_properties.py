@@ -18,7 +18,7 @@ from engine.kv_cache_manager import KVCacheManager
 from engine.kv_coordinator import KVCoordinator
 from engine.kv_groups import WindowPolicy, kv_groups
 from engine.namespace import CacheNamespace
-from engine.request import ReplayMode
+from engine.kv_groups import ReplayMode
 
 BLOCK_SIZE = 2
 NUM_BLOCKS = 40

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from engine.kv_groups import HitPlan
-from engine.request import HitSource, PromptKeys, ReplayMode, Request, RequestStatus, SamplingParams
+from engine.kv_groups import ReplayMode
+from engine.request import HitSource, PromptKeys, Request, RequestStatus, SamplingParams
 
 
 def plan(mode: ReplayMode, h: int, r: int) -> HitPlan:
