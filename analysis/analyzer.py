@@ -42,6 +42,7 @@ from engine.eviction import make_eviction_policy
 
 MAX_POINTS = 1000  # (policy, capacity) pairs one analysis may ask for
 MAX_TOP_PREFIXES = 1000  # prefixes one point may list
+MAX_COST_PER_HOUR = 1e9  # an operator-typed bound (any currency): keeps every price finite
 SECONDS_PER_HOUR = 3600.0
 
 
@@ -91,8 +92,8 @@ class AnalysisConfig:
         if self.mode is Mode.TIMED and any(policy.in_block_pool is None for policy in self.policies):
             engine = ", ".join(p.value for p in Policy if p.in_block_pool is not None)
             raise ValueError(f"the timed mode runs the engine's scheduler and pool: its policies only ({engine})")
-        if self.cost_per_hour is not None and not self.cost_per_hour >= 0:
-            raise ValueError("cost_per_hour must be a number >= 0")
+        if self.cost_per_hour is not None and not 0 <= self.cost_per_hour <= MAX_COST_PER_HOUR:
+            raise ValueError(f"cost_per_hour must be a number in [0, {MAX_COST_PER_HOUR:g}]")
 
 
 @dataclass(frozen=True)

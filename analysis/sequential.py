@@ -188,15 +188,18 @@ def simulate(
         TraceError: a pool policy on a trace whose ids change parents (see `pool_replay.prefix_keys`).
     """
     pool_policy = policy.in_block_pool
+    # A cache that holds every distinct block never evicts, so every larger one hits the same: it is
+    # built no larger (a block pool's blocks are objects, and a capacity is typed by an operator).
+    size = min(capacity_blocks, trace.unique_blocks)
     cache: SequentialCache | PoolCache
-    if capacity_blocks == 0:  # caches nothing, whatever the policy (a block pool has at least one block)
+    if size == 0:  # caches nothing, whatever the policy (a block pool has at least one block)
         cache = SequentialCache(0, FifoPolicy(), record_evictions=record_evictions)
     elif pool_policy is not None:
-        engine_policy = make_eviction_policy(pool_policy, capacity_blocks)
-        cache = PoolCache(trace, capacity_blocks, engine_policy, keys=pool_keys, record_evictions=record_evictions)
+        engine_policy = make_eviction_policy(pool_policy, size)
+        cache = PoolCache(trace, size, engine_policy, keys=pool_keys, record_evictions=record_evictions)
     else:
         policy_object = make_policy(policy, trace)
-        cache = SequentialCache(capacity_blocks, policy_object, record_evictions=record_evictions)
+        cache = SequentialCache(size, policy_object, record_evictions=record_evictions)
     hits = replay(trace, cache, on_requests)
     evictions = None if cache.evictions is None else tuple(trace.dense.unique[cache.evictions].tolist())
     return PolicyRun(policy, capacity_blocks, hits, evictions)

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from analysis.trace import PartialBlocks, Trace
+from analysis.trace import MAX_REFERENCES, PartialBlocks, Trace
 from engine.block_pool import BlockPool
 from engine.config import MAX_NEW_TOKENS, EngineConfig
 from engine.errors import require
@@ -49,6 +49,9 @@ from engine.scheduler import Scheduler
 OUTPUT_TOKEN = 2**32 - 1  # every generated token (no prompt block holds it: dense ids are far smaller)
 TAIL_TOKEN = 2**32 - 2  # an own workload's prompt tokens past its last full block (unknown to the trace)
 PROGRESS_EVERY_STEPS = 256  # steps between progress callbacks
+# Operator-typed service rates, bounded so that every time derived from them is finite.
+MIN_RATE_TOKENS_PER_S = 1e-3
+MAX_RATE_TOKENS_PER_S = 1e12
 
 
 @dataclass(frozen=True)
@@ -69,8 +72,12 @@ class ServiceModel:
     max_num_seqs: int = 64  # most requests running at once (EngineConfig's default)
 
     def __post_init__(self) -> None:
-        if not (self.prefill_tokens_per_s > 0 and self.decode_tokens_per_s > 0):
-            raise ValueError("service rates must be positive tokens per second")
+        for rate in (self.prefill_tokens_per_s, self.decode_tokens_per_s):
+            if not MIN_RATE_TOKENS_PER_S <= rate <= MAX_RATE_TOKENS_PER_S:  # also refuses NaN
+                raise ValueError(
+                    f"service rates must be in [{MIN_RATE_TOKENS_PER_S:g}, {MAX_RATE_TOKENS_PER_S:g}] tokens per "
+                    f"second, got {rate:g}"
+                )
         EngineConfig(max_num_batched_tokens=self.max_num_batched_tokens, max_num_seqs=self.max_num_seqs)  # bounds
 
     def step_seconds(self, prefill_tokens: int, decode_tokens: int) -> float:
@@ -147,33 +154,18 @@ def run_timed(
         on_requests: called with the number of requests finished (or rejected) so far, now and then.
 
     Raises:
-        ValueError: a capacity below 1.
+        ValueError: a capacity below 1, or a pool of more than `MAX_REFERENCES` blocks to build.
     """
     if capacity_blocks < 1:
         raise ValueError(f"a block pool holds at least 1 block, got {capacity_blocks}")
-    server = _ModelFreeServer(trace, capacity_blocks, policy, service)
-    steps = 0
-    while server.done < len(trace):
-        server.admit_arrivals()
-        if server.scheduler.has_work:
-            server.step()
-            steps += 1
-            if on_requests is not None and steps % PROGRESS_EVERY_STEPS == 0:
-                on_requests(server.done)
-        else:
-            server.wait_for_next_arrival()
-    if on_requests is not None:
-        on_requests(len(trace))
-    return TimedRun(
-        capacity_blocks=capacity_blocks,
-        hit_blocks=server.hits,
-        queueing_s=server.queueing,
-        rejected=server.rejected,
-        peak_blocks_in_use=server.peak,
-        preemptions=server.scheduler.num_preemptions,
-        steps=steps,
-        makespan_s=server.clock.now,
-    )
+    # A pool that can hold every request's whole context at once never evicts, preempts or keeps a
+    # request waiting for blocks, so every larger pool serves the same: the pool is built no larger.
+    outputs = np.clip(trace.output_lengths, 1, MAX_NEW_TOKENS)
+    contexts = -(-(trace.input_lengths + outputs) // trace.block_size)
+    pool_blocks = min(capacity_blocks, int(contexts.sum()))
+    if pool_blocks > MAX_REFERENCES:
+        raise ValueError(f"the timed mode builds pools of at most {MAX_REFERENCES:,} blocks, {pool_blocks:,} asked for")
+    return _ModelFreeServer(trace, pool_blocks, policy, service).serve(capacity_blocks, on_requests)
 
 
 class _ModelFreeServer:
@@ -201,6 +193,31 @@ class _ModelFreeServer:
         self.done = 0  # requests finished or rejected
         self.peak = 0  # most blocks referenced at once
         self._started: set[int] = set()  # requests admitted at least once
+
+    def serve(self, capacity_blocks: int, on_requests: Callable[[int], None] | None) -> TimedRun:
+        """Run the whole trace; the result names `capacity_blocks` as the pool's size."""
+        steps = 0
+        while self.done < len(self.trace):
+            self.admit_arrivals()
+            if self.scheduler.has_work:
+                self.step()
+                steps += 1
+                if on_requests is not None and steps % PROGRESS_EVERY_STEPS == 0:
+                    on_requests(self.done)
+            else:
+                self.wait_for_next_arrival()
+        if on_requests is not None:
+            on_requests(len(self.trace))
+        return TimedRun(
+            capacity_blocks=capacity_blocks,
+            hit_blocks=self.hits,
+            queueing_s=self.queueing,
+            rejected=self.rejected,
+            peak_blocks_in_use=self.peak,
+            preemptions=self.scheduler.num_preemptions,
+            steps=steps,
+            makespan_s=self.clock.now,
+        )
 
     def admit_arrivals(self) -> None:
         """Hand the scheduler every request that has arrived by now; reject those that can never fit."""

@@ -12,7 +12,10 @@ and a request can reuse its leading blocks only (a block is useful only with eve
 
 Invariants (checked when a trace is built; the arrays are read-only afterwards):
   * there is at least one request, and requests are in arrival order (`arrival_s` non-decreasing);
-  * `input_length >= 1`, `output_length >= 0`, `0 <= id < 2**63`;
+  * `1 <= input_length <= MAX_TOKENS`, `0 <= output_length <= MAX_TOKENS`, `0 <= turn <= MAX_TOKENS`
+    where known, `0 <= id < 2**63`;
+  * at most `MAX_REQUESTS` requests and `MAX_REFERENCES` block references (what a trace may cost in
+    memory: the analyses hold a few Python objects per reference);
   * request r has `expected_blocks(input_length)` ids: `ceil(input_length / block_size)` when the last,
     possibly partial block is cached like the others (`PartialBlocks.CACHED`: hash-id traces, whose last
     id is one block), `input_length // block_size` when only full blocks are (`PartialBlocks.DROPPED`:
@@ -36,6 +39,12 @@ import numpy as np
 from analysis.errors import TraceError
 
 MAX_BLOCK_ID = 2**63 - 1  # ids live in int64 columns
+MAX_TOKENS = 2**40  # a request's input or output length, and its turn number: far beyond any context
+# Size bounds of one trace: twice the Mooncake conversation trace split into 16-token blocks (about 9 M
+# references), the largest workload the benchmarks analyse. Memory grows with references: analysing that
+# one under LRU and reuse-LRU peaks at 1.7 GB.
+MAX_REFERENCES = 20_000_000
+MAX_REQUESTS = 5_000_000
 
 
 class TraceFormat(Enum):
@@ -101,10 +110,12 @@ def check_request(request: TraceRequest, partial: PartialBlocks) -> None:
     """Raise `TraceError` (without a line number) unless `request` meets the module's invariants."""
     if request.block_size < 1:
         raise TraceError(f"block size must be positive, got {request.block_size}")
-    if request.input_length < 1:
-        raise TraceError(f"input_length must be at least 1, got {request.input_length}")
-    if request.output_length < 0:
-        raise TraceError(f"output_length must be at least 0, got {request.output_length}")
+    if not 1 <= request.input_length <= MAX_TOKENS:
+        raise TraceError(f"input_length must be in [1, 2**40], got {request.input_length}")
+    if not 0 <= request.output_length <= MAX_TOKENS:
+        raise TraceError(f"output_length must be in [0, 2**40], got {request.output_length}")
+    if request.turn is not None and not 0 <= request.turn <= MAX_TOKENS:
+        raise TraceError(f"turn must be in [0, 2**40], got {request.turn}")
     if not request.arrival_s >= 0:  # also refuses NaN
         raise TraceError(f"the arrival time must be a number >= 0, got {request.arrival_s}")
     expected = expected_blocks(request.input_length, request.block_size, partial)
@@ -125,6 +136,9 @@ def check_request(request: TraceRequest, partial: PartialBlocks) -> None:
             raise TraceError(f"{len(request.content_ids)} content ids for {len(request.block_ids)} blocks")
         if not all(type(i) is int and 0 <= i <= MAX_BLOCK_ID for i in request.content_ids):
             raise TraceError("content ids must be integers in [0, 2**63)")
+
+
+_TOO_LARGE = f"a trace holds at most {MAX_REFERENCES:,} block references and {MAX_REQUESTS:,} requests"
 
 
 @dataclass(frozen=True, slots=True)
@@ -163,7 +177,7 @@ class Trace:
 
         Raises:
             TraceError: a request breaks the module's invariants ("request N: ..."), requests disagree on
-                the block size or on whether content ids are known, or there are none.
+                the block size or on whether content ids are known, there are none, or too many.
         """
         arrival, inputs, outputs, starts, ids = array("d"), array("q"), array("q"), array("q", [0]), array("q")
         type_codes, turns, content = array("i"), array("q"), array("q")
@@ -191,6 +205,8 @@ class Trace:
             outputs.append(request.output_length)
             ids.extend(request.block_ids)
             starts.append(len(ids))
+            if len(ids) > MAX_REFERENCES or len(starts) > MAX_REQUESTS + 1:
+                raise TraceError(f"request {number}: {_TOO_LARGE}")
             if request.request_type is None:
                 type_codes.append(-1)
             else:
@@ -304,8 +320,8 @@ class Trace:
 
         Raises:
             ValueError: `block_size` does not divide this trace's block size, the trace drops partial
-                blocks (its uncached tails would hold cacheable smaller blocks no id describes), or the
-                child ids would not fit in 63 bits.
+                blocks (its uncached tails would hold cacheable smaller blocks no id describes), the
+                child ids would not fit in 63 bits, or there would be more than `MAX_REFERENCES` of them.
         """
         if block_size < 1 or self.block_size % block_size:
             raise ValueError(f"block size {block_size} does not divide {self.block_size}")
@@ -318,6 +334,9 @@ class Trace:
         last = self.block_starts[1:] - 1
         tail_tokens = self.input_lengths - (self.blocks_per_request - 1) * self.block_size
         children[last] = -(-tail_tokens // block_size)
+        references = int(children.sum())
+        if references > MAX_REFERENCES:
+            raise ValueError(f"at block size {block_size} the trace has {references:,} references; {_TOO_LARGE}")
         parent = np.repeat(self.block_ids, children)
         first_child = np.repeat(np.cumsum(children) - children, children)
         child_ids = parent * factor + (np.arange(len(parent), dtype=np.int64) - first_child)

@@ -21,6 +21,7 @@ import argparse
 import json
 import sys
 import time
+from decimal import Decimal, InvalidOperation
 from pathlib import Path
 from typing import Any
 
@@ -71,7 +72,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"error: cannot read {args.trace}: {error}", file=sys.stderr)
         return 2
     if args.json:
-        print(json.dumps(report))
+        print(json.dumps(report, allow_nan=False))  # strict JSON: every number in a report is finite
     else:
         print(table(report, time.perf_counter() - started))
     return 0
@@ -116,6 +117,7 @@ def _run_trace(args: argparse.Namespace):
 
 def _history(args: argparse.Namespace):
     """The finished requests a history database holds (storage is imported only here)."""
+    from sqlalchemy import make_url
     from sqlalchemy.exc import SQLAlchemyError
 
     from analysis.own_workloads import history_trace
@@ -128,7 +130,14 @@ def _history(args: argparse.Namespace):
             raise UsageError(f"no history database at {target} (give a SQLAlchemy URL or a SQLite file)")
         target = f"sqlite:///{Path(target).resolve()}"
     runs = () if args.runs is None else tuple(run for run in args.runs.split(",") if run)
-    database = db_engine(target)
+    try:
+        url = make_url(target)
+        if url.get_backend_name() == "sqlite" and url.database not in (None, "", ":memory:"):
+            if not Path(url.database).is_file():  # reading must not create an empty database
+                raise UsageError(f"no history database at {url.database}")
+        database = db_engine(target)
+    except (SQLAlchemyError, ImportError) as error:  # a malformed URL, an unknown backend, its driver missing
+        raise UsageError(f"cannot open the history at {args.trace}: {type(error).__name__}: {error}") from None
     try:
         rows = queries.prompt_chains(database, runs)
     except SQLAlchemyError as error:  # not a history database (no such table, ...), or unreachable
@@ -150,10 +159,10 @@ def parse_capacities(text: str) -> tuple[int, ...]:
         scale = SUFFIXES.get(entry[-1:], 1)
         number = entry[:-1] if scale > 1 else entry
         try:
-            value = float(number) * scale
-        except ValueError:
+            value = Decimal(number) * scale  # exact: 4.1M is 4,100,000 tokens
+        except InvalidOperation:
             raise UsageError(f"--capacity-tokens: {entry!r} is not a number of tokens") from None
-        if not 0 <= value <= MAX_CAPACITY_TOKENS or value != int(value):
+        if not (value.is_finite() and 0 <= value <= MAX_CAPACITY_TOKENS and value == value.to_integral_value()):
             raise UsageError(f"--capacity-tokens: {entry!r} is not a whole number of tokens in [0, 10^12]")
         capacities.append(int(value))
     return tuple(capacities)

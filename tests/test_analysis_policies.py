@@ -79,6 +79,16 @@ def test_capacity_zero_caches_nothing(policy):
 
 
 @pytest.mark.parametrize("policy", list(Policy))
+def test_a_cache_larger_than_the_trace_hits_as_one_that_holds_it_exactly(policy):
+    """Above the trace's unique blocks nothing is evicted, so the cache is built at that size (a typed
+    capacity of 10^11 blocks builds a pool of 4); the run reports the capacity asked for."""
+    trace = trace_of(LRU_VS_OPT)
+    exact, huge = simulate(trace, policy, 4), simulate(trace, policy, 10**11)
+    assert huge.hit_blocks.tolist() == exact.hit_blocks.tolist() == [0, 0, 0, 2, 1]
+    assert huge.capacity_blocks == 10**11
+
+
+@pytest.mark.parametrize("policy", list(Policy))
 def test_a_partial_last_block_hits_only_its_tokens(policy):
     # 6 tokens at 4 per block: the second block holds 2; a repeat hits 6 tokens, not 8.
     assert run([[A, B], [A, B]], policy, 4, lengths=[6, 6]) == ([0, 6], ())

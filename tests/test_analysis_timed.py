@@ -16,9 +16,9 @@ from analysis.breakdown import MissBreakdown
 from analysis.policies import Policy
 from analysis.readers import load_trace
 from analysis.report import to_json
-from analysis.timed import ServiceModel, prompt_tokens, run_timed
+from analysis.timed import ServiceModel, _ModelFreeServer, prompt_tokens, run_timed
 from analysis.trace import Trace, TraceFormat, TraceRequest
-from engine.eviction import LruPolicy, ReuseLruPolicy
+from engine.eviction import EvictionPolicyName, LruPolicy, ReuseLruPolicy, make_eviction_policy
 from tests.analysis_support import CONVERSATION_SAMPLE
 
 SERVICE = ServiceModel(prefill_tokens_per_s=4, decode_tokens_per_s=1, max_num_batched_tokens=64)
@@ -111,3 +111,17 @@ def test_the_timed_mode_refuses_policies_the_engine_does_not_have():
 def test_reuse_lru_runs_in_the_timed_mode_too():
     run = run_timed(PINNED, 4, ReuseLruPolicy(4), SERVICE)
     assert run.hit_blocks.tolist() == [0, 0, 0, 0] and run.makespan_s == 12.25
+
+
+@pytest.mark.parametrize("policy", list(EvictionPolicyName))
+def test_a_pool_that_holds_every_context_serves_as_any_larger_one(policy):
+    """PINNED's contexts (prompt and output) need 10 blocks in all (13 tokens: 4, then 5, 5 and 6: 2 each).
+    `run_timed` builds no larger pool than that, whatever the capacity; a pool of 50 built as it is
+    serves exactly the same."""
+    bounded = run_timed(PINNED, 10**11, make_eviction_policy(policy, 10**11), SERVICE)
+    larger = _ModelFreeServer(PINNED, 50, make_eviction_policy(policy, 50), SERVICE).serve(50, None)
+    for field in ("hit_blocks", "queueing_s", "rejected"):
+        assert getattr(bounded, field).tolist() == getattr(larger, field).tolist()
+    for field in ("peak_blocks_in_use", "preemptions", "steps", "makespan_s"):
+        assert getattr(bounded, field) == getattr(larger, field)
+    assert bounded.capacity_blocks == 10**11

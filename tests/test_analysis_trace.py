@@ -9,6 +9,7 @@ from analysis.errors import TraceError
 from analysis.readers import load_trace
 from analysis.sequential import infinite_hit_blocks
 from analysis.stack_distance import reference_tokens
+from analysis import trace as trace_module
 from analysis.trace import PartialBlocks, Trace, TraceFormat, TraceRequest
 from tests.analysis_support import CONVERSATION_SAMPLE, trace_of
 
@@ -43,6 +44,25 @@ def test_building_checks_each_request_and_names_it():
         Trace.from_requests([request(0, (1,), 4), request(1, (2,), 8, block_size=8)], TraceFormat.MOONCAKE)
     with pytest.raises(TraceError, match="the trace has no requests"):
         Trace.from_requests([], TraceFormat.MOONCAKE)
+    long_output = TraceRequest(0, 4, 2**40 + 1, (1,), 4)
+    with pytest.raises(TraceError, match=r"request 1: output_length must be in \[0, 2\*\*40\]"):
+        Trace.from_requests([long_output], TraceFormat.MOONCAKE)
+
+
+def test_a_trace_is_bounded_in_references_and_requests(monkeypatch):
+    """Memory grows with a trace's references: building one, or splitting one, past the bound is refused
+    before the arrays are made."""
+    monkeypatch.setattr(trace_module, "MAX_REFERENCES", 5)
+    requests = [request(0, (1, 2), 8), request(1, (1, 2, 3, 4), 16)]  # 6 references
+    with pytest.raises(TraceError, match="request 2: a trace holds at most"):
+        Trace.from_requests(requests, TraceFormat.MOONCAKE)
+    trace = Trace.from_requests(requests[:1], TraceFormat.MOONCAKE)
+    assert trace.split(2).num_references == 4
+    with pytest.raises(ValueError, match="at block size 1 the trace has 8 references; a trace holds at most"):
+        trace.split(1)
+    monkeypatch.setattr(trace_module, "MAX_REQUESTS", 1)
+    with pytest.raises(TraceError, match="request 2: a trace holds at most"):
+        Trace.from_requests([request(0, (1,), 4), request(1, (2,), 4)], TraceFormat.MOONCAKE)
 
 
 def test_full_block_workloads_count_blocks_by_floor():

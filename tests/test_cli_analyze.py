@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from cli.__main__ import main
+from cli.analyze import UsageError, parse_capacities
 from tests.analysis_support import BAILIAN_SAMPLE, CONVERSATION_SAMPLE
 from tests.own_workload_support import token_prompts, write_run_trace
 
@@ -80,6 +81,14 @@ def test_a_run_trace_file_is_keyed_under_the_models_namespace(tmp_path, capsys, 
 def test_history_needs_a_database(tmp_path, capsys):
     code, _, err = analyze(capsys, tmp_path / "missing.sqlite", "--format", "history")
     assert code == 2 and "no history database at" in err
+    missing_by_url = tmp_path / "not" / "there.sqlite"
+    code, _, err = analyze(capsys, f"sqlite:///{missing_by_url}", "--format", "history")
+    assert code == 2 and "no history database at" in err
+    assert not (tmp_path / "not").exists()  # reading created nothing
+    for url, error in [("foo://bar", "NoSuchModuleError"), ("not a url://x", "ArgumentError"),
+                       ("mysql://u@localhost/db", "ModuleNotFoundError")]:  # fmt: skip
+        code, _, err = analyze(capsys, url, "--format", "history")
+        assert code == 2 and err.startswith(f"error: cannot open the history at {url}: {error}"), err
     not_a_history = tmp_path / "empty.sqlite"
     not_a_history.write_bytes(b"")
     code, _, err = analyze(capsys, not_a_history, "--format", "history")
@@ -95,6 +104,8 @@ def test_history_needs_a_database(tmp_path, capsys):
         ([], "error: the trace is empty"),
         (["", "  "], "error: the trace is empty"),
         ([{"timestamp": 0}], "error: line 1: cannot tell the trace format"),
+        ([MOONCAKE_LINE, {**MOONCAKE_LINE, "output_length": 2**64 - 1}],
+         "error: line 2: output_length must be in [0, 2**40], got 18446744073709551615"),
     ],
 )  # fmt: skip
 def test_bad_traces_exit_2_with_the_line_number(tmp_path, capsys, lines, message):
@@ -111,13 +122,36 @@ def test_bad_traces_exit_2_with_the_line_number(tmp_path, capsys, lines, message
         (["--mode", "timed", "--policies", "opt"], "error: the timed mode runs the engine's scheduler and pool"),
         (["--block-size", "100"], "error: block size 100 does not divide 512"),
         (["--runs", "x"], "error: --model is for run-trace files and --runs for the history"),
-        (["--prefill-tokens-per-s", "-5"], "error: service rates must be positive"),
-        (["--decode-tokens-per-s", "0"], "error: service rates must be positive"),
+        (["--prefill-tokens-per-s", "-5"], "error: service rates must be in [0.001, 1e+12] tokens per second"),
+        (["--decode-tokens-per-s", "0"], "error: service rates must be in [0.001, 1e+12] tokens per second"),
+        (["--prefill-tokens-per-s", "1e-320"], "error: service rates must be in"),  # prefill seconds: infinite
+        (["--capacity-tokens", "100k", "--cost-per-hour", "inf"], "error: cost_per_hour must be a number in [0, 1e+"),
+        (["--capacity-tokens", "100k", "--cost-per-hour", "nan"], "error: cost_per_hour must be a number in"),
     ],
 )  # fmt: skip
 def test_bad_options_exit_2_with_a_clear_message(capsys, options, message):
     code, _, err = analyze(capsys, CONVERSATION_SAMPLE, *options)
     assert code == 2 and err.strip().startswith(message), err
+
+
+def test_capacities_are_parsed_exactly():
+    assert parse_capacities("4.1M, 2.01k,1e3,4096") == (4_100_000, 2_010, 1_000, 4_096)
+    for entry in ("0.5", "1.0000001k", "nan", "inf", "-1", "2e12", ""):
+        with pytest.raises(UsageError):
+            parse_capacities(entry)
+
+
+def test_a_capacity_far_beyond_the_trace_is_no_larger_than_it_needs(capsys):
+    """Above the trace's unique blocks every cache hits the same; the pool is not built at the typed size
+    (10^12 tokens would be 6 * 10^10 blocks)."""
+    results = {}
+    for capacity in ("320", "1000G"):  # 320 tokens: the sample's 20 unique blocks of 16
+        code, out, err = analyze(capsys, BAILIAN_SAMPLE, "--capacity-tokens", capacity, "--json")
+        assert code == 0, err
+        results[capacity] = [(p["policy"], p["hit_tokens"]) for p in json.loads(out)["curve"]]
+    assert results["320"] == results["1000G"]
+    code, out, err = analyze(capsys, BAILIAN_SAMPLE, "--mode", "timed", "--capacity-tokens", "1000G", "--json")
+    assert code == 0, err
 
 
 def test_a_missing_file_and_an_unknown_format_exit_2(tmp_path, capsys):
