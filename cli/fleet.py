@@ -7,7 +7,8 @@
 `watch` runs the collector headless (fleet.collector) into the fleet index and the history database
 (storage.fleet_sink through one EventWriter) until SIGINT or SIGTERM, printing one status line on stderr
 every `--status-every` seconds; on the signal it stops the collector, writes what is queued, marks its
-sources closed and exits (0; 1 if history rows were lost). Several watchers (and consoles) can share a
+sources closed and exits (0; 1 if history rows were lost). A database that takes no rows cannot hold it
+up: after `STOP_TIMEOUT_S` the queued rows are dropped (counted, exit 1). Several watchers (and consoles) can share a
 PostgreSQL database: each writes only its own sources' rows.
 
 `state` reads the database (whoever wrote it): per pod, the newest source's blocks held by medium and KV
@@ -34,6 +35,7 @@ from fleet.source import PodSource, parse_pod
 NAME = "fleet"
 DEFAULT_STATUS_EVERY_S = 10.0
 MAX_STATUS_EVERY_S = 3600.0
+STOP_TIMEOUT_S = 10.0  # on SIGINT/SIGTERM, the longest wait for each of the pod threads, the sinks and the writer
 # The cyclic garbage collector's thresholds while a watch runs. The collector allocates a few containers
 # per block event (decoded events, index entries, history rows), and at full speed hundreds of thousands
 # of rows wait in the writer's queue, so CPython's defaults (700, 10, 10) traverse them over and over:
@@ -126,9 +128,12 @@ def run_watch(args: argparse.Namespace) -> int:
         while not stop.wait(args.status_every):
             print(status_line(collector, index, writer), file=sys.stderr, flush=True)
     finally:
-        collector.stop()
-        store.close()
-        writer.close()
+        if collector.stop(timeout_s=STOP_TIMEOUT_S):
+            store.close()
+        else:  # the database takes no rows: closing the writer drops the rest (counted); the dispatcher ends
+            print(f"error: the database took no rows for {STOP_TIMEOUT_S:g} s; what is queued is dropped",
+                  file=sys.stderr)  # fmt: skip
+        writer.close(timeout_s=STOP_TIMEOUT_S)
         for sig, handler in previous.items():
             signal.signal(sig, handler)
         gc.set_threshold(*previous_gc_thresholds)

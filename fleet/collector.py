@@ -153,9 +153,6 @@ class _OpenPod:
     at: float  # when the collector started watching it
 
 
-_DRAINED = object()  # the dispatcher's last record
-
-
 class _ReplayTimeout(Exception):
     pass
 
@@ -528,6 +525,7 @@ class Collector:
         self.sinks = tuple(sinks)  # what receives the batches
         self._context = zmq.Context()
         self._stop = threading.Event()
+        self._listening_done = threading.Event()  # set once the pod threads put nothing more
         self._queue: queue.Queue[object] = queue.Queue(self.config.queue_size)
         self._subscribers = [
             _PodSubscriber(source, self.config, self._context, self._emit, self._stop) for source in self.sources
@@ -559,22 +557,34 @@ class Collector:
             thread.start()
             self._threads.append(thread)
 
-    def stop(self, timeout_s: float = 5.0) -> None:
-        """Stop listening, hand the sinks what is queued, close the sockets. Idempotent."""
-        if self._closed:
-            return
-        self._closed = True
-        self._stop.set()
-        for thread in self._threads:
-            thread.join(timeout_s)
-        if self._dispatcher is not None:
-            self._queue.put(_DRAINED)
-            self._dispatcher.join(timeout_s)
-        if any(thread.is_alive() for thread in self._threads):
-            logger.error("a pod thread did not stop within %s s; closing its sockets under it", timeout_s)
-            self._context.destroy(linger=0)
-        else:
-            self._context.term()
+    def stop(self, timeout_s: float = 5.0) -> bool:
+        """Stop listening, hand the sinks what is queued, close the sockets. Idempotent.
+
+        Waits up to `timeout_s` for the pod threads to stop, then up to `timeout_s` for the dispatcher to
+        hand the sinks every queued record.
+
+        Returns:
+            True if it did. False if a sink was still busy (a storage sink waiting on a database that
+            takes no rows): the dispatcher goes on alone and ends once the queue is empty. The caller
+            then releases what the sink waits on (closes its writer) and calls no sink meanwhile.
+        """
+        if not self._closed:
+            self._closed = True
+            self._stop.set()
+            for thread in self._threads:
+                thread.join(timeout_s)
+            self._listening_done.set()
+            if self._dispatcher is not None:
+                self._dispatcher.join(timeout_s)
+            if any(thread.is_alive() for thread in self._threads):
+                logger.error("a pod thread did not stop within %s s; closing its sockets under it", timeout_s)
+                self._context.destroy(linger=0)
+            else:
+                self._context.term()
+        delivered = self._dispatcher is None or not self._dispatcher.is_alive()
+        if not delivered:
+            logger.error("the sinks did not take the %d queued records within %s s", self.num_queued, timeout_s)
+        return delivered
 
     def __enter__(self) -> Collector:
         self.start()
@@ -600,9 +610,12 @@ class Collector:
 
     def _dispatch(self) -> None:
         while True:
-            record = self._queue.get()
-            if record is _DRAINED:
-                return
+            try:
+                record = self._queue.get(timeout=self.config.poll_interval_s)
+            except queue.Empty:
+                if self._listening_done.is_set():
+                    return  # the pod threads have stopped and everything they queued was handed over
+                continue
             for sink in self.sinks:
                 try:
                     if isinstance(record, PodBatch):

@@ -10,18 +10,21 @@ import gc
 import json
 import os
 import signal
+import sqlite3
 import subprocess
 import sys
 import threading
 import time
+from contextlib import closing
 from pathlib import Path
 
 import pytest
 
 from cli.__main__ import main
-from cli.fleet import WATCH_GC_THRESHOLDS
+from cli.fleet import STOP_TIMEOUT_S, WATCH_GC_THRESHOLDS
 from storage.db import db_engine
 from tests.fleet_history_support import held_copies
+from tests.fleet_support import HandFeed, encode_batch, stored_map
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -148,6 +151,38 @@ def test_watch_stops_cleanly_on_sigint_with_nothing_to_watch(tmp_path: Path) -> 
         if process.poll() is None:
             process.kill()
     assert code == 0, err
+    assert "Traceback" not in err
+
+
+def test_a_watch_on_a_database_that_takes_no_rows_still_stops_on_a_signal(tmp_path: Path) -> None:
+    """A database of a newer schema refuses every row: the writer's queue fills, the storage sink waits on
+    it, and the collector's queue fills behind. SIGTERM still ends the watch, within STOP_TIMEOUT_S for the
+    sinks and again for the writer, exit 1, with what was queued counted as dropped."""
+    database = tmp_path / "newer.sqlite"
+    with closing(sqlite3.connect(database)) as connection, connection:
+        connection.execute("CREATE TABLE alembic_version (version_num VARCHAR(32) NOT NULL PRIMARY KEY)")
+        connection.execute("INSERT INTO alembic_version VALUES ('9999')")
+    feed = HandFeed()
+    process = watch(f"sqlite:///{database}", f"a=tcp://127.0.0.1:{feed.port}")
+    try:
+        feed.wait_for_subscriber()
+        for seq in range(20_000):  # more than the writer's queue and the collector's together
+            feed.send(seq, encode_batch([stored_map([seq + 1], [1] * 4)]), live=True)
+            if seq % 1000 == 999:
+                time.sleep(0.05)  # within the PUB socket's high-water mark
+        for line in process.stderr:  # the dispatcher waits on the writer: "queued" stops growing
+            if line.startswith("fleet watch: ") and "Can't locate revision" in line and "4,09" in line:
+                break
+        began = time.monotonic()
+        code, err = stop(process, signal.SIGTERM)
+        seconds = time.monotonic() - began
+    finally:
+        if process.poll() is None:
+            process.kill()
+        feed.close()
+    assert code == 1, err
+    assert seconds < 2 * STOP_TIMEOUT_S + 10, seconds
+    assert "the database took no rows for 10 s" in err and "history rows could not be written" in err
     assert "Traceback" not in err
 
 

@@ -15,7 +15,7 @@ import pytest
 from fleet.collector import Collector, CollectorConfig, PodStats
 from fleet.decode import DecodeLimits, FeedErrorKind
 from fleet.index import FleetIndex
-from tests.fleet_support import HandFeed, encode_batch, removed_map, stored_map, wait_until
+from tests.fleet_support import HandFeed, StallingSink, encode_batch, removed_map, stored_map, wait_until
 
 FAST = CollectorConfig(
     replay_idle_timeout_s=0.3,
@@ -339,10 +339,29 @@ def test_a_sink_that_raises_is_counted_and_the_other_sinks_still_get_every_batch
 def test_stop_returns_promptly_and_ends_every_thread(feed):
     collector, _ = start(feed)
     began = time.monotonic()
-    collector.stop()
+    assert collector.stop() is True  # everything queued was handed over
+    assert time.monotonic() - began < 2.0
+    assert not any(thread.is_alive() for thread in collector._threads + [collector._dispatcher])
+    assert collector.stop() is True  # idempotent
+
+
+def test_stop_does_not_wait_forever_on_a_sink_that_takes_nothing(feed):
+    """A storage sink whose database takes no rows holds the dispatcher, and the full queue the pod
+    threads: stop gives up after its timeout and says so; the dispatcher ends once the sink is released."""
+    stall = StallingSink()
+    collector = Collector([feed.source()], [stall], replace(FAST, queue_size=2))
+    collector.start()
+    feed.wait_for_subscriber()
+    for seq in range(6):
+        feed.send(seq, encode_batch([stored_map([seq + 1], [1] * 4)]))
+    wait_until(lambda: collector.num_queued == 2, "the queue to fill behind the stalled sink")
+    began = time.monotonic()
+    assert collector.stop(timeout_s=0.3) is False
     assert time.monotonic() - began < 2.0
     assert not any(thread.is_alive() for thread in collector._threads)
-    collector.stop()  # idempotent
+    stall.release.set()
+    wait_until(lambda: not collector._dispatcher.is_alive(), "the dispatcher to hand over the rest and end")
+    assert collector.stop() is True and collector.num_queued == 0
 
 
 def test_pod_names_must_be_unique(feed):
