@@ -117,12 +117,11 @@ def _run_trace(args: argparse.Namespace):
 
 def _history(args: argparse.Namespace):
     """The finished requests a history database holds (storage is imported only here)."""
-    from sqlalchemy import make_url
     from sqlalchemy.exc import SQLAlchemyError
 
     from analysis.own_workloads import history_trace
     from storage import queries
-    from storage.db import db_engine
+    from storage.db import existing_db_engine, redacted_url
 
     target = args.trace
     if "://" not in target:
@@ -130,18 +129,12 @@ def _history(args: argparse.Namespace):
             raise UsageError(f"no history database at {target} (give a SQLAlchemy URL or a SQLite file)")
         target = f"sqlite:///{Path(target).resolve()}"
     runs = () if args.runs is None else tuple(run for run in args.runs.split(",") if run)
-    try:
-        url = make_url(target)
-        if url.get_backend_name() == "sqlite" and url.database not in (None, "", ":memory:"):
-            if not Path(url.database).is_file():  # reading must not create an empty database
-                raise UsageError(f"no history database at {url.database}")
-        database = db_engine(target)
-    except (SQLAlchemyError, ImportError) as error:  # a malformed URL, an unknown backend, its driver missing
-        raise UsageError(f"cannot open the history at {args.trace}: {type(error).__name__}: {error}") from None
+    database = existing_db_engine(target)  # DatabaseUrlError (a ValueError): exit status 2
     try:
         rows = queries.prompt_chains(database, runs)
     except SQLAlchemyError as error:  # not a history database (no such table, ...), or unreachable
-        raise UsageError(f"cannot read the history at {args.trace}: {type(error).__name__}: {error}") from None
+        message = f"cannot read the history at {redacted_url(target)}: {type(error).__name__}: {error}"
+        raise UsageError(message) from None
     finally:
         database.dispose()
     return history_trace(rows.to_dict("records"), args.block_size)

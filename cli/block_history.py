@@ -7,8 +7,9 @@ holds, after the console that ran it is gone. Each row: the engine step, the tim
 request, the reference count and the holders after it, the block's state, and the marker where the
 count reached zero ("no holder left: safe to reuse", or "evictable from here on" for a cached block).
 A copy-on-write is one row: the release of the source (or the allocation of the copy) it made.
-`--run` defaults to the newest run. Exit status: 0; 2 for an invalid option, an unknown run or a
-history without runs; 1 when the database cannot be read.
+`--run` defaults to the newest run. Exit status: 0; 2 for an invalid option, a database URL that
+cannot be used (or a SQLite file that is not there: reading creates none), an unknown run or a history
+without runs; 1 when the database cannot be read.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ import argparse
 import json
 import sys
 from datetime import UTC, datetime
+
+from engine.config import MAX_NUM_BLOCKS
 
 NAME = "block-history"
 GROUPS = ("full", "sliding")
@@ -34,26 +37,30 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Print the block's history; returns the exit status (see the module docstring)."""
-    if args.block < 0:
-        print("error: --block must be a block id (>= 0)", file=sys.stderr)
+    if not 0 <= args.block < MAX_NUM_BLOCKS:
+        print(f"error: --block must be a block id in [0, {MAX_NUM_BLOCKS})", file=sys.stderr)
         return 2
     from sqlalchemy.exc import SQLAlchemyError  # the history is read only by this command
 
     from storage import queries
-    from storage.db import db_engine
+    from storage.db import DatabaseUrlError, existing_db_engine, redacted_url
 
-    db = db_engine(args.db)
+    try:
+        db = existing_db_engine(args.db)
+    except DatabaseUrlError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     try:
         run_id = args.run_id or queries.latest_run_id(db)
         if run_id is None:
-            print(f"error: {args.db} holds no runs", file=sys.stderr)
+            print(f"error: {redacted_url(args.db)} holds no runs", file=sys.stderr)
             return 2
         if args.run_id is not None and not queries.has_run(db, args.run_id):
-            print(f"error: no run {args.run_id!r} in {args.db}", file=sys.stderr)
+            print(f"error: no run {args.run_id!r} in {redacted_url(args.db)}", file=sys.stderr)
             return 2
         timeline = queries.block_timelines(db, run_id, [args.block], args.group)[args.block]
     except SQLAlchemyError as exc:
-        print(f"error: cannot read {args.db}: {exc.__cause__ or exc}", file=sys.stderr)
+        print(f"error: cannot read {redacted_url(args.db)}: {exc.__cause__ or exc}", file=sys.stderr)
         return 1
     finally:
         db.dispose()

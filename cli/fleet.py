@@ -28,7 +28,6 @@ import signal
 import sys
 import threading
 import time
-from pathlib import Path
 
 from fleet.source import PodSource, parse_pod
 
@@ -111,18 +110,22 @@ def run_watch(args: argparse.Namespace) -> int:
         return _error(f"pod names must be unique: {names}")
     from fleet.collector import Collector
     from fleet.index import FleetIndex
+    from storage.db import DatabaseUrlError, redacted_url
     from storage.fleet_sink import FleetStore
     from storage.writer import EventWriter
 
+    try:
+        writer = EventWriter(args.db)
+    except DatabaseUrlError as exc:
+        return _error(str(exc))
     stop = threading.Event()
     previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
     previous_gc_thresholds = gc.get_threshold()
     gc.set_threshold(*WATCH_GC_THRESHOLDS)
-    writer = EventWriter(args.db)
     store = FleetStore(writer)
     index = FleetIndex()
     collector = Collector(args.pod, [index, store])
-    print(f"fleet watch: collector {store.collector_id}, {len(names)} pods -> {_redacted(args.db)}", file=sys.stderr)
+    print(f"fleet watch: collector {store.collector_id}, {len(names)} pods -> {redacted_url(args.db)}", file=sys.stderr)
     try:
         collector.start()
         while not stop.wait(args.status_every):
@@ -169,30 +172,23 @@ def status_line(collector, index, writer) -> str:
     return "fleet watch: " + ", ".join(parts)
 
 
-def _redacted(url: str) -> str:
-    from sqlalchemy import make_url
-
-    return make_url(url).render_as_string(hide_password=True)
-
-
 # --- state ------------------------------------------------------------------------------------------
 
 
 def run_state(args: argparse.Namespace) -> int:
     """Print what the database says each pod holds; returns the exit status."""
-    from sqlalchemy import make_url
     from sqlalchemy.exc import SQLAlchemyError
 
     from storage import fleet_queries, migrate
-    from storage.db import db_engine
+    from storage.db import DatabaseUrlError, existing_db_engine, redacted_url
 
-    url = make_url(args.db)
-    if url.get_backend_name() == "sqlite" and url.database and not Path(url.database).is_file():
-        return _error(f"no database file {url.database}")  # connecting would create an empty one
-    engine = db_engine(args.db)
+    try:
+        engine = existing_db_engine(args.db)  # connecting to a missing SQLite file would create an empty one
+    except DatabaseUrlError as exc:
+        return _error(str(exc))
     try:
         if migrate.current_revision(engine) is None:
-            return _error(f"{_redacted(args.db)} holds no history (no schema)")
+            return _error(f"{redacted_url(args.db)} holds no history (no schema)")
         sources = fleet_queries.latest_sources(engine, args.pod)
         missing = sorted(set(args.pod or ()) - set(sources["pod"]))
         if missing:
@@ -203,7 +199,7 @@ def run_state(args: argparse.Namespace) -> int:
             for source_id in sources["id"]:
                 hashes[source_id] = fleet_queries.held_blocks(engine, source_id)["block_hash"].tolist()
     except SQLAlchemyError as exc:
-        print(f"error: cannot read {_redacted(args.db)}: {exc.__cause__ or exc}", file=sys.stderr)
+        print(f"error: cannot read {redacted_url(args.db)}: {exc.__cause__ or exc}", file=sys.stderr)
         return 1
     finally:
         engine.dispose()

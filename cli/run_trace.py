@@ -53,36 +53,49 @@ def run(args: argparse.Namespace) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     try:
-        source = sys.stdin if args.trace == "-" else open(args.trace, encoding="utf-8")
+        source = sys.stdin.buffer if args.trace == "-" else open(args.trace, "rb")  # lines decoded one by one
     except OSError as exc:
         print(f"error: cannot read the trace: {exc}", file=sys.stderr)
         return 2
+    writer = None
+    if args.db is not None:  # the history is optional: storage is imported only when asked for
+        from storage.db import DatabaseUrlError
+        from storage.writer_process import WriterProcess
+
+        try:
+            writer = WriterProcess(args.db)  # before the model loads: a bad URL fails at once
+        except DatabaseUrlError as exc:
+            source.close()
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
     # torch loads here, for the command that runs the engine, not for `python -m cli --help`.
     from cli.trace import TraceError, replay, summary_record
     from engine.engine import Engine
 
-    with source:
-        engine = Engine(config)
-        writer = None
-        if args.db is not None:
-            from storage.recorder import record_engine  # the history is optional: imported only when asked for
-            from storage.writer_process import WriterProcess
+    status = 0
+    try:
+        with source:
+            engine = Engine(config)
+            if writer is not None:
+                from storage.recorder import record_engine
 
-            writer = WriterProcess(args.db)
-            record_engine(engine, writer)
-        status = 0
-        try:
-            replay(engine, source, _emit)
-        except TraceError as exc:
-            print(f"error: {exc}", file=sys.stderr)
-            status = 2
-    _emit(summary_record(engine))
-    if writer is not None:
-        writer.close()
-        lost = writer.stats().dropped
-        if lost:
-            print(f"error: {lost} history rows could not be written to {args.db}", file=sys.stderr)
-            status = status or 1
+                record_engine(engine, writer)
+            try:
+                replay(engine, source, _emit)
+            except TraceError as exc:
+                print(f"error: {exc}", file=sys.stderr)
+                status = 2
+        _emit(summary_record(engine))
+    finally:
+        if writer is not None:
+            writer.close()  # also when the replay fails: the rows handed over so far are written
+    stats = None if writer is None else writer.stats()
+    if stats is not None and stats.dropped:
+        from storage.db import redacted_url
+
+        print(f"error: {stats.dropped} history rows could not be written to {redacted_url(args.db)} "
+              f"(last error: {stats.last_error})", file=sys.stderr)  # fmt: skip
+        status = status or 1
     return status
 
 

@@ -6,13 +6,15 @@ One JSON object per line, applied in order:
     {"op": "fork", "id": "b", "parent": "a", "suffix_tokens": [..] | "suffix_text": "...", ...}
     {"op": "release", "id": "a"}   {"op": "run"}   {"op": "reset"}
 Every finished request is reported as one dict; a rejected request as {"id", "rejected"}. A bad line
-raises TraceError naming the line; the engine state stays consistent (nothing of that line applied).
+(not UTF-8 JSON, nested too deeply, longer than MAX_LINE_BYTES, or an op the engine refuses) raises
+TraceError naming the line; the engine state stays consistent (nothing of that line applied).
 """
 
 from __future__ import annotations
 
-import json
-from typing import Any, Callable, Iterable
+from typing import Any, BinaryIO, Callable
+
+import orjson
 
 from engine.engine import Engine, RequestRejected
 from engine.errors import InvariantError
@@ -21,6 +23,7 @@ from engine.request import SamplingParams
 from engine.snapshot import RequestView
 
 OPS = ("submit", "fork", "release", "run", "reset")
+MAX_LINE_BYTES = 16 * 2**20  # one op: a prompt of a million tokens fits
 SAMPLING_KEYS = ("max_new_tokens", "temperature", "top_p", "seed", "ignore_eos")
 
 
@@ -80,9 +83,14 @@ def summary_record(engine: Engine) -> dict[str, Any]:
     }
 
 
-def replay(engine: Engine, lines: Iterable[str], emit: Callable[[dict[str, Any]], None]) -> None:
-    """Apply every line, emitting a record per finished or rejected request; runs until idle at the end."""
-    for number, line in enumerate(lines, start=1):
+def replay(engine: Engine, source: BinaryIO, emit: Callable[[dict[str, Any]], None]) -> None:
+    """Apply every line of `source`, emitting a record per finished or rejected request; runs until idle
+    at the end."""
+    number = 0
+    while line := source.readline(MAX_LINE_BYTES + 1):
+        number += 1
+        if len(line) > MAX_LINE_BYTES and not line.endswith(b"\n"):
+            raise TraceError(f"line {number}: longer than {MAX_LINE_BYTES} bytes")
         if not line.strip():
             continue
         try:
@@ -94,11 +102,11 @@ def replay(engine: Engine, lines: Iterable[str], emit: Callable[[dict[str, Any]]
     _run(engine, emit)
 
 
-def _parse(line: str) -> dict[str, Any]:
+def _parse(line: bytes) -> dict[str, Any]:
     try:
-        op = json.loads(line)
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"not valid JSON ({exc.msg})") from None
+        op = orjson.loads(line)  # refuses text that is not UTF-8, and nesting deeper than 1,024
+    except orjson.JSONDecodeError as exc:
+        raise ValueError(f"not valid JSON ({exc})") from None
     if not isinstance(op, dict):
         raise ValueError("each line must be a JSON object")
     if op.get("op") not in OPS:

@@ -47,6 +47,7 @@ logger = logging.getLogger(__name__)
 DEFAULT_NUM_BLOCKS = 1024
 WARM_UP_TOKENS = 256  # prefill length of `Engine.warm_up`: about a typical prompt
 MAX_REQUEST_ID_LEN = 128
+MAX_SALT_LEN = 256  # characters of a tenant salt
 Listener = Callable[[list[Event], list[RequestView]], None]
 
 
@@ -158,10 +159,13 @@ class Engine:
 
         Raises:
             ValueError: bad input (empty or out-of-vocabulary tokens, a taken id, a context longer
-                than the model's) or a retired engine; nothing is recorded.
+                than the model's, a salt that is not a string of at most MAX_SALT_LEN characters) or a
+                retired engine; nothing is recorded.
             RequestRejected: the request can never fit in the pool; it is recorded as rejected.
         """
         sampling = sampling or SamplingParams()
+        if salt is not None and not (isinstance(salt, str) and len(salt) <= MAX_SALT_LEN):
+            raise ValueError(f"a salt is a string of at most {MAX_SALT_LEN} characters, or None")
         with self._lock:
             rid = self._claim_id(request_id)
             tokens = self._check_tokens(prompt_token_ids, "prompt")

@@ -23,7 +23,8 @@ from pathlib import Path
 
 import orjson
 
-from sqlalchemy import Connection, Engine, create_engine, event, make_url
+from sqlalchemy import URL, Connection, Engine, create_engine, event, make_url
+from sqlalchemy.exc import ArgumentError, NoSuchModuleError
 from sqlalchemy.orm import Session
 
 DB_URL_ENV = "PREFIX_CONSOLE_DB_URL"
@@ -52,8 +53,13 @@ def default_db_url(data_dir: Path) -> str:
     return f"sqlite:///{Path(data_dir) / 'history.sqlite'}"
 
 
+class DatabaseUrlError(ValueError):
+    """A database URL this process cannot use: malformed, of an unknown backend, or its driver is missing;
+    or, for a reader, a SQLite file that does not exist."""
+
+
 def db_engine(url: str, *, busy_timeout_ms: int = DEFAULT_BUSY_TIMEOUT_MS) -> Engine:
-    """Create an engine for `url`.
+    """Create an engine for `url` (nothing connects yet).
 
     Args:
         url: any SQLAlchemy URL; SQLite files get their parent directory created.
@@ -61,8 +67,47 @@ def db_engine(url: str, *, busy_timeout_ms: int = DEFAULT_BUSY_TIMEOUT_MS) -> En
 
     Returns:
         A new engine; callers own it and should `dispose()` it when done.
+
+    Raises:
+        DatabaseUrlError: a malformed URL, an unknown backend, or a driver that is not installed.
     """
-    parsed = make_url(url)
+    try:
+        return _create(make_url(url), busy_timeout_ms)
+    except (ArgumentError, NoSuchModuleError, ImportError) as error:
+        raise _unusable(url, error) from None
+
+
+def existing_db_engine(url: str) -> Engine:
+    """`db_engine` for a reader: a SQLite file must exist already (connecting would create an empty one).
+
+    Raises:
+        DatabaseUrlError: as `db_engine`, or no SQLite file at the URL's path.
+    """
+    try:
+        parsed = make_url(url)
+    except ArgumentError as error:
+        raise _unusable(url, error) from None
+    database = parsed.database
+    if parsed.get_backend_name() == "sqlite" and database and database != ":memory:" and not parsed.query.get("uri"):
+        if not Path(database).is_file():
+            raise DatabaseUrlError(f"no database file {database}")
+    return db_engine(url)
+
+
+def redacted_url(url: str) -> str:
+    """`url` as a message may show it: its password hidden ("given" for a URL that does not parse, which
+    may hold a password anywhere)."""
+    try:
+        return make_url(url).render_as_string(hide_password=True)
+    except ArgumentError:
+        return "given"
+
+
+def _unusable(url: str, error: Exception) -> DatabaseUrlError:
+    return DatabaseUrlError(f"cannot use the database URL {redacted_url(url)}: {type(error).__name__}: {error}")
+
+
+def _create(parsed: URL, busy_timeout_ms: int) -> Engine:
     backend = parsed.get_backend_name()
     connect_args: dict[str, object] = {}
     if backend == "sqlite":

@@ -170,8 +170,8 @@ class WriterProcess:
         """Start the child for `url` (any SQLAlchemy URL; see `storage.db.default_db_url`).
 
         Raises:
-            sqlalchemy.exc.ArgumentError (or the driver's ImportError): `url` cannot name a database,
-                as `EventWriter` raises it. An unreachable database is reported in `stats()` instead.
+            storage.db.DatabaseUrlError: `url` cannot name a database this process can use, as
+                `EventWriter` raises it. An unreachable database is reported in `stats()` instead.
         """
         self.options = options or WriterOptions()
         db_engine(url).dispose()  # a malformed URL or a missing driver fails here, not in the child

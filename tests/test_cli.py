@@ -100,6 +100,8 @@ def test_bad_lines_name_the_line_and_keep_state_consistent(tmp_path, capsys):
         ({"op": "submit", "id": "e", "tokens": []}, "empty"),
         ({"op": "submit", "id": "long", "tokens": [5] * 2100}, "exceeds"),
         ("{not json", "not valid JSON"),
+        ("[" * 100_000, "not valid JSON"),  # nested too deeply (it was a RecursionError traceback)
+        ({"op": "submit", "id": "s", "tokens": [3, 4], "salt": {"tenant": 1}}, "a salt is a string"),
     ]
     for bad, message in cases:
         proc = run_trace(tmp_path, [{"op": "submit", "id": "a", "tokens": [3, 4, 5], "max_new_tokens": 2}, bad],
@@ -163,6 +165,48 @@ def test_a_bad_option_or_a_missing_trace_is_a_clear_error(tmp_path, capsys):
     assert "block_size" in capsys.readouterr().err
     assert main(["run-trace", str(tmp_path / "none.jsonl")]) == 2
     assert "cannot read the trace" in capsys.readouterr().err
+
+
+def test_a_line_that_is_not_utf8_is_named_and_nothing_is_applied(tmp_path, capsys):
+    trace = tmp_path / "trace.jsonl"
+    trace.write_bytes(json.dumps({"op": "submit", "id": "a", "tokens": [3, 4, 5], "max_new_tokens": 2}).encode()
+                      + b"\n\xff\xfe\n")  # fmt: skip
+    code = main(["run-trace", str(trace), "--model", "tiny-llama", "--device", "cpu", "--num-blocks", "32"])
+    out, err = capsys.readouterr()
+    assert code == 2 and "line 2: not valid JSON" in err and "Traceback" not in err
+    assert json.loads(out.splitlines()[-1])["summary"]["invariants_ok"] is True
+
+
+def test_a_bad_database_url_is_refused_before_the_model_loads(tmp_path, capsys):
+    trace = write_trace(tmp_path, [{"op": "run"}])
+    for url in ("not a url", "foo://bar"):
+        assert main(["run-trace", str(trace), "--model", "no-such-model", "--db", url]) == 2
+        assert capsys.readouterr().err.startswith("error: cannot use the database URL")
+
+
+def test_a_replay_that_crashes_still_writes_the_history_it_made(tmp_path, capsys, monkeypatch):
+    """The writer is closed on every way out, so rows handed over before an unexpected error are kept."""
+    import cli.trace
+    from sqlalchemy import func, select
+
+    from storage.db import db_engine
+    from storage.models import RequestRecord
+
+    def apply_or_crash(engine, op, emit):
+        if op["op"] == "reset":
+            raise RuntimeError("a bug in the middle of a replay")
+        applying(engine, op, emit)
+
+    applying = cli.trace._apply
+    monkeypatch.setattr(cli.trace, "_apply", apply_or_crash)
+    url = f"sqlite:///{tmp_path / 'history.sqlite'}"
+    lines = [{"op": "submit", "id": "a", "tokens": [3, 4, 5], "max_new_tokens": 2}, {"op": "run"}, {"op": "reset"}]
+    with pytest.raises(RuntimeError, match="a bug in the middle"):
+        run_trace(tmp_path, lines, "--num-blocks", "32", "--db", url, capsys=capsys)
+    db = db_engine(url)
+    with db.connect() as conn:
+        assert conn.execute(select(func.count()).select_from(RequestRecord)).scalar() == 1
+    db.dispose()
 
 
 def test_db_flag_persists_requests_events_and_evictions(tmp_path, capsys):

@@ -73,6 +73,18 @@ def test_block_history_refuses_an_unknown_run_and_an_empty_history(tmp_path, cap
     assert "holds no runs" in capsys.readouterr().err
 
 
+def test_block_history_refuses_a_bad_database_or_block_without_a_traceback_or_a_new_file(tmp_path, capsys):
+    typo = tmp_path / "histroy.sqlite"
+    assert main(["block-history", "--db", f"sqlite:///{typo}", "--block", "0"]) == 2
+    assert capsys.readouterr().err.startswith(f"error: no database file {typo}")
+    assert not typo.exists()  # reading created nothing
+    assert main(["block-history", "--db", "not a url", "--block", "0"]) == 2
+    assert capsys.readouterr().err.startswith("error: cannot use the database URL given: ArgumentError")
+    for block in ("-1", str(2**63)):  # 2**63 overflowed SQLite's INTEGER, a traceback
+        assert main(["block-history", "--db", f"sqlite:///{typo}", "--block", block]) == 2
+        assert "--block must be a block id in [0, 1048576)" in capsys.readouterr().err
+
+
 def test_block_history_runs_as_a_module(tmp_path, capsys):
     url, parent = recorded_exercise(tmp_path, capsys)
     cmd = [sys.executable, "-m", "cli", "block-history", "--db", url, "--block", str(parent["block_table"][1]), "--json"]

@@ -71,6 +71,15 @@ def test_state_refuses_a_database_that_is_not_there_and_a_pod_it_never_saw(capsy
     assert not (tmp_path / "missing.sqlite").exists()
 
 
+@pytest.mark.parametrize(
+    "argv",
+    [["fleet", "watch", "--pod", "a=tcp://127.0.0.1:9", "--db", "foo://x"], ["fleet", "state", "--db", "not a url"]],
+)
+def test_a_database_url_that_cannot_be_used_is_refused_with_exit_status_2(capsys, argv: list[str]) -> None:
+    code, _, err = run_cli(capsys, *argv)
+    assert code == 2 and err.startswith("error: cannot use the database URL") and "Traceback" not in err
+
+
 def watch(url: str, *pods: str) -> subprocess.Popen:
     """`python -m cli fleet watch` as an operator starts it, with a status line every 0.2 s."""
     argv = [sys.executable, "-m", "cli", "fleet", "watch", "--db", url, "--status-every", "0.2"]
