@@ -7,7 +7,8 @@
 
 Each pod thread owns its sockets and its sequence state; the dispatcher thread is the only caller of
 the sinks (see `fleet.sinks`), so a sink needs no lock for the collector's sake. The queue between them
-is bounded: a slow sink stalls the pod threads, the servers' PUB sockets drop what their high-water
+is bounded, in records (`queue_size`) and in the batches' payload bytes (`max_queued_bytes`, so that
+servers sending large batches cannot make it hold gigabytes): a slow sink stalls the pod threads, the servers' PUB sockets drop what their high-water
 marks cannot hold, and the dropped batches come back through the replay socket as a gap.
 
 Per pod, the sequence numbers drive everything (`next_seq` is the one expected next):
@@ -78,6 +79,7 @@ class CollectorConfig:
     resubscribe_max_s: float = 300.0  # that wait's ceiling
     receive_hwm: int = 100_000  # messages the SUB socket buffers (ZMQ_RCVHWM)
     queue_size: int = 10_000  # batches between the pod threads and the dispatcher
+    max_queued_bytes: int = 256 * 1024 * 1024  # their payloads' bytes, at most (a larger batch goes alone)
     poll_interval_s: float = 0.1  # how often idle threads look at the stop flag
 
     def __post_init__(self) -> None:
@@ -93,6 +95,7 @@ class CollectorConfig:
             "resubscribe_max_s": self.resubscribe_max_s,
             "receive_hwm": self.receive_hwm,
             "queue_size": self.queue_size,
+            "max_queued_bytes": self.max_queued_bytes,
             "poll_interval_s": self.poll_interval_s,
         }
         for name, value in positive.items():
@@ -194,7 +197,7 @@ class _PodSubscriber:
         source: PodSource,
         config: CollectorConfig,
         context: zmq.Context,
-        emit: Callable[[object], None],
+        emit: Callable[[object, int], None],
         stop: threading.Event,
     ) -> None:
         self.source = source
@@ -353,7 +356,7 @@ class _PodSubscriber:
         last_seq = self._next_seq - 1 if self._seen_any else None
         logger.warning("pod %s restarted (seq %s after %s)", self.source.name, revealing_seq, last_seq)
         self._add(num_restarts=1)
-        self._put(PodReset(self.source.name, ResetReason.RESTARTED, time.time(), last_seq, revealing_seq))
+        self._put(PodReset(self.source.name, ResetReason.RESTARTED, time.time(), last_seq, revealing_seq), 0)
         self._next_seq = 0
         self._seen_any = False
         self._last_digest = None
@@ -479,9 +482,9 @@ class _PodSubscriber:
                 stats.last_lag_s = pod_batch.lag_s
             stats.last_seq = seq
             stats.last_batch_ts = batch.ts
-        self._put(pod_batch)
+        self._put(pod_batch, len(frame.payload))
 
-    def _put(self, record: object) -> None:
+    def _put(self, record: object, payload_bytes: int) -> None:
         """Queue a record for the dispatcher, waiting while the queue is full.
 
         Raises:
@@ -489,7 +492,7 @@ class _PodSubscriber:
         """
         while True:
             try:
-                self._emit(record)
+                self._emit(record, payload_bytes)
                 return
             except queue.Full:
                 if self._stop.is_set():
@@ -526,7 +529,9 @@ class Collector:
         self._context = zmq.Context()
         self._stop = threading.Event()
         self._listening_done = threading.Event()  # set once the pod threads put nothing more
-        self._queue: queue.Queue[object] = queue.Queue(self.config.queue_size)
+        self._queue: queue.Queue[tuple[object, int]] = queue.Queue(self.config.queue_size)  # (record, bytes)
+        self._room = threading.Condition()  # the pod threads wait on it for room in the queue
+        self._queued_bytes = 0  # payload bytes of the batches in the queue (guarded by _room)
         self._subscribers = [
             _PodSubscriber(source, self.config, self._context, self._emit, self._stop) for source in self.sources
         ]
@@ -536,8 +541,24 @@ class Collector:
         self._lock = threading.Lock()
         self._closed = False
 
-    def _emit(self, record: object) -> None:
-        self._queue.put(record, timeout=self.config.poll_interval_s)
+    def _emit(self, record: object, payload_bytes: int) -> None:
+        """Queue `record` (a batch whose payload had `payload_bytes`) once there is room: fewer than
+        `queue_size` records and at most `max_queued_bytes` of payloads with it, or an empty queue.
+
+        Raises:
+            queue.Full: no room within `poll_interval_s` (the caller looks at the stop flag and tries again).
+        """
+        limit = self.config.max_queued_bytes
+
+        def room() -> bool:
+            fits = self._queued_bytes == 0 or self._queued_bytes + payload_bytes <= limit
+            return fits and not self._queue.full()
+
+        with self._room:  # only the pod threads put, and only under this lock: the room checked stays
+            if not self._room.wait_for(room, self.config.poll_interval_s):
+                raise queue.Full
+            self._queue.put_nowait((record, payload_bytes))
+            self._queued_bytes += payload_bytes
 
     def start(self) -> None:
         """Open every pod in the sinks and start listening.
@@ -549,7 +570,7 @@ class Collector:
             raise RuntimeError("a Collector starts once")
         now = time.time()
         for source in self.sources:
-            self._queue.put(_OpenPod(source, now))
+            self._queue.put((_OpenPod(source, now), 0))
         self._dispatcher = threading.Thread(target=self._dispatch, name="fleet-dispatch", daemon=True)
         self._dispatcher.start()
         for subscriber in self._subscribers:
@@ -611,11 +632,14 @@ class Collector:
     def _dispatch(self) -> None:
         while True:
             try:
-                record = self._queue.get(timeout=self.config.poll_interval_s)
+                record, payload_bytes = self._queue.get(timeout=self.config.poll_interval_s)
             except queue.Empty:
                 if self._listening_done.is_set():
                     return  # the pod threads have stopped and everything they queued was handed over
                 continue
+            with self._room:
+                self._queued_bytes -= payload_bytes
+                self._room.notify_all()
             for sink in self.sinks:
                 try:
                     if isinstance(record, PodBatch):

@@ -364,6 +364,30 @@ def test_stop_does_not_wait_forever_on_a_sink_that_takes_nothing(feed):
     assert collector.stop() is True and collector.num_queued == 0
 
 
+def test_the_queue_holds_at_most_max_queued_bytes_of_payloads(feed):
+    """Servers sending large batches fill the queue by bytes before its record count: with room for three
+    payloads, three wait behind a stalled sink (one is in its hands, one decoded in the pod thread waits
+    for room, the rest wait in ZeroMQ), and all ten arrive in order once it lets them through."""
+    payloads = [encode_batch([stored_map([seq + 1], [1] * 4)]) for seq in range(10)]
+    stall, index = StallingSink(), FleetIndex()
+    config = replace(FAST, queue_size=100, max_queued_bytes=3 * max(map(len, payloads)))
+    collector = Collector([feed.source()], [stall, index], config)
+    collector.start()
+    try:
+        feed.wait_for_subscriber()
+        for seq, payload in enumerate(payloads):
+            feed.send(seq, payload)
+        wait_until(lambda: collector.num_queued == 3, "three batches to wait")
+        time.sleep(0.3)
+        assert collector.num_queued == 3 and stats(collector).num_batches == 5
+        stall.release.set()
+        wait_until(applied(index, 9), "every batch to arrive")
+        assert stats(collector).num_lost_batches == 0
+    finally:
+        stall.release.set()
+        collector.stop()
+
+
 def test_pod_names_must_be_unique(feed):
     with pytest.raises(ValueError, match="unique"):
         Collector([feed.source("a"), feed.source("a")], [])
