@@ -523,10 +523,12 @@ class Engine:
         return request_id
 
     def _check_tokens(self, token_ids: list[int], what: str) -> list[int]:
+        if not isinstance(token_ids, (list, tuple)):
+            raise ValueError(f"the {what} must be a list of token ids, got {type(token_ids).__name__}")
         tokens = list(token_ids)
         if not tokens:
             raise ValueError(f"the {what} is empty")
-        if not all(isinstance(t, int) and 0 <= t < self.vocab_size for t in tokens):
+        if not all(type(t) is int and 0 <= t < self.vocab_size for t in tokens):
             raise ValueError(f"the {what} has token ids outside [0, {self.vocab_size})")
         return tokens
 
@@ -543,8 +545,11 @@ class Engine:
 
     def _enqueue(self, request: Request) -> None:
         """Record and queue a validated request, or record it as rejected when it can never fit."""
-        self._requests[request.request_id] = request
         needed = self._blocks_for(request.num_prompt_tokens, request.sampling)
+        if request.sampling.temperature > 0 and needed <= self.num_blocks:  # before anything is recorded
+            seed = request.sampling.seed if request.sampling.seed is not None else self.config.seed
+            self._generators[request.request_id] = torch.Generator().manual_seed(seed)
+        self._requests[request.request_id] = request
         if needed > self.num_blocks:
             request.rejected("too large for the pool")
             reason = f"needs {needed} blocks for its context and new tokens; the whole pool has {self.num_blocks}"
@@ -552,9 +557,6 @@ class Engine:
             self.log.emit(EventKind.REJECT, detail, request_id=request.request_id, tokens=request.num_prompt_tokens)
             self._publish(self.log.take(), [request])
             raise RequestRejected(f"request {request.request_id!r} rejected: {reason}")
-        if request.sampling.temperature > 0:
-            seed = request.sampling.seed if request.sampling.seed is not None else self.config.seed
-            self._generators[request.request_id] = torch.Generator().manual_seed(seed)
         self.scheduler.add(request)
         detail = {"parent_id": request.parent_id}
         self.log.emit(EventKind.SUBMIT, detail, request_id=request.request_id, tokens=request.num_prompt_tokens)

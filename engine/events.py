@@ -24,7 +24,7 @@ class EventKind(str, enum.Enum):
     RESET = "reset"  # the prefix cache was reset (detail says how many blocks were dropped)
     SUBMIT = "submit"  # a request entered the waiting queue
     SCHEDULE = "schedule"  # a request got its first step (detail: cached/computed tokens)
-    PREEMPT = "preempt"  # a running request lost its blocks and went back to waiting
+    PREEMPT = "preempt"  # a running request lost its blocks and went back to waiting (or a waiting fork child)
     REJECT = "reject"  # a request was refused (detail: reason)
     FINISH = "finish"  # a request finished (detail: reason, output length)
     REPLAY = "replay"  # sliding-window state was recomputed on a hit (detail: h, s, e, r, mode)
@@ -74,7 +74,8 @@ class Event(NamedTuple):
 #   FORK:   parent_id, shared_blocks, block_ids (the parent's blocks the child now shares, in table order), group.
 #   COW:    src_block, dst_block, num_slots, group.
 #   RESET:  dropped_blocks, ok (bool: False when referenced blocks kept it from being complete), kept_blocks.
-#   SCHEDULE: cached_tokens, computed_tokens, hit_source.   PREEMPT: num_computed_tokens.
+#   SCHEDULE: cached_tokens, computed_tokens, hit_source.   PREEMPT: num_computed_tokens (and waiting: true for
+#   a waiting fork child that gave its parent's blocks back).
 #   REJECT: reason.   FINISH: reason ("length" | "eos" | "stop"), output_tokens.
 #   REPLAY: h, s, e, r, mode (ReplayMode value), replayed_tokens; a verification adds verified and the
 #           Divergence fields (engine/verify.py).

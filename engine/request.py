@@ -52,6 +52,10 @@ class PromptKeys(NamedTuple):
     content: bytes  # the same blocks' namespace-free keys
 
 
+MIN_TEMPERATURE = 1e-5  # below it (but above 0) logits / temperature can overflow to inf: refused
+MAX_SEED = 2**63 - 1
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How to pick the next token. temperature 0 means greedy."""
@@ -63,12 +67,14 @@ class SamplingParams:
     ignore_eos: bool = False
 
     def __post_init__(self) -> None:
-        if not 1 <= self.max_new_tokens <= MAX_NEW_TOKENS:
-            raise ValueError(f"max_new_tokens must be in [1, {MAX_NEW_TOKENS}], got {self.max_new_tokens}")
-        if not 0.0 <= self.temperature <= 10.0:
-            raise ValueError(f"temperature must be in [0, 10], got {self.temperature}")
+        if type(self.max_new_tokens) is not int or not 1 <= self.max_new_tokens <= MAX_NEW_TOKENS:
+            raise ValueError(f"max_new_tokens must be an integer in [1, {MAX_NEW_TOKENS}], got {self.max_new_tokens!r}")
+        if not (self.temperature == 0.0 or MIN_TEMPERATURE <= self.temperature <= 10.0):
+            raise ValueError(f"temperature must be 0 (greedy) or in [{MIN_TEMPERATURE:g}, 10], got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.seed is not None and (type(self.seed) is not int or not 0 <= self.seed <= MAX_SEED):
+            raise ValueError(f"seed must be an integer in [0, 2**63 - 1] or None, got {self.seed!r}")
 
 
 @dataclass
@@ -144,6 +150,16 @@ class Request:
         self.cached_tokens = shared_tokens
         self.replay_from = shared_tokens
         self.replay_mode = mode
+
+    def fork_share_given_back(self) -> None:
+        """A waiting fork child gave its parent's blocks back (so that others could start): it starts like
+        a new request, from a lookup of its context in the prefix index. Counted as a preemption."""
+        self.preemptions += 1
+        self.num_computed_tokens = 0
+        self.cached_tokens = 0
+        self.replay_from = 0
+        self.replay_mode = ReplayMode.NONE
+        self.hit_source = HitSource.NONE
 
     def rejected(self, reason: str) -> None:
         self.status = RequestStatus.REJECTED

@@ -1,8 +1,12 @@
 """Continuous batching: which tokens of which requests the next forward computes, and what its results do.
 
 Pure Python: no torch. Each step the scheduler fills a token budget, running requests first (decodes
-and unfinished prefill chunks, oldest first), then waiting requests (oldest first). A request that
-cannot get blocks waits; when a running request cannot grow, the newest running request is preempted:
+and unfinished prefill chunks, oldest first), then waiting requests (oldest first). A waiting request
+holds no blocks, except a fork child, which holds its parent's from the fork on; so when the oldest
+cannot start, a fork child that can goes ahead of it, and when no request can start and none runs, the
+waiting children give their parents' blocks back (newest first, until one can start): they then look
+their contexts up in the prefix index like any new request. Without both, a child whose parent ended
+could hold the blocks the requests ahead of it need for ever. A request that cannot get blocks waits; when a running request cannot grow, the newest running request is preempted:
 its blocks are released and it goes back to the front of the queue, to be recomputed later (usually
 a prefix hit, since its full blocks stay cached). After the forward, `postprocess` accounts for the
 computed chunks, appends the sampled tokens and finishes the requests that stop; a request whose
@@ -14,6 +18,7 @@ Invariant between steps: for every running or retained request, its block table 
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -127,15 +132,9 @@ class Scheduler:
             budget -= n
             i += 1
 
-        while self.waiting and budget > 0 and not preempted and len(self.running) < self.max_num_seqs:
-            request = self.waiting[0]
-            plan = self._plan(request)
-            if not self._can_admit(request, plan, budget):
-                break
-            self.waiting.popleft()
-            self.running.append(request)
-            chunks.append(self._admit(request, plan, budget))
-            budget -= len(chunks[-1].token_ids)
+        budget = self._admit_waiting(chunks, budget, preempted)
+        while not chunks and not self.running and self._give_back_a_fork_share():
+            budget = self._admit_waiting(chunks, budget, preempted)
 
         changed = [chunk.request for chunk in chunks] + preempted
         return SchedulerOutput(chunks, self.kv.take_copies(), preempted, changed)
@@ -150,6 +149,45 @@ class Scheduler:
             if victim is request:
                 return False
         return True
+
+    def _admit_waiting(self, chunks: list[ScheduledChunk], budget: int, preempted: list[Request]) -> int:
+        """Start waiting requests while the budget, the running set and the pool allow, adding their first
+        chunks to `chunks`; returns the budget left. None starts in a step that preempted."""
+        while self.waiting and budget > 0 and not preempted and len(self.running) < self.max_num_seqs:
+            admissible = self._next_admissible(budget)
+            if admissible is None:
+                break
+            request, plan = admissible
+            self.waiting.remove(request)
+            self.running.append(request)
+            chunks.append(self._admit(request, plan, budget))
+            budget -= len(chunks[-1].token_ids)
+        return budget
+
+    def _give_back_a_fork_share(self) -> bool:
+        """Free the blocks of the newest waiting fork child that still holds its parent's; False if none does."""
+        for request in reversed(self.waiting):
+            if self.kv.has_table(request.request_id):
+                shared = request.num_computed_tokens
+                self.kv.free(request.request_id)
+                request.fork_share_given_back()
+                detail = {"num_computed_tokens": shared, "waiting": True}
+                self._log.emit(EventKind.PREEMPT, detail, request_id=request.request_id, tokens=shared)
+                self.num_preemptions += 1
+                return True
+        return False
+
+    def _next_admissible(self, budget: int) -> tuple[Request, HitPlan | None] | None:
+        """The waiting request to start next, with its hit plan: the oldest if it can start now, else the
+        oldest fork child that can (see the module docstring), else None."""
+        head = self.waiting[0]
+        plan = self._plan(head)
+        if self._can_admit(head, plan, budget):
+            return head, plan
+        for request in itertools.islice(self.waiting, 1, None):
+            if self.kv.has_table(request.request_id) and self._can_admit(request, None, budget):
+                return request, None
+        return None
 
     def _plan(self, request: Request) -> HitPlan | None:
         """A waiting request's hit plan; None for a fork child, whose tables it shares with its parent."""

@@ -102,3 +102,49 @@ def test_free_blocks_show_no_stale_tokens(tmp_path):
     e.release(parent)
     view = next(v for v in e.snapshot().blocks if v.block_id == tail)
     assert view.state == "free" and view.num_tokens == 0 and view.token_ids == ()
+
+
+def test_a_prompt_that_is_not_a_list_of_token_ids_is_a_value_error_and_records_nothing(tmp_path):
+    e = engine(tmp_path)
+    for prompt in (None, 5, "abc", [True, 4], [3.0, 4]):
+        with pytest.raises(ValueError, match="the prompt"):
+            e.submit(prompt, PARAMS)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="a salt is a string"):
+        e.submit([3, 4, 5], PARAMS, salt={"tenant": 1})  # type: ignore[arg-type]
+    assert e.requests() == [] and not e.has_work()
+
+
+def test_a_fork_child_waiting_behind_a_request_that_cannot_start_goes_first(tmp_path):
+    """The parent finishes unretained, so its waiting child alone holds its 2 blocks; the request ahead of
+    the child needs 7 blocks for its prompt, and 6 are free. The child, which needs one more, runs first
+    and frees its blocks; then the request starts."""
+    e = engine(tmp_path, num_blocks=8, max_num_seqs=1)
+    parent = e.submit(list(range(3, 11)), SamplingParams(max_new_tokens=2))
+    e.step()
+    big = e.submit(list(range(20, 48)), SamplingParams(max_new_tokens=1))
+    child = e.fork(parent, [50], SamplingParams(max_new_tokens=1))
+    finished = [view.request_id for view in e.run_until_idle(max_steps=200)]
+    assert finished == [parent, child, big]
+    assert e.get(child).hit_source == "fork" and e.get(child).preemptions == 0
+    assert e.stats().used_blocks == 0
+    e.check_invariants()
+
+
+def test_waiting_fork_children_give_their_parents_blocks_back_when_nothing_can_run(tmp_path):
+    """Two retained parents of 3 blocks each, a waiting child of each (holding its parent's blocks), then
+    both parents released: each child needs 3 more blocks and 2 are free, so neither can start until the
+    newest gives its share back. It then starts over from the prefix index, which still has its blocks."""
+    e = engine(tmp_path, num_blocks=8, max_num_seqs=1)
+    params = SamplingParams(max_new_tokens=1, ignore_eos=True)
+    parents = [e.submit(tokens(11, seed), params, retain=True) for seed in (1, 2)]
+    e.run_until_idle()
+    children = [e.fork(parent, tokens(12, 10 + i), params) for i, parent in enumerate(parents)]
+    for parent in parents:
+        e.release(parent)
+    e.run_until_idle(max_steps=200)
+    first, second = (e.get(child) for child in children)
+    assert (first.status, second.status) == ("finished", "finished")
+    assert (first.hit_source, first.preemptions) == ("fork", 0)
+    assert (second.hit_source, second.preemptions) == ("prefix", 1)  # the newest gave its share back
+    assert e.stats().used_blocks == 0
+    e.check_invariants()

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
-from engine.kv_groups import HitPlan
-from engine.kv_groups import ReplayMode
+from engine.kv_groups import HitPlan, ReplayMode
 from engine.request import HitSource, PromptKeys, Request, RequestStatus, SamplingParams
 
 
@@ -64,3 +65,20 @@ def test_tokens_slices_the_context_across_prompt_and_output(start, end):
     request.append_token(15, now=2.0)
     assert request.tokens(start, end) == request.all_token_ids[start:end]
     assert request.first_token_time == 1.0 and not request.prefilling
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"seed": 2**64}, "seed must be an integer in [0, 2**63 - 1]"),  # torch's generator refused it, after
+        ({"seed": -1}, "seed must be an integer"),  # the request was recorded
+        ({"seed": 1.5}, "seed must be an integer"),
+        ({"temperature": 1e-45}, "temperature must be 0 (greedy) or in [1e-05, 10]"),  # logits / T overflowed
+        ({"temperature": float("nan")}, "temperature must be 0"),
+        ({"max_new_tokens": 2.5}, "max_new_tokens must be an integer"),
+        ({"max_new_tokens": True}, "max_new_tokens must be an integer"),
+    ],
+)
+def test_sampling_params_refuse_what_would_fail_later_in_a_step(fields, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        SamplingParams(**fields)
