@@ -94,7 +94,7 @@ def test_text_and_chat_are_tokenized_as_run_trace_tokenizes_them(test_data_dir):
         ([{"op": "submit", "tokens": [1, 2]}], "line 1: submit needs a non-empty string 'id'"),
         ([{"op": "submit", "id": "a", "text": "hello"}], "line 1: this model has no tokenizer"),
         ([submit("a", [1, -2])], "line 1: token ids must be in"),
-        ([submit("a", [1, 2], max_new_tokens=0)], "line 1: max_new_tokens must be in"),
+        ([submit("a", [1, 2], max_new_tokens=0)], "line 1: max_new_tokens must be an integer in"),
         ([{"op": "run"}, {"op": "reset"}], "no submit lines"),
     ],
 )  # fmt: skip
