@@ -25,6 +25,7 @@ from cli.fleet import STOP_TIMEOUT_S, WATCH_GC_THRESHOLDS
 from storage.db import db_engine
 from tests.fleet_history_support import held_copies
 from tests.fleet_support import HandFeed, encode_batch, stored_map
+from tests.ports import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -163,24 +164,22 @@ def test_watch_stops_cleanly_on_sigint_with_nothing_to_watch(tmp_path: Path) -> 
     assert "Traceback" not in err
 
 
-def test_a_watch_on_a_database_that_takes_no_rows_still_stops_on_a_signal(tmp_path: Path) -> None:
-    """A database of a newer schema refuses every row: the writer's queue fills, the storage sink waits on
-    it, and the collector's queue fills behind. SIGTERM still ends the watch, within STOP_TIMEOUT_S for the
+def test_a_watch_on_a_database_that_takes_no_rows_still_stops_on_a_signal() -> None:
+    """A database that is down refuses every row: the writer's queue fills, the storage sink waits on it,
+    and the collector's queue fills behind. SIGTERM still ends the watch, within STOP_TIMEOUT_S for the
     sinks and again for the writer, exit 1, with what was queued counted as dropped."""
-    database = tmp_path / "newer.sqlite"
-    with closing(sqlite3.connect(database)) as connection, connection:
-        connection.execute("CREATE TABLE alembic_version (version_num VARCHAR(32) NOT NULL PRIMARY KEY)")
-        connection.execute("INSERT INTO alembic_version VALUES ('9999')")
+    pytest.importorskip("psycopg")
+    down = f"postgresql+psycopg://prefix:console@127.0.0.1:{free_port()}/history"  # nothing listens there
     feed = HandFeed()
-    process = watch(f"sqlite:///{database}", f"a=tcp://127.0.0.1:{feed.port}")
+    process = watch(down, f"a=tcp://127.0.0.1:{feed.port}")
     try:
         feed.wait_for_subscriber()
         for seq in range(20_000):  # more than the writer's queue and the collector's together
-            feed.send(seq, encode_batch([stored_map([seq + 1], [1] * 4)]), live=True)
+            feed.send(seq, encode_batch([stored_map([seq + 1], [1] * 4)]))
             if seq % 1000 == 999:
                 time.sleep(0.05)  # within the PUB socket's high-water mark
         for line in process.stderr:  # the dispatcher waits on the writer: "queued" stops growing
-            if line.startswith("fleet watch: ") and "Can't locate revision" in line and "4,09" in line:
+            if line.startswith("fleet watch: ") and "4,09" in line and "last db error" in line:
                 break
         began = time.monotonic()
         code, err = stop(process, signal.SIGTERM)
@@ -193,6 +192,15 @@ def test_a_watch_on_a_database_that_takes_no_rows_still_stops_on_a_signal(tmp_pa
     assert seconds < 2 * STOP_TIMEOUT_S + 10, seconds
     assert "the database took no rows for 10 s" in err and "history rows could not be written" in err
     assert "Traceback" not in err
+
+
+def test_a_watch_refuses_a_database_of_a_newer_schema_at_once(tmp_path: Path, capsys) -> None:
+    database = tmp_path / "newer.sqlite"
+    with closing(sqlite3.connect(database)) as connection, connection:
+        connection.execute("CREATE TABLE alembic_version (version_num VARCHAR(32) NOT NULL PRIMARY KEY)")
+        connection.execute("INSERT INTO alembic_version VALUES ('9999')")
+    code, _, err = run_cli(capsys, "fleet", "watch", "--pod", "a=tcp://127.0.0.1:9", "--db", f"sqlite:///{database}")
+    assert code == 2 and "has schema revision 9999, newer than this code" in err
 
 
 def test_a_watch_raises_the_garbage_collectors_thresholds_while_it_runs_and_restores_them(tmp_path: Path) -> None:
