@@ -6,11 +6,12 @@ holds no blocks, except a fork child, which holds its parent's from the fork on;
 cannot start, a fork child that can goes ahead of it, and when no request can start and none runs, the
 waiting children give their parents' blocks back (newest first, until one can start): they then look
 their contexts up in the prefix index like any new request. Without both, a child whose parent ended
-could hold the blocks the requests ahead of it need for ever. A request that cannot get blocks waits; when a running request cannot grow, the newest running request is preempted:
-its blocks are released and it goes back to the front of the queue, to be recomputed later (usually
-a prefix hit, since its full blocks stay cached). After the forward, `postprocess` accounts for the
-computed chunks, appends the sampled tokens and finishes the requests that stop; a request whose
-forward went non-finite fails instead, and `stop_request` ends one unfinished (failed or aborted).
+could hold the blocks the requests ahead of it need for ever. A request that cannot get blocks waits;
+when a running request cannot grow, the newest running request is preempted: its blocks are released
+and it goes back to the front of the queue, to be recomputed later (usually a prefix hit, since its
+full blocks stay cached). After the forward, `postprocess` accounts for the computed chunks, appends
+the sampled tokens and finishes the requests that stop; a request whose forward went non-finite fails
+instead, and `stop_request` ends one unfinished (failed or aborted).
 
 Invariant between steps: for every running or retained request, its block table holds exactly
 `num_computed_tokens` tokens, and those are its context's first tokens.
