@@ -114,15 +114,10 @@ def run_watch(args: argparse.Namespace) -> int:
     from storage.fleet_sink import FleetStore
     from storage.writer import EventWriter
 
-    from storage.migrate import newer_revision
-
     try:
-        newer = newer_revision(args.db)
+        writer = EventWriter(args.db)
     except DatabaseUrlError as exc:
         return _error(str(exc))
-    if newer is not None:
-        return _error(f"{redacted_url(args.db)} has schema revision {newer}, newer than this code: it cannot write")
-    writer = EventWriter(args.db)
     stop = threading.Event()
     previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
     previous_gc_thresholds = gc.get_threshold()

@@ -59,15 +59,11 @@ def run(args: argparse.Namespace) -> int:
         return 2
     writer = None
     if args.db is not None:  # the history is optional: storage is imported only when asked for
-        from storage.db import DatabaseUrlError, redacted_url
-        from storage.migrate import newer_revision
+        from storage.db import DatabaseUrlError
         from storage.writer_process import WriterProcess
 
-        try:  # before the model loads: a database this code cannot write fails at once
-            newer = newer_revision(args.db)
-            if newer is not None:
-                raise DatabaseUrlError(f"{redacted_url(args.db)} has schema revision {newer}, newer than this code")
-            writer = WriterProcess(args.db)
+        try:
+            writer = WriterProcess(args.db)  # before the model loads: a bad URL fails at once
         except DatabaseUrlError as exc:
             source.close()
             print(f"error: {exc}", file=sys.stderr)

@@ -15,9 +15,7 @@ from pathlib import Path
 from alembic import command
 from alembic.config import Config
 from alembic.runtime.migration import MigrationContext
-from alembic.script import ScriptDirectory
 from sqlalchemy import Connection, Engine, func, select
-from sqlalchemy.exc import SQLAlchemyError
 
 from storage.db import db_engine
 
@@ -55,18 +53,6 @@ def current_revision(url_or_engine: str | Engine) -> str | None:
     finally:
         if owned:
             engine.dispose()
-
-
-def newer_revision(url_or_engine: str | Engine) -> str | None:
-    """The database's revision if this code does not know it (a schema newer than this code, which it
-    can neither upgrade nor write), else None; None too when the database cannot be reached now (a
-    writer retries those)."""
-    try:
-        revision = current_revision(url_or_engine)
-    except SQLAlchemyError:
-        return None
-    known = {script.revision for script in ScriptDirectory(str(MIGRATIONS_DIR)).walk_revisions()}
-    return None if revision is None or revision in known else revision
 
 
 def _alembic_config(connection: Connection) -> Config:

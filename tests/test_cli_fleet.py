@@ -10,12 +10,10 @@ import gc
 import json
 import os
 import signal
-import sqlite3
 import subprocess
 import sys
 import threading
 import time
-from contextlib import closing
 from pathlib import Path
 
 import pytest
@@ -192,15 +190,6 @@ def test_a_watch_on_a_database_that_takes_no_rows_still_stops_on_a_signal() -> N
     assert seconds < 2 * STOP_TIMEOUT_S + 10, seconds
     assert "the database took no rows for 10 s" in err and "history rows could not be written" in err
     assert "Traceback" not in err
-
-
-def test_a_watch_refuses_a_database_of_a_newer_schema_at_once(tmp_path: Path, capsys) -> None:
-    database = tmp_path / "newer.sqlite"
-    with closing(sqlite3.connect(database)) as connection, connection:
-        connection.execute("CREATE TABLE alembic_version (version_num VARCHAR(32) NOT NULL PRIMARY KEY)")
-        connection.execute("INSERT INTO alembic_version VALUES ('9999')")
-    code, _, err = run_cli(capsys, "fleet", "watch", "--pod", "a=tcp://127.0.0.1:9", "--db", f"sqlite:///{database}")
-    assert code == 2 and "has schema revision 9999, newer than this code" in err
 
 
 def test_a_watch_raises_the_garbage_collectors_thresholds_while_it_runs_and_restores_them(tmp_path: Path) -> None:
