@@ -8,8 +8,8 @@
 (storage.fleet_sink through one EventWriter) until SIGINT or SIGTERM, printing one status line on stderr
 every `--status-every` seconds; on the signal it stops the collector, writes what is queued, marks its
 sources closed and exits (0; 1 if history rows were lost). A database that takes no rows cannot hold it
-up: after `STOP_TIMEOUT_S` the queued rows are dropped (counted, exit 1). Several watchers (and consoles) can share a
-PostgreSQL database: each writes only its own sources' rows.
+up: after `STOP_TIMEOUT_S` the queued rows are dropped (counted, exit 1). Several watchers (and
+consoles) can share a PostgreSQL database: each writes only its own sources' rows.
 
 `state` reads the database (whoever wrote it): per pod, the newest source's blocks held by medium and KV
 group (`hashes` distinct, `blocks` physical copies) and when it was last heard; `--hashes` adds the held

@@ -8,8 +8,9 @@
 Each pod thread owns its sockets and its sequence state; the dispatcher thread is the only caller of
 the sinks (see `fleet.sinks`), so a sink needs no lock for the collector's sake. The queue between them
 is bounded, in records (`queue_size`) and in the batches' payload bytes (`max_queued_bytes`, so that
-servers sending large batches cannot make it hold gigabytes): a slow sink stalls the pod threads, the servers' PUB sockets drop what their high-water
-marks cannot hold, and the dropped batches come back through the replay socket as a gap.
+servers sending large batches cannot make it hold gigabytes): a slow sink stalls the pod threads, the
+servers' PUB sockets drop what their high-water marks cannot hold, and the dropped batches come back
+through the replay socket as a gap.
 
 Per pod, the sequence numbers drive everything (`next_seq` is the one expected next):
 
