@@ -5,7 +5,7 @@ STAMP  := $(VENV)/.installed
 HOST   ?= 127.0.0.1
 PORT   ?= 8501
 
-.PHONY: install system-deps run test bench
+.PHONY: install native system-deps run test bench
 
 $(STAMP): requirements.txt requirements-interop.txt
 	python3 -m venv $(VENV)
@@ -17,7 +17,18 @@ $(STAMP): requirements.txt requirements-interop.txt
 	$(PY) -m pip install -q --no-deps -r requirements-interop.txt
 	touch $(STAMP)
 
-install: $(STAMP)
+# The block pool compiled with mypyc (build_native.py): the same source, imported in its place.
+NATIVE_SOURCES := build_native.py engine/block.py engine/eviction.py engine/block_pool.py
+NATIVE_STAMP   := .build/native/.built
+
+$(NATIVE_STAMP): $(STAMP) $(NATIVE_SOURCES)
+	mkdir -p .build/native
+	$(PY) build_native.py > .build/native/build.log 2>&1 || { cat .build/native/build.log; exit 1; }
+	touch $(NATIVE_STAMP)
+
+native: $(NATIVE_STAMP)
+
+install: $(STAMP) $(NATIVE_STAMP)
 
 # Debian packages the tests use: chromium for the browser test, postgresql for the shared-history tests.
 system-deps:

@@ -18,7 +18,8 @@
      the analyzer runs it) and on (as the engine runs it), next to the keys' hashing (the KV cache
      manager's job in the engine, done once per distinct block before the replay). Goal at 16 tokens:
      1 M references per second, the best of three replays (their median beside it). Hits must equal
-     the one-pass curve's.
+     the one-pass curve's. The pool runs compiled (build_native.py); the same replays by its plain
+     source (a copy of the packages without the compiled modules, in a subprocess) stand beside it.
   7. The timed mode (the engine's scheduler and pool, no model) on the first minutes of the conversation
      trace at a few pool sizes: hit ratio, queueing delay, peak blocks in use.
   (--sensitivity) reuse-LRU's three parameters around their defaults.
@@ -36,9 +37,13 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import json
 import os
+import shutil
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -56,6 +61,7 @@ from analysis.sequential import SequentialCache, infinite_hit_blocks, replay, si
 from analysis.stack_distance import lru_curve  # noqa: E402
 from analysis.timed import ServiceModel, run_timed  # noqa: E402
 from analysis.trace import Trace, TraceRequest  # noqa: E402
+from build_native import NATIVE_MODULES, compiled_module  # noqa: E402
 from engine.eviction import LruPolicy, ReuseLruPolicy  # noqa: E402
 from policy_peers import ArcPolicy, S3FifoPolicy  # noqa: E402
 
@@ -195,26 +201,68 @@ def sensitivity(traces: dict[str, Trace], keys: dict[str, list[bytes]]) -> None:
         print(f"  credit {credit:.0f} tiers {tiers} history {history:>2}:  " + " ".join(cells[:-1]))
 
 
-def pool_throughput(trace: Trace, label: str, keys: list[bytes], keys_s: float) -> None:
-    """Section 6: the real block pool at 3 M tokens, events off and on, against the curve's hits."""
-    capacity = OPT_CAPACITY_TOKENS // trace.block_size
+def pool_replays(trace: Trace, capacity: int, keys: list[bytes], recording: bool, repeats: int) -> list[float]:
+    """Seconds of `repeats` replays of `trace` through a fresh pool under LRU; each must hit as the curve."""
     expected = lru_curve(trace).hit_blocks(capacity)
-    print(f"\nThe engine's block pool replaying {label} at {OPT_CAPACITY_TOKENS:,} tokens ({capacity:,} blocks), LRU:")
+    runs = []
+    for _ in range(repeats):
+        cache = PoolCache(trace, capacity, LruPolicy(), keys=keys)
+        cache.log.recording = recording
+        hits, seconds = timed(lambda: replay(trace, cache))
+        if not np.array_equal(hits, expected):
+            raise SystemExit("the block pool and the one-pass curve disagree")
+        runs.append(seconds)
+    return runs
+
+
+def pool_is_compiled() -> bool:
+    root = Path(__file__).resolve().parents[1]
+    return all(compiled_module(root / name) is not None for name in NATIVE_MODULES)
+
+
+def pool_rates(conversation: Trace, quick: bool) -> dict[str, float]:
+    """Section 6's events-off replays at 512-token blocks and (unless `quick`) 16-token ones: the best of
+    POOL_REPEATS, in M references/s, by block size."""
+    rates = {}
+    for trace in (conversation, None if quick else conversation.split(16)):
+        if trace is not None:
+            capacity = OPT_CAPACITY_TOKENS // trace.block_size
+            runs = pool_replays(trace, capacity, prefix_keys(trace), False, POOL_REPEATS)
+            rates[str(trace.block_size)] = trace.num_references / min(runs) / 1e6
+    return rates
+
+
+def plain_source_rates(traces: Path, quick: bool) -> dict[str, float]:
+    """`pool_rates` run by the pool's plain source: this script in a copy of the packages without the
+    compiled modules, in a subprocess."""
+    root = Path(__file__).resolve().parents[1]
+    with tempfile.TemporaryDirectory() as copy:
+        for package in ("engine", "analysis", "benchmarks"):
+            shutil.copytree(root / package, Path(copy) / package, ignore=shutil.ignore_patterns("*.so", "__pycache__"))
+        shutil.copy(root / "build_native.py", copy)
+        command = [sys.executable, f"{copy}/benchmarks/analyzer.py", "--traces", str(traces), "--plain-rates"]
+        command += ["--quick"] if quick else []
+        done = subprocess.run(command, capture_output=True, text=True, check=True)
+    return json.loads(done.stdout.splitlines()[-1])
+
+
+def pool_throughput(trace: Trace, label: str, keys: list[bytes], keys_s: float, plain_rate: float | None) -> None:
+    """Section 6: the real block pool at 3 M tokens, events off and on, against the curve's hits, beside the
+    plain source's rate with events off (`plain_rate`, M references/s)."""
+    capacity = OPT_CAPACITY_TOKENS // trace.block_size
+    build = "compiled" if pool_is_compiled() else "plain source: not compiled, run `make native`"
+    print(f"\nThe engine's block pool ({build}) replaying {label} at {OPT_CAPACITY_TOKENS:,} tokens "
+          f"({capacity:,} blocks), LRU:")  # fmt: skip
     print(f"  keys: {trace.unique_blocks:,} distinct blocks hashed in {keys_s:.2f} s (the KV cache manager's work)")
     for recording in (False, True):
-        runs = []
-        for _ in range(1 if recording else POOL_REPEATS):
-            cache = PoolCache(trace, capacity, LruPolicy(), keys=keys)
-            cache.log.recording = recording
-            hits, seconds = timed(lambda: replay(trace, cache))
-            if not np.array_equal(hits, expected):
-                raise SystemExit("the block pool and the one-pass curve disagree")
-            runs.append(seconds)
+        runs = pool_replays(trace, capacity, keys, recording, 1 if recording else POOL_REPEATS)
         what = "events on (as the engine)" if recording else "events off (as the analyzer)"
-        seconds = min(runs)
+        seconds, rate = min(runs), trace.num_references / min(runs) / 1e6
         spread = "" if len(runs) == 1 else f"; best of {len(runs)}, median {statistics.median(runs):.2f} s"
-        print(f"  {what:<29} {seconds:8.2f} s  {trace.num_references / seconds / 1e6:6.3f} M references/s  "
-              f"(hits equal the curve's{spread})")  # fmt: skip
+        print(f"  {what:<29} {seconds:8.2f} s  {rate:6.3f} M references/s  (hits equal the curve's{spread})")
+        if not recording and plain_rate is not None:
+            print(f"  {'plain source, events off':<29} {trace.num_references / plain_rate / 1e6:8.2f} s  "
+                  f"{plain_rate:6.3f} M references/s  (compiled / plain source: {rate / plain_rate:.2f}x)")  # fmt: skip
 
 
 def timed_example(trace: Trace, minutes: float, service: ServiceModel) -> None:
@@ -255,11 +303,15 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="10 simulated capacities, no 16-token section")
     parser.add_argument("--sensitivity", action="store_true", help="also scan reuse-LRU's parameters")
     parser.add_argument("--pool-only", action="store_true", help="section 6 alone: the real block pool's speed")
+    parser.add_argument("--plain-rates", action="store_true", help=argparse.SUPPRESS)  # plain_source_rates' child
     args = parser.parse_args()
     paths = {name: args.traces / f"{name}_trace.jsonl" for name in TRACES}
     missing = [str(path) for path in paths.values() if not path.is_file()]
     if missing:
         print(f"skipped: no Mooncake traces ({', '.join(missing)} missing); pass --traces DIR")
+        return
+    if args.plain_rates:
+        print(json.dumps(pool_rates(load_trace(paths["conversation"]), args.quick)))
         return
     print("Workload analyzer benchmark (wall-clock on a shared 2-core machine; compare ratios within this run)")
     print(f"  {calibration()}")
@@ -272,25 +324,29 @@ def main() -> None:
     for name, trace in traces.items():
         keys[name], keys_s[name] = timed(lambda: prefix_keys(trace))
     conversation = traces["conversation"]
+    plain, plain_s = timed(lambda: plain_source_rates(args.traces, args.quick))
+    print(f"  the plain source's pool replays (section 6) ran in a subprocess in {plain_s:.0f} s")
     if args.pool_only:
-        pool_throughput(conversation, "the conversation trace, 512-token blocks", keys["conversation"], keys_s["conversation"])
+        pool_throughput(conversation, "the conversation trace, 512-token blocks", keys["conversation"],
+                        keys_s["conversation"], plain["512"])  # fmt: skip
         split = conversation.split(16)
         split_keys, split_keys_s = timed(lambda: prefix_keys(split))
-        pool_throughput(split, "the conversation trace, 16-token blocks", split_keys, split_keys_s)
+        pool_throughput(split, "the conversation trace, 16-token blocks", split_keys, split_keys_s, plain.get("16"))
         print(f"  {calibration()}")
         return
     curve_against_simulation(
         conversation, 10 if args.quick else CURVE_POINTS, "conversation, 512-token blocks", keys["conversation"]
     )
     opt_at_one_capacity(conversation, "conversation, 512-token blocks")
-    pool_throughput(conversation, "the conversation trace, 512-token blocks", keys["conversation"], keys_s["conversation"])
+    pool_throughput(conversation, "the conversation trace, 512-token blocks", keys["conversation"],
+                    keys_s["conversation"], plain["512"])  # fmt: skip
     policy_table(traces, keys)
     hits_by_prior_uses(traces, keys)
     if not args.quick:
         split, seconds = timed(lambda: conversation.split(16))
         print(f"\n  split into 16-token blocks in {seconds:.2f} s")
         split_keys, split_keys_s = timed(lambda: prefix_keys(split))
-        pool_throughput(split, "the conversation trace, 16-token blocks", split_keys, split_keys_s)
+        pool_throughput(split, "the conversation trace, 16-token blocks", split_keys, split_keys_s, plain["16"])
         curve_against_simulation(split, 3, "conversation, 16-token blocks", split_keys)
         opt_at_one_capacity(split, "conversation, 16-token blocks")
         del split_keys

@@ -1,7 +1,8 @@
 """Physical KV blocks: reference counts, the prefix index and eviction (least recently used by default).
 
 Pure Python: no torch, no I/O. The pool only does bookkeeping; the KV tensors live in the model runner
-and are addressed by block id.
+and are addressed by block id. `make` compiles this module, engine/block.py and engine/eviction.py with
+mypyc (build_native.py): the same source, type-checked at run time and about 1.7x faster.
 
 Every block is in exactly one of three states (`BlockState`):
 
@@ -45,13 +46,9 @@ from typing import Callable, Iterable, Sequence
 import xxhash
 
 from engine.block import Block
-from engine.errors import require
+from engine.errors import NoFreeBlocksError, require
 from engine.events import EventKind, EventLog, EvictReason
 from engine.eviction import EvictionPolicy, EvictionPolicyName, LruPolicy
-
-
-class NoFreeBlocksError(RuntimeError):
-    """Raised by an allocation that the pool cannot supply; nothing changed. Callers ask `can_allocate` first."""
 
 
 class BlockState(enum.StrEnum):

@@ -10,6 +10,11 @@ class InvariantError(RuntimeError):
     """
 
 
+class NoFreeBlocksError(RuntimeError):
+    """Raised by an allocation that the block pool cannot supply; nothing changed. Callers ask
+    `can_allocate` first."""
+
+
 def require(condition: bool, message: str) -> None:
     """Raise `InvariantError(message)` unless `condition` holds: an assert that `python -O` keeps."""
     if not condition:

@@ -32,9 +32,17 @@ import enum
 from abc import ABC, abstractmethod
 from collections import OrderedDict
 from collections.abc import Iterator, Mapping, Sequence
+from typing import ClassVar
+
+from mypy_extensions import mypyc_attr
 
 from engine.block import Block
 from engine.errors import require
+
+# reuse-LRU's defaults (`ReuseLruPolicy`), chosen on the Mooncake traces (benchmarks/analyzer.py --sensitivity)
+REUSE_CREDIT_PER_REUSE = 2.0
+REUSE_MAX_TIER = 2
+REUSE_HISTORY_PER_BLOCK = 4
 
 
 class EvictionPolicyName(enum.StrEnum):
@@ -118,6 +126,32 @@ class LRUQueue:
         block.lru_prev = block.lru_next = None
         self._len -= 1
 
+    def popleft_run(self, num: int) -> list[Block]:
+        """Take the first `num` blocks out, or fewer: stop after a block with an indexed child other than
+        the block taken just before it (so a chain released tail first is taken whole, and no block is
+        taken whose eviction would take an evictable block outside the run with it). Raises IndexError
+        when the queue is empty."""
+        if self.head is None:
+            raise IndexError("pop from an empty LRU queue")
+        taken: list[Block] = []
+        before: Block | None = None
+        block: Block | None = self.head
+        while block is not None and len(taken) < num:
+            taken.append(block)
+            after, child = block.lru_next, block.first_child
+            block.lru_prev = block.lru_next = None
+            if child is not None and (child is not before or child.next_sibling is not None):
+                block = after
+                break
+            before, block = block, after
+        self.head = block
+        if block is None:
+            self.tail = None
+        else:
+            block.lru_prev = None
+        self._len -= len(taken)
+        return taken
+
     def check_links(self) -> list[Block]:
         """The queue's blocks, head first, after checking that its links agree both ways and end at its
         head and tail. Raises InvariantError otherwise."""
@@ -135,11 +169,12 @@ class LRUQueue:
         return blocks
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)  # the analyzer's and the tests' policies are plain Python
 class EvictionPolicy(ABC):
     """What the pool asks of a policy (see the module docstring). Misuse raises ValueError."""
 
-    name: EvictionPolicyName
-    tracks_keys = False  # whether the pool must call `cached` and `uncached` (they do nothing otherwise)
+    name: ClassVar[EvictionPolicyName]
+    tracks_keys: ClassVar[bool] = False  # whether the pool must call `cached` and `uncached` (else no-ops)
 
     @abstractmethod
     def __len__(self) -> int:
@@ -181,44 +216,37 @@ class EvictionPolicy(ABC):
         return the evictable blocks."""
 
 
-class LruPolicy(LRUQueue, EvictionPolicy):
-    """Least recently released first: the policy is one LRU queue, released blocks join its tail and the
-    victim is its head (`remove` and `__len__` are the queue's own)."""
+@mypyc_attr(allow_interpreted_subclasses=True)  # tests/test_block_pool_batched_eviction.py subclasses it
+class LruPolicy(EvictionPolicy):
+    """Least recently released first: one LRU queue, released blocks join its tail and the victim is its
+    head."""
 
     name = EvictionPolicyName.LRU
-    release = LRUQueue.extend
-    pop_victim = LRUQueue.popleft
+
+    def __init__(self) -> None:
+        self._queue = LRUQueue()  # the evictable blocks, least recently released first
+
+    def __len__(self) -> int:
+        return len(self._queue)
+
+    def release(self, blocks: Sequence[Block]) -> None:
+        self._queue.extend(blocks)
+
+    def remove(self, block: Block) -> None:
+        self._queue.remove(block)
+
+    def pop_victim(self) -> Block:
+        return self._queue.popleft()
 
     def pop_victims(self, num: int) -> list[Block]:
-        """The queue's first `num` blocks, or fewer: it stops after a block with an indexed child other
-        than the block taken just before it (a chain released tail first is taken whole)."""
-        if self.head is None:
-            raise IndexError("pop from an empty LRU queue")
-        taken: list[Block] = []
-        before, block = None, self.head
-        for _ in range(num):
-            taken.append(block)
-            after, child = block.lru_next, block.first_child
-            block.lru_prev = block.lru_next = None
-            if child is not None and (child is not before or child.next_sibling is not None):
-                block = after
-                break
-            before, block = block, after
-            if block is None:
-                break
-        self.head = block
-        if block is None:
-            self.tail = None
-        else:
-            block.lru_prev = None
-        self._len -= len(taken)
-        return taken
+        """The queue's first `num` blocks, or fewer (`LRUQueue.popleft_run`)."""
+        return self._queue.popleft_run(num)
 
     def in_eviction_order(self) -> list[Block]:
-        return list(self)
+        return list(self._queue)
 
     def check_invariants(self, index: Mapping[bytes, Block]) -> list[Block]:
-        return self.check_links()
+        return self._queue.check_links()
 
 
 class ReuseLruPolicy(EvictionPolicy):
@@ -257,17 +285,14 @@ class ReuseLruPolicy(EvictionPolicy):
 
     name = EvictionPolicyName.REUSE_LRU
     tracks_keys = True
-    CREDIT_PER_REUSE = 2.0  # defaults: chosen on the Mooncake traces (benchmarks/analyzer.py --sensitivity)
-    MAX_TIER = 2
-    HISTORY_PER_BLOCK = 4
 
     def __init__(
         self,
         capacity_blocks: int,
         *,
-        credit_per_reuse: float = CREDIT_PER_REUSE,
-        max_tier: int = MAX_TIER,
-        history_per_block: int = HISTORY_PER_BLOCK,
+        credit_per_reuse: float = REUSE_CREDIT_PER_REUSE,
+        max_tier: int = REUSE_MAX_TIER,
+        history_per_block: int = REUSE_HISTORY_PER_BLOCK,
     ) -> None:
         """Args:
         capacity_blocks: the pool's size in blocks (the credit and the history scale with it).

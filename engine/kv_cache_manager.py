@@ -32,8 +32,8 @@ from dataclasses import dataclass, field
 from typing import NamedTuple, Sequence
 
 from engine.block import Block
-from engine.block_pool import BlockPool, NoFreeBlocksError, chain_key
-from engine.errors import require
+from engine.block_pool import BlockPool, chain_key
+from engine.errors import NoFreeBlocksError, require
 from engine.events import EventKind, EventLog, EvictReason
 from engine.namespace import CacheNamespace
 

@@ -15,8 +15,7 @@ from __future__ import annotations
 from typing import NamedTuple, Sequence
 
 from engine.block import Block
-from engine.block_pool import NoFreeBlocksError
-from engine.errors import require
+from engine.errors import NoFreeBlocksError, require
 from engine.events import EventKind, EventLog
 from engine.kv_cache_manager import BlockCopy, KVCacheManager, TableStart
 from engine.namespace import CONTENT_ROOT_KEY

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from engine.block_pool import BlockPool, NoFreeBlocksError
-from engine.errors import InvariantError
+from engine.block_pool import BlockPool
+from engine.errors import InvariantError, NoFreeBlocksError
 from engine.events import EventKind, EventLog, EvictReason
 from engine.kv_cache_manager import BlockCopy, KVCacheManager
 from engine.namespace import CacheNamespace

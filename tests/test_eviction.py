@@ -107,4 +107,4 @@ def test_lru_takes_a_chain_released_tail_first_in_one_batch_and_stops_at_a_block
         policy.pop_victims(1)
     policy.release([grandchild, child])
     assert [b.block_id for b in policy.pop_victims(1)] == [3]  # no more than asked for
-    assert len(policy) == 1 and policy.head is child and child.lru_prev is None
+    assert policy.in_eviction_order() == [child] and child.lru_prev is None
