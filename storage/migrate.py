@@ -15,6 +15,7 @@ from pathlib import Path
 from alembic import command
 from alembic.config import Config
 from alembic.runtime.migration import MigrationContext
+from alembic.script import ScriptDirectory
 from sqlalchemy import Connection, Engine, func, select
 
 from storage.db import db_engine
@@ -26,19 +27,29 @@ _PG_MIGRATION_LOCK = 0x70726566
 _UPGRADES = threading.Lock()  # one Alembic run at a time in this process
 
 
+class SchemaTooNewError(RuntimeError):
+    """The database is at a schema revision these migrations do not know: a newer release wrote it. This
+    code can neither read nor write it; nothing was changed. Trying again cannot help."""
+
+
 def upgrade(url_or_engine: str | Engine, revision: str = HEAD) -> None:
     """Upgrade the database to `revision` (default: the newest). A no-op when already there.
 
     Args:
         url_or_engine: a URL or an engine from `db_engine`.
         revision: an Alembic revision id such as "0001", or "head".
+
+    Raises:
+        SchemaTooNewError: the database is at a revision newer than this code's migrations.
     """
     engine, owned = _engine(url_or_engine)
     try:
         with _UPGRADES, engine.begin() as connection:
             if connection.dialect.name == "postgresql":
                 connection.execute(select(func.pg_advisory_xact_lock(_PG_MIGRATION_LOCK)))
-            command.upgrade(_alembic_config(connection), revision)
+            config = _alembic_config(connection)
+            _refuse_an_unknown_revision(connection, config)
+            command.upgrade(config, revision)
     finally:
         if owned:
             engine.dispose()
@@ -53,6 +64,16 @@ def current_revision(url_or_engine: str | Engine) -> str | None:
     finally:
         if owned:
             engine.dispose()
+
+
+def _refuse_an_unknown_revision(connection: Connection, config: Config) -> None:
+    current = MigrationContext.configure(connection).get_current_revision()
+    scripts = ScriptDirectory.from_config(config)
+    if current is not None and current not in {script.revision for script in scripts.walk_revisions()}:
+        raise SchemaTooNewError(
+            f"the database's schema is at revision {current}, which this code does not know (its newest is "
+            f"{scripts.get_current_head()}): a newer release wrote it, so nothing will be written to it"
+        )
 
 
 def _alembic_config(connection: Connection) -> Config:

@@ -21,6 +21,9 @@ Contract with the engine thread:
       `dropped`) and the error kept in `last_error`. The engine keeps serving throughout; the writer
       recovers when the database does: a lock or an outage shorter than `retry_for_s` loses nothing
       as long as the queue holds what arrives meanwhile.
+    * A database whose schema is newer than this code (`storage.migrate.SchemaTooNewError`) is not
+      retried: the writer gives up at once, keeps the error in `last_error` (not retrying) and drops
+      every row handed to it from then on, counted in `dropped`. It never writes to that database.
     * Eviction rollups are updated in the transaction that inserts their evictions.
     * A run row is never dropped: it stays pending, and goes into every write transaction until one
       commits, so the rows of that run always find their run.
@@ -204,6 +207,7 @@ class EventWriter:
         self._hurry_seq = 0  # a waiter waits for this item: batches stop waiting for more until it is done
         self._waiting: deque[tuple[int, float]] = deque()  # (seq, monotonic time queued) of items with rows
         self._closing = threading.Event()
+        self._gave_up = False  # the schema is newer than this code: every row from then on is dropped
         self._close_deadline = float("inf")  # monotonic time after which failing batches are no longer retried
         self._thread = threading.Thread(target=self._run, name="storage-writer", daemon=True)
         self._thread.start()
@@ -297,7 +301,7 @@ class EventWriter:
             the writer was closing.
         """
         while True:
-            if self._closing.is_set():
+            if self._closing.is_set() or self._gave_up:
                 with self._lock:
                     self._counters.dropped += num_rows
                 return False
@@ -382,6 +386,9 @@ class EventWriter:
         """Queue the item `make_item(seq)` makes. Returns False if the queue was full or the writer is gone;
         the rows are then counted as dropped, unless `count_drop` is False (the caller will try again)."""
         with self._lock:
+            if self._gave_up:
+                self._counters.dropped += num_rows if count_drop else 0
+                return False
             if self._closing.is_set() and num_rows and not self._thread.is_alive():
                 self._counters.dropped += num_rows
                 return False
@@ -418,6 +425,8 @@ class EventWriter:
                 return
 
     def _prepare_schema(self) -> bool:
+        """Upgrade the schema, retrying while the database is unavailable. False when the writer must stop:
+        it is closing, or the schema is newer than this code (then it gives up: see `_enqueue`)."""
         backoff = self._options.first_backoff_s
         while True:
             try:
@@ -425,6 +434,11 @@ class EventWriter:
                 if self._progress_key is not None:
                     with self._engine.connect() as connection:
                         written = progress.load(connection, self._progress_key)
+            except migrate.SchemaTooNewError as error:
+                self._note_failure(error, retrying=False)
+                with self._lock:
+                    self._gave_up = True
+                return False
             except Exception as error:  # the thread must outlive any failure; report it instead
                 self._note_failure(error, retrying=not self._closing.is_set())
                 if self._closing.is_set():

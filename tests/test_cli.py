@@ -228,6 +228,26 @@ def test_db_flag_persists_requests_events_and_evictions(tmp_path, capsys):
         assert conn.execute(select(func.count()).select_from(Eviction)).scalar() == summary["evictions"] > 0
 
 
+def test_db_of_a_newer_schema_is_left_untouched_and_the_lost_rows_are_an_error(tmp_path, capsys):
+    from sqlalchemy import text
+
+    from storage import migrate
+    from storage.db import db_engine
+
+    url = f"sqlite:///{tmp_path / 'history.sqlite'}"
+    migrate.upgrade(url)
+    db = db_engine(url)
+    with db.begin() as conn:
+        conn.execute(text("UPDATE alembic_version SET version_num = '9999'"))
+    lines = [{"op": "submit", "id": "a", "tokens": [3, 4, 5], "max_new_tokens": 2}, {"op": "run"}]
+    proc = run_trace(tmp_path, lines, "--num-blocks", "32", "--db", url, capsys=capsys)
+    assert proc.returncode == 1
+    assert records(proc)[-1]["summary"]["invariants_ok"] is True  # the replay itself ran to its end
+    assert "could not be written" in proc.stderr and "SchemaTooNewError" in proc.stderr and "9999" in proc.stderr
+    assert migrate.current_revision(db) == "9999"
+    db.dispose()
+
+
 def test_db_rows_carry_the_sliding_window_replay_fields(tmp_path, capsys):
     from sqlalchemy import select
 

@@ -285,6 +285,31 @@ def test_an_unreachable_database_is_reported_and_everything_counted(url: str, tm
 
 
 
+def test_a_database_of_a_newer_schema_is_given_up_at_once_and_every_row_counted(db_url: str, make_writer, engine_for):
+    # Before: Alembic's "Can't locate revision" was retried for ever, as if the database were down.
+    engine = engine_for(db_url)
+    migrate.upgrade(engine)
+    with engine.begin() as connection:
+        connection.execute(text("UPDATE alembic_version SET version_num = '9999'"))  # a newer release's schema
+    with pytest.raises(migrate.SchemaTooNewError, match="9999"):
+        migrate.upgrade(engine)
+    writer = make_writer(db_url)
+    assert wait_for(lambda: writer.stats().last_error is not None)
+    stats = writer.stats()
+    assert "SchemaTooNewError" in stats.last_error and "9999" in stats.last_error
+    assert not stats.retrying and stats.retries == 0 and not stats.schema_ready
+    writer.start_run(RUN_INFO)
+    writer.submit([cache(i, BASE_TIME) for i in range(7)])
+    writer.record_requests([request_view("a")])
+    assert writer.flush(timeout_s=20)
+    assert wait_for(lambda: writer.stats().dropped == 8)
+    stats = writer.stats()
+    assert stats.queued == 0 and stats.written_events == 0 and stats.retries == 0
+    assert writer.close(timeout_s=20)
+    assert migrate.current_revision(engine) == "9999"
+    assert count_rows(engine, EVENTS) == 0
+
+
 # ---------------------------------------------------------------- the writer process killed while the engine runs
 
 
