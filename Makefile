@@ -26,7 +26,10 @@ $(NATIVE_STAMP): $(STAMP) $(NATIVE_SOURCES)
 	$(PY) build_native.py > .build/native/build.log 2>&1 || { cat .build/native/build.log; exit 1; }
 	touch $(NATIVE_STAMP)
 
-native: $(NATIVE_STAMP)
+# Builds again whatever the stamp says: after the compiled modules were deleted, or to be sure.
+native: $(STAMP)
+	rm -f $(NATIVE_STAMP)
+	$(MAKE) --no-print-directory $(NATIVE_STAMP)
 
 install: $(STAMP) $(NATIVE_STAMP)
 

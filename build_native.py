@@ -17,6 +17,8 @@ files go to .build/native; each extension module lands beside its source in engi
 from __future__ import annotations
 
 import os
+import shutil
+from collections.abc import Iterable
 from importlib.machinery import EXTENSION_SUFFIXES
 from pathlib import Path
 
@@ -28,6 +30,25 @@ def compiled_module(source: Path) -> Path | None:
     """The compiled module Python imports instead of `source`, if one was built."""
     built = (source.with_suffix(suffix) for suffix in EXTENSION_SUFFIXES)
     return next((path for path in built if path.is_file()), None)
+
+
+def stale_modules(root: Path) -> list[str]:
+    """The modules under `root` whose compiled module is older than their source: Python would import the
+    compiled one and run code that is no longer there."""
+    stale = []
+    for name in NATIVE_MODULES:
+        built = compiled_module(root / name)
+        if built is not None and built.stat().st_mtime < (root / name).stat().st_mtime:
+            stale.append(name)
+    return stale
+
+
+def copy_plain_source(root: Path, into: Path, packages: Iterable[str]) -> None:
+    """Copy `packages` of the repository at `root`, and this script, into `into` without any compiled
+    module: Python runs the plain source there (to compare it with the compiled one)."""
+    for package in packages:
+        shutil.copytree(root / package, into / package, ignore=shutil.ignore_patterns("*.so", "__pycache__"))
+    shutil.copy(root / "build_native.py", into)
 
 
 def main() -> None:

@@ -39,7 +39,6 @@ import argparse
 import itertools
 import json
 import os
-import shutil
 import statistics
 import subprocess
 import sys
@@ -61,7 +60,7 @@ from analysis.sequential import SequentialCache, infinite_hit_blocks, replay, si
 from analysis.stack_distance import lru_curve  # noqa: E402
 from analysis.timed import ServiceModel, run_timed  # noqa: E402
 from analysis.trace import Trace, TraceRequest  # noqa: E402
-from build_native import NATIVE_MODULES, compiled_module  # noqa: E402
+from build_native import NATIVE_MODULES, compiled_module, copy_plain_source, stale_modules  # noqa: E402
 from engine.eviction import LruPolicy, ReuseLruPolicy  # noqa: E402
 from policy_peers import ArcPolicy, S3FifoPolicy  # noqa: E402
 
@@ -201,9 +200,10 @@ def sensitivity(traces: dict[str, Trace], keys: dict[str, list[bytes]]) -> None:
         print(f"  credit {credit:.0f} tiers {tiers} history {history:>2}:  " + " ".join(cells[:-1]))
 
 
-def pool_replays(trace: Trace, capacity: int, keys: list[bytes], recording: bool, repeats: int) -> list[float]:
-    """Seconds of `repeats` replays of `trace` through a fresh pool under LRU; each must hit as the curve."""
-    expected = lru_curve(trace).hit_blocks(capacity)
+def pool_replays(trace: Trace, keys: list[bytes], expected: np.ndarray, recording: bool, repeats: int) -> list[float]:
+    """Seconds of `repeats` replays of `trace` through a fresh pool of OPT_CAPACITY_TOKENS under LRU, with
+    events on or off; each must hit `expected` (the one-pass curve's hits at that capacity)."""
+    capacity = OPT_CAPACITY_TOKENS // trace.block_size
     runs = []
     for _ in range(repeats):
         cache = PoolCache(trace, capacity, LruPolicy(), keys=keys)
@@ -215,9 +215,19 @@ def pool_replays(trace: Trace, capacity: int, keys: list[bytes], recording: bool
     return runs
 
 
-def pool_is_compiled() -> bool:
+def pool_build() -> str:
+    """What section 6 measures: the compiled pool, or its plain source when it was not built.
+
+    Raises:
+        SystemExit: a compiled module is older than its source (it would measure code no longer there).
+    """
     root = Path(__file__).resolve().parents[1]
-    return all(compiled_module(root / name) is not None for name in NATIVE_MODULES)
+    stale = stale_modules(root)
+    if stale:
+        raise SystemExit(f"compiled modules older than {', '.join(stale)}: run `make native`")
+    if all(compiled_module(root / name) is not None for name in NATIVE_MODULES):
+        return "compiled"
+    return "plain source: not compiled, run `make native`"
 
 
 def pool_rates(conversation: Trace, quick: bool) -> dict[str, float]:
@@ -226,8 +236,8 @@ def pool_rates(conversation: Trace, quick: bool) -> dict[str, float]:
     rates = {}
     for trace in (conversation, None if quick else conversation.split(16)):
         if trace is not None:
-            capacity = OPT_CAPACITY_TOKENS // trace.block_size
-            runs = pool_replays(trace, capacity, prefix_keys(trace), False, POOL_REPEATS)
+            expected = lru_curve(trace).hit_blocks(OPT_CAPACITY_TOKENS // trace.block_size)
+            runs = pool_replays(trace, prefix_keys(trace), expected, False, POOL_REPEATS)
             rates[str(trace.block_size)] = trace.num_references / min(runs) / 1e6
     return rates
 
@@ -237,9 +247,7 @@ def plain_source_rates(traces: Path, quick: bool) -> dict[str, float]:
     compiled modules, in a subprocess."""
     root = Path(__file__).resolve().parents[1]
     with tempfile.TemporaryDirectory() as copy:
-        for package in ("engine", "analysis", "benchmarks"):
-            shutil.copytree(root / package, Path(copy) / package, ignore=shutil.ignore_patterns("*.so", "__pycache__"))
-        shutil.copy(root / "build_native.py", copy)
+        copy_plain_source(root, Path(copy), ("engine", "analysis", "benchmarks"))
         command = [sys.executable, f"{copy}/benchmarks/analyzer.py", "--traces", str(traces), "--plain-rates"]
         command += ["--quick"] if quick else []
         done = subprocess.run(command, capture_output=True, text=True, check=True)
@@ -250,12 +258,12 @@ def pool_throughput(trace: Trace, label: str, keys: list[bytes], keys_s: float, 
     """Section 6: the real block pool at 3 M tokens, events off and on, against the curve's hits, beside the
     plain source's rate with events off (`plain_rate`, M references/s)."""
     capacity = OPT_CAPACITY_TOKENS // trace.block_size
-    build = "compiled" if pool_is_compiled() else "plain source: not compiled, run `make native`"
-    print(f"\nThe engine's block pool ({build}) replaying {label} at {OPT_CAPACITY_TOKENS:,} tokens "
+    expected = lru_curve(trace).hit_blocks(capacity)
+    print(f"\nThe engine's block pool replaying {label} at {OPT_CAPACITY_TOKENS:,} tokens "
           f"({capacity:,} blocks), LRU:")  # fmt: skip
     print(f"  keys: {trace.unique_blocks:,} distinct blocks hashed in {keys_s:.2f} s (the KV cache manager's work)")
     for recording in (False, True):
-        runs = pool_replays(trace, capacity, keys, recording, 1 if recording else POOL_REPEATS)
+        runs = pool_replays(trace, keys, expected, recording, 1 if recording else POOL_REPEATS)
         what = "events on (as the engine)" if recording else "events off (as the analyzer)"
         seconds, rate = min(runs), trace.num_references / min(runs) / 1e6
         spread = "" if len(runs) == 1 else f"; best of {len(runs)}, median {statistics.median(runs):.2f} s"
@@ -314,6 +322,7 @@ def main() -> None:
         print(json.dumps(pool_rates(load_trace(paths["conversation"]), args.quick)))
         return
     print("Workload analyzer benchmark (wall-clock on a shared 2-core machine; compare ratios within this run)")
+    print(f"  the engine's block pool: {pool_build()}")
     print(f"  {calibration()}")
     traces = {}
     for name, path in paths.items():

@@ -23,7 +23,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # before transformers is imported:
 # Their asserts are checks too: rewritten like a test module's, they still run under `python -O`.
 pytest.register_assert_rewrite("tests.engine_reference")
 
-from build_native import NATIVE_MODULES, compiled_module  # noqa: E402
+from build_native import stale_modules  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
 from engine.engine import Engine  # noqa: E402
 from engine.model_runner import ModelRunner  # noqa: E402
@@ -35,11 +35,9 @@ from tests.engine_support import HYBRID_WINDOW, RUNNER_BLOCK_SIZE, RUNNER_NUM_BL
 def pytest_configure(config: pytest.Config) -> None:
     """Refuse to run against a compiled block pool older than its source (build_native.py): Python would
     import the compiled module, and the tests would pass or fail on code that is no longer there."""
-    root = Path(__file__).resolve().parent.parent
-    for name in NATIVE_MODULES:
-        source, built = root / name, compiled_module(root / name)
-        if built is not None and built.stat().st_mtime < source.stat().st_mtime:
-            pytest.exit(f"{built.name} is older than {name}: run `make native` (or delete it)", returncode=2)
+    stale = stale_modules(Path(__file__).resolve().parent.parent)
+    if stale:
+        pytest.exit(f"compiled modules older than {', '.join(stale)}: run `make native`", returncode=2)
 
 
 TEST_DATA_DIR = Path(

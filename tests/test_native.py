@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import shutil
 import subprocess
 import sys
 from importlib.machinery import EXTENSION_SUFFIXES
@@ -19,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from build_native import NATIVE_MODULES, compiled_module
+from build_native import NATIVE_MODULES, compiled_module, copy_plain_source
 from tests.analysis_support import CONVERSATION_SAMPLE, SYNTHETIC_SAMPLE
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -59,9 +58,7 @@ def _run(code_root: Path, *args: str) -> subprocess.CompletedProcess[str]:
 def plain_source(tmp_path_factory) -> Path:
     """A copy of the packages with no compiled module in it: Python runs the plain source there."""
     copy = tmp_path_factory.mktemp("plain-source")
-    for package in ("engine", "analysis", "storage", "fleet", "cli", "app", "pages", "tests"):
-        shutil.copytree(ROOT / package, copy / package, ignore=shutil.ignore_patterns("*.so", "__pycache__"))
-    shutil.copy(ROOT / "build_native.py", copy)
+    copy_plain_source(ROOT, copy, ("engine", "analysis", "storage", "fleet", "cli", "app", "pages", "tests"))
     (copy / "pytest.ini").write_text("[pytest]\n")  # the copy is its own rootdir
     assert not list(copy.rglob("*.so"))
     return copy
