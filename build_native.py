@@ -1,4 +1,4 @@
-"""Compile the block pool with mypyc, in place: engine/block.py, engine/eviction.py, engine/block_pool.py.
+"""Compile the block pool with mypyc, in place: engine/core/block.py, engine/core/eviction.py, engine/core/block_pool.py.
 
 The three modules are plain, typed Python and run as they are. Compiled, the same source replays the
 workload analyzer's traces about 1.7x faster (benchmarks/analyzer.py measures both in one run), and
@@ -11,7 +11,7 @@ annotations at run time (a TypeError where plain Python would carry on), and onl
 `LruPolicy` may be subclassed in plain Python.
 
 Run: `.venv/bin/python build_native.py` (a C compiler and the Python headers). Generated C and object
-files go to .build/native; each extension module lands beside its source in engine/.
+files go to .build/native; each extension module lands beside its source in engine/core/.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from collections.abc import Iterable
 from importlib.machinery import EXTENSION_SUFFIXES
 from pathlib import Path
 
-NATIVE_MODULES = ("engine/block.py", "engine/eviction.py", "engine/block_pool.py")  # compiled as one group
+NATIVE_MODULES = ("engine/core/block.py", "engine/core/eviction.py", "engine/core/block_pool.py")  # compiled as one group
 BUILD_DIR = ".build/native"
 
 
@@ -56,11 +56,11 @@ def main() -> None:
     from setuptools import setup
 
     os.chdir(Path(__file__).resolve().parent)  # the paths here are relative to the repository
-    for old in Path("engine").glob("*.so"):  # unlinked, not overwritten: a running console keeps its mapped copy
+    for old in Path("engine").rglob("*.so"):  # unlinked, not overwritten: a running console keeps its mapped copy
         old.unlink()
     setup(
         name="prefix-console-native",
-        ext_modules=mypycify(list(NATIVE_MODULES), group_name="engine.native", target_dir=BUILD_DIR),
+        ext_modules=mypycify(list(NATIVE_MODULES), group_name="engine.core.native", target_dir=BUILD_DIR),
         script_args=["build_ext", "--inplace", "--build-temp", f"{BUILD_DIR}/temp", "--build-lib", f"{BUILD_DIR}/lib"],
     )
     for name in NATIVE_MODULES:  # the copies keep the times of their last change: stamp them as built now

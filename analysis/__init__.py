@@ -18,7 +18,7 @@ Modules: `errors` (TraceError, NoVictimError), `trace`, `readers` (hash-id files
 (run-trace files and the history: the engine's own keys, content ids for namespace misses), `keyed_heap`
 (the heap behind FIFO, LFU and OPT), `policies` (the simulator's contract, FIFO, LFU), `belady` (OPT),
 `pool_replay` (the engine's block pool serving a trace: LRU and reuse-LRU have one implementation each,
-the engine's, in engine/eviction.py), `sequential`, `stack_distance`, `timed` (the engine's scheduler and
+the engine's, in engine/core/eviction.py), `sequential`, `stack_distance`, `timed` (the engine's scheduler and
 pool without the model), `breakdown`, `analyzer` (both modes), `report`, `samples` (shipped traces).
 
 Data flows from the readers through `analyze` to `report.to_json` (the CLI, `python -m cli analyze`) or to

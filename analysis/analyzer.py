@@ -38,7 +38,7 @@ from analysis.sequential import PolicyRun, simulate
 from analysis.stack_distance import LruCurve, lru_curve
 from analysis.timed import ServiceModel, TimedRun, run_timed
 from analysis.trace import Trace
-from engine.eviction import make_eviction_policy
+from engine.core.eviction import make_eviction_policy
 
 MAX_POINTS = 1000  # (policy, capacity) pairs one analysis may ask for
 MAX_TOP_PREFIXES = 1000  # prefixes one point may list

@@ -36,7 +36,7 @@ import numpy as np
 from analysis.errors import NoVictimError
 from analysis.keyed_heap import KeyedHeap
 from analysis.policies import EvictionPolicy
-from engine.errors import InvariantError
+from engine.core.errors import InvariantError
 
 NEVER = -1  # internal marker in `_next_use`: no further reference (never stored outside this class)
 

@@ -35,7 +35,7 @@ import numpy as np
 
 from analysis.sequential import infinite_hit_blocks, leading_seen_blocks
 from analysis.trace import Trace
-from engine.errors import InvariantError
+from engine.core.errors import InvariantError
 
 
 @dataclass(frozen=True, eq=False)

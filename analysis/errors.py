@@ -1,6 +1,6 @@
 """The analysis package's own error types (no torch: the CLI and the pages import and catch them).
 
-A broken invariant raises `engine.errors.InvariantError`, the one type every `check_invariants` in the
+A broken invariant raises `engine.core.errors.InvariantError`, the one type every `check_invariants` in the
 project raises.
 """
 

@@ -23,7 +23,7 @@ import heapq
 from collections.abc import Hashable, Iterator
 from typing import Any
 
-from engine.errors import InvariantError
+from engine.core.errors import InvariantError
 
 
 class KeyedHeap:

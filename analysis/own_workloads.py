@@ -4,10 +4,10 @@ Both key blocks exactly as the engine does, so a trace's block ids are the engin
 hits in the analysis are hits the engine's prefix index could have had):
 
   * a run-trace file (cli/trace.py's format) is tokenized as `run-trace` tokenizes it (tokens, or text or
-    chat through the model's tokenizer, engine/prompts.py) and keyed with `chain_key` under the
-    engine's namespace root and each request's salt (engine/namespace.py);
-  * the history keeps each finished request's prompt keys (engine/request.py's `PromptKeys`, revision
-    0004 of storage), read back with `storage.queries.prompt_chains`.
+    chat through the model's tokenizer, serving/prompts.py) and keyed with `chain_key` under the
+    engine's namespace root and each request's salt (engine/core/namespace.py);
+  * the history keeps each finished request's prompt keys (engine/core/request.py's `PromptKeys`, revision
+    0004 of storage), read back with `storage.read.queries.prompt_chains`.
 
 Only full blocks have keys (`PartialBlocks.DROPPED`): a prompt's tokens past its last full block are
 `partial` misses. Each block also gets a content id, the same chain from `CONTENT_ROOT_KEY` (no
@@ -35,10 +35,10 @@ import numpy as np
 from analysis.errors import TraceError
 from analysis.readers import numbered_lines, parse_object
 from analysis.trace import PartialBlocks, Trace, TraceFormat, TraceRequest
-from engine.kv_groups import chain_keys_of
-from engine.namespace import CONTENT_ROOT_KEY, CacheNamespace
-from engine.prompts import submit_prompt
-from engine.request import SamplingParams
+from engine.core.kv_groups import chain_keys_of
+from engine.core.namespace import CONTENT_ROOT_KEY, CacheNamespace
+from serving.prompts import submit_prompt
+from engine.core.request import SamplingParams
 
 KEY_BYTES = 16  # bytes per chain key (xxh3-128)
 MAX_TOKEN_ID = 2**32 - 1  # chain keys pack token ids as 32-bit unsigned integers
@@ -122,7 +122,7 @@ def _submitted(op: Mapping[str, Any], tokenizer: Any, namespace: CacheNamespace,
 
 
 def history_trace(rows: Iterable[Mapping[str, Any]], block_size: int | None = None) -> Trace:
-    """The history's finished requests (`storage.queries.prompt_chains` rows) as a trace.
+    """The history's finished requests (`storage.read.queries.prompt_chains` rows) as a trace.
 
     Args:
         rows: one mapping per request with `run_id`, `request_id`, `arrival_time`, `prompt_tokens`,

@@ -1,6 +1,6 @@
 """Eviction policies of the simulator: the order in which a cache gives up its evictable blocks.
 
-The policies the engine ships (LRU, reuse-LRU) live in engine/eviction.py and run through the engine's
+The policies the engine ships (LRU, reuse-LRU) live in engine/core/eviction.py and run through the engine's
 own block pool (analysis/pool_replay.py); this module holds the ones only the analyzer simulates (FIFO,
 LFU; OPT in analysis/belady.py), and the contract the sequential simulator drives them by.
 
@@ -37,8 +37,8 @@ from enum import Enum
 
 from analysis.errors import NoVictimError
 from analysis.keyed_heap import KeyedHeap
-from engine.errors import InvariantError
-from engine.eviction import EvictionPolicyName
+from engine.core.errors import InvariantError
+from engine.core.eviction import EvictionPolicyName
 
 
 class Policy(Enum):

@@ -1,7 +1,7 @@
-"""The sequential mode through the engine's own block pool (engine/block_pool.py).
+"""The sequential mode through the engine's own block pool (engine/core/block_pool.py).
 
 `PoolCache` serves a trace's requests, one at a time, through a real `BlockPool` of `capacity_blocks`
-blocks under one of the engine's eviction policies (engine/eviction.py), exactly as the engine's KV
+blocks under one of the engine's eviction policies (engine/core/eviction.py), exactly as the engine's KV
 cache manager drives it, so `replay(trace, PoolCache(...))` gives the sequential mode's numbers of the
 policies the engine ships (LRU, reuse-LRU) from the engine's own code. For one request:
 
@@ -36,10 +36,10 @@ import numpy as np
 
 from analysis.errors import TraceError
 from analysis.trace import Trace
-from engine.block_pool import BlockPool, chain_key
-from engine.errors import require
-from engine.events import EventKind, EventLog
-from engine.eviction import EvictionPolicy
+from engine.core.block_pool import BlockPool, chain_key
+from engine.core.errors import require
+from engine.core.events import EventKind, EventLog
+from engine.core.eviction import EvictionPolicy
 
 ROOT_KEY = chain_key(b"prefix-console/analysis", [])  # the namespace root every trace's chains hang from
 ROOT_TEXT = "analysis: trace replay"  # what the root key stands for (the pool's namespace registry)

@@ -34,8 +34,8 @@ from analysis.belady import BeladyPolicy
 from analysis.policies import EvictionPolicy, FifoPolicy, LfuPolicy, Policy
 from analysis.pool_replay import PoolCache
 from analysis.trace import Trace
-from engine.errors import InvariantError
-from engine.eviction import make_eviction_policy
+from engine.core.errors import InvariantError
+from engine.core.eviction import make_eviction_policy
 
 PROGRESS_EVERY = 1024  # requests between progress callbacks
 

@@ -1,7 +1,7 @@
 """The "timed" mode: requests arrive at their timestamps and hold their blocks while they run.
 
 Where the sequential mode serves one request at a time, here the engine's own scheduler, KV cache
-manager and block pool (engine/scheduler.py, kv_coordinator.py, kv_cache_manager.py, block_pool.py) run
+manager and block pool (engine/core/scheduler.py, kv_coordinator.py, kv_cache_manager.py, block_pool.py) run
 the trace without the model. Each step is the engine's three lines with the forward replaced by a clock:
 
     out = scheduler.schedule()                          # continuous batching, chunked prefill, preemption
@@ -34,17 +34,17 @@ from dataclasses import dataclass
 import numpy as np
 
 from analysis.trace import MAX_REFERENCES, PartialBlocks, Trace
-from engine.block_pool import BlockPool
-from engine.config import MAX_NEW_TOKENS, EngineConfig
-from engine.errors import require
-from engine.events import EventLog
-from engine.eviction import EvictionPolicy
-from engine.kv_cache_manager import KVCacheManager
-from engine.kv_coordinator import KVCoordinator
-from engine.kv_groups import FULL, KVGroupSpec, WindowPolicy
-from engine.namespace import CacheNamespace
-from engine.request import Request, RequestStatus, SamplingParams
-from engine.scheduler import Scheduler
+from engine.core.block_pool import BlockPool
+from engine.core.config import MAX_NEW_TOKENS, EngineConfig
+from engine.core.errors import require
+from engine.core.events import EventLog
+from engine.core.eviction import EvictionPolicy
+from engine.core.kv_cache_manager import KVCacheManager
+from engine.core.kv_coordinator import KVCoordinator
+from engine.core.kv_groups import FULL, KVGroupSpec, WindowPolicy
+from engine.core.namespace import CacheNamespace
+from engine.core.request import Request, RequestStatus, SamplingParams
+from engine.core.scheduler import Scheduler
 
 OUTPUT_TOKEN = 2**32 - 1  # every generated token (no prompt block holds it: dense ids are far smaller)
 TAIL_TOKEN = 2**32 - 2  # an own workload's prompt tokens past its last full block (unknown to the trace)

@@ -15,7 +15,7 @@ import pandas as pd
 import plotly.graph_objects as go
 
 from app.frames import CACHED, FREE, TableAlignment, block_category, category_order, holders_text
-from engine.snapshot import BlockView
+from engine.core.snapshot import BlockView
 
 GRID_WIDTH_PX = 900  # the width the grid's cell size is computed for
 WEBGL_ABOVE = 2048  # pools larger than this render with scattergl
@@ -312,7 +312,7 @@ def rate_bars(frame: pd.DataFrame, x: str, y: str, title: str, bucket_seconds: f
 
 
 # ---------------------------------------------------------------------------------------------- block lives
-EVENT_COLOURS = {  # the events of a block's history (storage.block_history), by kind
+EVENT_COLOURS = {  # the events of a block's history (storage.read.block_history), by kind
     "allocate": "#2563eb",
     "hit": "#0891b2",
     "fork": "#7c3aed",
@@ -346,7 +346,7 @@ def block_timelines(blocks: Sequence[tuple[str, pd.DataFrame]], height_px: int =
     """Reference count over engine steps, one row per block, stacked on one step axis.
 
     Args:
-        blocks: (row title, history frame with storage.block_history.HISTORY_COLUMNS) per block, top first.
+        blocks: (row title, history frame with storage.read.block_history.HISTORY_COLUMNS) per block, top first.
         height_px: height of one row.
 
     Each row is a step line of the count with a marker per change (coloured by event, hover: what

@@ -10,7 +10,7 @@ from app.charts import _bin_label, prefix_icicle
 
 def block_rate_lines(rates: pd.DataFrame, bucket_seconds: float) -> go.Figure:
     """Blocks stored and removed per second, one line per (pod, kind); `rates` is
-    storage.fleet_queries.block_rates with a pod column."""
+    storage.read.fleet_queries.block_rates with a pod column."""
     fig = go.Figure()
     for (pod, kind), part in rates.groupby(["pod", "kind"], sort=True):
         fig.add_trace(

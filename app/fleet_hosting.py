@@ -33,8 +33,8 @@ from fleet.collector import Collector
 from fleet.index import DEFAULT_STALE_AFTER_S, FleetIndex
 from fleet.metrics import MetricsError, MetricsSample, scrape
 from fleet.source import PodSource, parse_pods
-from storage.fleet_sink import FleetStore
-from storage.writer import EventWriter
+from storage.write.fleet_sink import FleetStore
+from storage.write.writer import EventWriter
 
 logger = logging.getLogger(__name__)
 

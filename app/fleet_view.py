@@ -3,7 +3,7 @@
 No Streamlit here (the pages lay out what these return). Two views of the fleet:
 
     live      this console's collector: `FleetIndex` and `PodStats` (app.fleet_hosting)
-    history   the database, whoever wrote it: `storage.fleet_queries`; for the prefix tree and routing
+    history   the database, whoever wrote it: `storage.read.fleet_queries`; for the prefix tree and routing
               the held blocks are loaded into a `FleetIndex` (`index_from_history`), so both views
               answer through the same code
 
@@ -22,14 +22,14 @@ from pathlib import Path
 import pandas as pd
 
 from app.prompting import parse_token_ids
-from engine.prompts import encode_text
+from serving.prompts import encode_text
 from fleet.collector import PodStats
 from fleet.events import BatchOrigin, BlockStored, EventBatch, PodBatch
 from fleet.index import DEFAULT_STALE_AFTER_S, FleetIndex, PodSummary, PrefixTree, RouteResult
 from fleet.metrics import KV_CACHE_USAGE, MetricsSample, hit_rate_between
 from fleet.source import PodSource
-from storage import fleet_queries
-from storage.queries import Readable
+from storage.read import fleet_queries
+from storage.read.queries import Readable
 
 MAX_PROMPT_TOKEN_IDS = 65_536  # token ids a pasted prompt may hold
 MAX_TOKEN_ID = 2**32 - 1  # the wire's bound on a token id

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import pandas as pd
 
-from engine.snapshot import BlockView, PoolStats, RequestView
+from engine.core.snapshot import BlockView, PoolStats, RequestView
 
 FREE = "free"
 CACHED = "cached (evictable)"

@@ -5,13 +5,13 @@
     host.restart(new_config)     # Settings: a new engine (and a new run) replaces the old one
 
 When the configuration asks (PREFIX_CONSOLE_KV_EVENTS_ENDPOINT, ..._METRICS_PORT), each engine also
-publishes vLLM's KV-event feed and /metrics (`engine.feeds.open_feeds`); a restart closes the old
+publishes vLLM's KV-event feed and /metrics (`engine.feeds.outbound.open_feeds`); a restart closes the old
 engine's feeds before the new engine opens its own. A feed that cannot bind is shown, the engine runs.
 
 The engine steps on its own background thread. A listener, called on that thread after every step,
-feeds the storage writer process (through `storage.recorder.persistence_listener`: events and request
+feeds the storage writer process (through `storage.write.recorder.persistence_listener`: events and request
 views of the current run) and a bounded ring of `PoolStats` samples for the Overview charts. Block
-histories are read back from the database (storage.queries.block_timelines), not kept here. Nothing here
+histories are read back from the database (storage.read.queries.block_timelines), not kept here. Nothing here
 calls `st.*` except the cached constructor at the bottom, so the engine thread never touches Streamlit.
 The engine is warmed up (one throwaway forward) before it serves, so the first request is not slower.
 
@@ -37,16 +37,16 @@ import streamlit as st
 from sqlalchemy import Engine as DbEngine
 
 from app.loading import ENV_MODEL, HOST_STARTED
-from engine.config import DEFAULT_MODEL, EngineConfig
+from engine.core.config import DEFAULT_MODEL, EngineConfig
 from engine.engine import Engine
-from engine.events import Event
-from engine.feeds import EngineFeeds, open_feeds
-from engine.snapshot import PoolStats, RequestView
+from engine.core.events import Event
+from engine.feeds.outbound import EngineFeeds, open_feeds
+from engine.core.snapshot import PoolStats, RequestView
 from storage import migrate
 from storage.db import db_engine, default_db_url
-from storage.recorder import persistence_listener, run_info
-from storage.writer import WriterStats
-from storage.writer_process import WriterProcess
+from storage.write.recorder import persistence_listener, run_info
+from storage.write.writer import WriterStats
+from storage.write.writer_process import WriterProcess
 
 logger = logging.getLogger(__name__)
 
@@ -149,7 +149,7 @@ class ConsoleHost:
 
     def __init__(self, config: EngineConfig, db_url: str | None = None) -> None:
         self.db_url = db_url or default_db_url(config.resolved_data_dir)
-        self.db: DbEngine = db_engine(self.db_url)  # for the pages' reads (storage.queries)
+        self.db: DbEngine = db_engine(self.db_url)  # for the pages' reads (storage.read.queries)
         self.schema_error: str | None = None
         try:
             migrate.upgrade(self.db)  # so pages can read before the writer's first batch lands

@@ -12,7 +12,7 @@ import threading
 
 import streamlit as st
 
-from engine.config import DEFAULT_MODEL
+from engine.core.config import DEFAULT_MODEL
 
 ENV_MODEL = "PREFIX_CONSOLE_MODEL"  # as app.hosting reads it (that module loads torch, this one must not)
 HOST_STARTED = threading.Event()  # set by app.hosting once this server process has built its engine host

@@ -10,7 +10,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from engine.prompts import encode_chat, encode_text
+from serving.prompts import encode_chat, encode_text
 
 TEXT = "Plain text"
 CHAT = "Chat template"

@@ -28,7 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from engine.request import SamplingParams
+from engine.core.request import SamplingParams
 
 if TYPE_CHECKING:
     from engine.engine import Engine

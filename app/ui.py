@@ -32,7 +32,7 @@ PENDING_WRITE = "history_pending_write"  # session key of the operator's Pending
 class PendingWrite:
     """Rows of an operator's action that the history pages wait for."""
 
-    mark: int  # the writer's mark right after the action (see storage.writer: mark, wait)
+    mark: int  # the writer's mark right after the action (see storage.write.writer: mark, wait)
     what: str  # what the rows are, as a page says it ("the reset's evictions")
     waited: bool = False  # a page already waited HISTORY_WAIT_S for them: later reads only look
 

@@ -61,7 +61,7 @@ from analysis.stack_distance import lru_curve  # noqa: E402
 from analysis.timed import ServiceModel, run_timed  # noqa: E402
 from analysis.trace import Trace, TraceRequest  # noqa: E402
 from build_native import NATIVE_MODULES, compiled_module, copy_plain_source, stale_modules  # noqa: E402
-from engine.eviction import LruPolicy, ReuseLruPolicy  # noqa: E402
+from engine.core.eviction import LruPolicy, ReuseLruPolicy  # noqa: E402
 from policy_peers import ArcPolicy, S3FifoPolicy  # noqa: E402
 
 TRACES = ("conversation", "synthetic")

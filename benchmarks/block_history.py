@@ -3,7 +3,7 @@
 A pure-Python KV cache manager (no model) runs a random workload of prefix hits, forks with
 copy-on-write and releases over a small pool (at most 64 requests holding blocks at once, as the
 engine's default `max_num_seqs`), so every block has a long life story; its events go
-through the writer into a fresh database. Then `storage.queries.block_timelines` is timed for one
+through the writer into a fresh database. Then `storage.read.queries.block_timelines` is timed for one
 block, and for the blocks of one request's fork family, against the size of the events table.
 
 Run: `.venv/bin/python benchmarks/block_history.py [--events 200000] [--pg URL]`.
@@ -21,14 +21,14 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from engine.block_pool import BlockPool  # noqa: E402
-from engine.events import EventLog  # noqa: E402
-from engine.kv_cache_manager import KVCacheManager  # noqa: E402
-from engine.namespace import CacheNamespace  # noqa: E402
-from storage import queries  # noqa: E402
+from engine.core.block_pool import BlockPool  # noqa: E402
+from engine.core.events import EventLog  # noqa: E402
+from engine.core.kv_cache_manager import KVCacheManager  # noqa: E402
+from engine.core.namespace import CacheNamespace  # noqa: E402
+from storage.read import queries  # noqa: E402
 from storage.db import db_engine  # noqa: E402
-from storage.retention import RetentionPolicy  # noqa: E402
-from storage.writer import EventWriter, RunInfo, WriterOptions  # noqa: E402
+from storage.write.retention import RetentionPolicy  # noqa: E402
+from storage.write.writer import EventWriter, RunInfo, WriterOptions  # noqa: E402
 
 BLOCK_SIZE = 16
 NUM_BLOCKS = 256

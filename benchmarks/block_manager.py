@@ -48,10 +48,10 @@ from transformers.generation.continuous_batching.cache_allocators import (  # no
     FullAttentionCacheAllocator,
 )
 
-from engine.block_pool import BlockPool  # noqa: E402
-from engine.events import EventLog  # noqa: E402
-from engine.kv_cache_manager import KVCacheManager  # noqa: E402
-from engine.namespace import CacheNamespace  # noqa: E402
+from engine.core.block_pool import BlockPool  # noqa: E402
+from engine.core.events import EventLog  # noqa: E402
+from engine.core.kv_cache_manager import KVCacheManager  # noqa: E402
+from engine.core.namespace import CacheNamespace  # noqa: E402
 
 BLOCK_SIZE = 16
 CONTEXTS = (256, 1024, 4096, 16384, 32768)

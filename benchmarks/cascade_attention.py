@@ -1,4 +1,4 @@
-"""When cascade attention pays on the CPU: the measurement behind `engine.attention_plan.CPU_CASCADE`.
+"""When cascade attention pays on the CPU: the measurement behind `engine.runner.attention_plan.CPU_CASCADE`.
 
 Model: SmolLM2-135M's attention (30 layers, 9 query heads over 3 KV heads of 64, fp32) with random
 weights and its MLP and vocabulary shrunk (benchmarks/random_models.py), so that a step is mostly
@@ -43,10 +43,10 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # see benchmarks/prefix_reu
 import torch  # noqa: E402
 
 from benchmarks.random_models import SMOLLM2_ATTENTION, write_random_model  # noqa: E402
-from engine.attention_plan import ALWAYS_CASCADE, CPU_CASCADE, NO_CASCADE  # noqa: E402
-from engine.config import EngineConfig  # noqa: E402
-from engine.model_runner import ModelRunner, SeqChunk  # noqa: E402
-from engine.models import load_model  # noqa: E402
+from engine.runner.attention_plan import ALWAYS_CASCADE, CPU_CASCADE, NO_CASCADE  # noqa: E402
+from engine.core.config import EngineConfig  # noqa: E402
+from engine.runner.model_runner import ModelRunner, SeqChunk  # noqa: E402
+from engine.runner.model_loading import load_model  # noqa: E402
 
 BLOCK_SIZE = 16
 PRIVATE_TOKENS = 40  # a decode's own tokens after the shared blocks

@@ -172,7 +172,7 @@ def environment(report: Report, s: Settings) -> None:
     import torch
     import transformers
 
-    from engine.attention_kernels import choose_kernels
+    from engine.runner.attention_kernels import choose_kernels
 
     info = {
         "python": platform.python_version(),
@@ -210,7 +210,7 @@ class Sequences:
         self.tables[name] = self.tables[parent][:depth_blocks]
 
     def chunk(self, runner, name: str, new: list[int]):
-        from engine.model_runner import GroupSlots, SeqChunk
+        from engine.runner.model_runner import GroupSlots, SeqChunk
 
         start = len(self.tokens[name])
         self.tokens[name] = self.tokens[name] + new
@@ -236,10 +236,10 @@ def check_reference(report: Report, s: Settings, data_dir: Path) -> None:
 
     import torch
 
-    from engine.attention_plan import ALWAYS_CASCADE, NO_CASCADE
-    from engine.model_runner import ModelRunner
-    from engine.config import EngineConfig
-    from engine.models import load_model
+    from engine.runner.attention_plan import ALWAYS_CASCADE, NO_CASCADE
+    from engine.runner.model_runner import ModelRunner
+    from engine.core.config import EngineConfig
+    from engine.runner.model_loading import load_model
 
     for dtype in s.dtypes:
         tolerance = TOLERANCES[dtype]
@@ -299,10 +299,10 @@ def check_engine(report: Report, s: Settings, data_dir: Path) -> None:
     import torch
     from transformers import GenerationConfig
 
-    from engine.config import EngineConfig
+    from engine.core.config import EngineConfig
     from engine.engine import Engine
-    from engine.models import load_model
-    from engine.request import SamplingParams
+    from engine.runner.model_loading import load_model
+    from engine.core.request import SamplingParams
 
     def one() -> dict:
         config = EngineConfig(model="tiny-llama", dtype="float32", device=s.device, block_size=4, num_blocks=256, data_dir=data_dir)
@@ -362,9 +362,9 @@ class PeakMemory:
 
 class EngineBench:
     def __init__(self, model_dir: Path, s: Settings, num_blocks: int) -> None:
-        from engine.config import EngineConfig
+        from engine.core.config import EngineConfig
         from engine.engine import Engine
-        from engine.model_runner import ModelRunner
+        from engine.runner.model_runner import ModelRunner
 
         config = EngineConfig(
             model=str(model_dir), dtype="bfloat16", device=s.device, block_size=s.block_size, num_blocks=num_blocks,
@@ -376,13 +376,13 @@ class EngineBench:
         self.bytes_per_block = ModelRunner.bytes_per_block(self.engine.loaded, s.block_size)
 
     def cache_prefix(self, prefix: list[int]) -> None:
-        from engine.request import SamplingParams
+        from engine.core.request import SamplingParams
 
         self.engine.submit(prefix, SamplingParams(max_new_tokens=1))
         self.engine.run_until_idle()
 
     def ttft(self, prompt: list[int]) -> float:
-        from engine.request import SamplingParams
+        from engine.core.request import SamplingParams
 
         t0 = time.perf_counter()
         request_id = self.engine.submit(prompt, SamplingParams(max_new_tokens=1, ignore_eos=True))
@@ -391,7 +391,7 @@ class EngineBench:
         return time.perf_counter() - t0
 
     def forks(self, prompts: list[list[int]]) -> DecodeRun:
-        from engine.request import SamplingParams
+        from engine.core.request import SamplingParams
 
         engine, memory = self.engine, PeakMemory(self.s.device)
         t0, t0_epoch = time.perf_counter(), time.time()  # the engine stamps first tokens with time.time()
@@ -550,9 +550,9 @@ def benchmark(report: Report, s: Settings, budget: Budget) -> None:
     import torch
 
     from benchmarks.random_models import write_random_model
-    from engine.attention_plan import NO_CASCADE
-    from engine.config import EngineConfig
-    from engine.models import load_model
+    from engine.runner.attention_plan import NO_CASCADE
+    from engine.core.config import EngineConfig
+    from engine.runner.model_loading import load_model
 
     with tempfile.TemporaryDirectory(prefix="cuda-check-model-") as directory:
         t0 = time.perf_counter()

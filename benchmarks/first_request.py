@@ -53,11 +53,11 @@ def child(args: argparse.Namespace) -> None:
     sys.path.insert(0, str(ROOT))
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     started = time.perf_counter()
-    from engine.config import EngineConfig
+    from engine.core.config import EngineConfig
     from engine.engine import Engine
-    from engine.request import SamplingParams
-    from storage.recorder import record_engine
-    from storage.writer_process import WriterProcess
+    from engine.core.request import SamplingParams
+    from storage.write.recorder import record_engine
+    from storage.write.writer_process import WriterProcess
 
     imported = time.perf_counter()
     engine = Engine(EngineConfig(model=args.model, num_blocks=args.num_blocks))

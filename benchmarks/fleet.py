@@ -61,8 +61,8 @@ from fleet.decode import BatchDecoder  # noqa: E402
 from fleet.events import BatchOrigin, PodBatch, PodReset  # noqa: E402
 from fleet.index import FleetIndex  # noqa: E402
 from fleet.source import PodSource  # noqa: E402
-from storage.fleet_sink import FleetStore  # noqa: E402
-from storage.writer import EventWriter  # noqa: E402
+from storage.write.fleet_sink import FleetStore  # noqa: E402
+from storage.write.writer import EventWriter  # noqa: E402
 
 PROTOCOL = "FLEETBENCH "  # prefix of the child's lines meant for the parent
 TOPIC = "kv-events"
@@ -375,7 +375,7 @@ def bench_end_to_end(args: argparse.Namespace, rate: int, database: str | None =
 
 def _database_mismatches(url: str, store: FleetStore, sources: list[PodSource], pods: list[dict]) -> list[str]:
     """The pods whose held blocks in the database differ from their vLLM block pool."""
-    from storage import fleet_queries
+    from storage.read import fleet_queries
     from storage.db import db_engine
 
     engine = db_engine(url)

@@ -21,7 +21,7 @@ from collections.abc import Hashable
 
 from analysis.errors import NoVictimError
 from analysis.policies import EvictionPolicy
-from engine.errors import InvariantError
+from engine.core.errors import InvariantError
 
 
 class ArcPolicy(EvictionPolicy):

@@ -75,11 +75,11 @@ from transformers.generation.configuration_utils import ContinuousBatchingConfig
 from transformers.generation.streamers import BaseStreamer  # noqa: E402
 from transformers.utils import logging as hf_logging  # noqa: E402
 
-from engine.config import EngineConfig, default_data_dir  # noqa: E402
+from engine.core.config import EngineConfig, default_data_dir  # noqa: E402
 from engine.engine import Engine  # noqa: E402
-from engine.model_runner import ModelRunner  # noqa: E402
-from engine.models import SMOLLM2, SMOLLM2_CACHE_NAME, LoadedModel, load_model  # noqa: E402
-from engine.request import SamplingParams  # noqa: E402
+from engine.runner.model_runner import ModelRunner  # noqa: E402
+from engine.runner.model_loading import SMOLLM2, SMOLLM2_CACHE_NAME, LoadedModel, load_model  # noqa: E402
+from engine.core.request import SamplingParams  # noqa: E402
 
 BLOCK_SIZE = 16
 TTFT_GOAL = 1.3  # single-request TTFT over the suffix-alone floor, at most (earlier goal)
@@ -531,7 +531,7 @@ def profile_engine_step(hf: HFGenerate, eng: EngineSystem, work: Workload, reps:
 
         return wrapper
 
-    patches = [(engine.scheduler, "schedule"), (engine.runner, "execute"), (engine.loaded.model, "forward")]
+    patches = [(engine.core.scheduler, "schedule"), (engine.runner, "execute"), (engine.loaded.model, "forward")]
     for obj, attr in patches:
         setattr(obj, attr, timed(attr, getattr(obj, attr)))
     steps, floors = [], []

@@ -23,9 +23,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from engine.config import EngineConfig  # noqa: E402
+from engine.core.config import EngineConfig  # noqa: E402
 from engine.engine import Engine  # noqa: E402
-from engine.request import SamplingParams  # noqa: E402
+from engine.core.request import SamplingParams  # noqa: E402
 
 PREFILL_TOKENS = 1024
 REPEATS = 3

@@ -69,13 +69,13 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # before transformers is imported:
 
 import torch  # noqa: E402
 
-from engine.config import MAX_BATCHED_TOKENS, EngineConfig, default_data_dir  # noqa: E402
+from engine.core.config import MAX_BATCHED_TOKENS, EngineConfig, default_data_dir  # noqa: E402
 from engine.engine import Engine  # noqa: E402
-from engine.kv_groups import FULL, SLIDING  # noqa: E402
-from engine.model_runner import ModelRunner  # noqa: E402
-from engine.models import SMOLLM2_CACHE_NAME, LoadedModel, load_model  # noqa: E402
-from engine.request import SamplingParams  # noqa: E402
-from engine.snapshot import GroupStats  # noqa: E402
+from engine.core.kv_groups import FULL, SLIDING  # noqa: E402
+from engine.runner.model_runner import ModelRunner  # noqa: E402
+from engine.runner.model_loading import SMOLLM2_CACHE_NAME, LoadedModel, load_model  # noqa: E402
+from engine.core.request import SamplingParams  # noqa: E402
+from engine.core.snapshot import GroupStats  # noqa: E402
 
 TEST_CACHE = REPO / "data" / "test-cache"
 DOC_MODULES = ("argparse", "json", "subprocess", "unittest", "itertools", "heapq", "difflib", "collections", "functools")

@@ -9,7 +9,7 @@
    whose evictions table has no secondary indexes. Each query's time is the median of repeated runs.
 3. Engine step time with persistence off and on. One engine runs rounds in six modes taking turns
    (a new random order each repetition): no listener, twice; a listener that does nothing; the
-   persistence listener (`storage.recorder.persistence_listener`) feeding a WriterProcess (what the
+   persistence listener (`storage.write.recorder.persistence_listener`) feeding a WriterProcess (what the
    console runs: the database work in a child process, at nice 0); the same feeding an EventWriter
    thread in the engine's process, and a WriterProcess at nice 19 (for comparison). A round is waves of requests on a fresh shared prefix, forks of
    some of them, and LRU evictions of earlier rounds' blocks. Every
@@ -62,20 +62,21 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as prefix_reuse.py: spinn
 
 from sqlalchemy import Engine, create_engine, insert, make_url, select, text  # noqa: E402
 
-from engine.config import EngineConfig  # noqa: E402
-from engine.events import Event, EventKind, EvictReason  # noqa: E402
-from engine.request import SamplingParams  # noqa: E402
-from storage import migrate, queries  # noqa: E402
+from engine.core.config import EngineConfig  # noqa: E402
+from engine.core.events import Event, EventKind, EvictReason  # noqa: E402
+from engine.core.request import SamplingParams  # noqa: E402
+from storage import migrate  # noqa: E402
+from storage.read import queries
 from storage.db import db_engine  # noqa: E402
-from storage.models import EVENTS, EVICTIONS, RUNS  # noqa: E402
-from storage.recorder import persistence_listener, run_info  # noqa: E402
-from storage.retention import RetentionPolicy  # noqa: E402
-from storage.writer import EventWriter, RunInfo, WriterOptions  # noqa: E402
-from storage.writer_process import WriterProcess  # noqa: E402
+from storage.schema import EVENTS, EVICTIONS, RUNS  # noqa: E402
+from storage.write.recorder import persistence_listener, run_info  # noqa: E402
+from storage.write.retention import RetentionPolicy  # noqa: E402
+from storage.write.writer import EventWriter, RunInfo, WriterOptions  # noqa: E402
+from storage.write.writer_process import WriterProcess  # noqa: E402
 from tests.load_support import POLL_S, STEP_EVENTS, STEP_S, STEP_VIEWS, busy_loops, visibility_latencies  # noqa: E402
 
 if TYPE_CHECKING:
-    from engine.models import LoadedModel
+    from engine.runner.model_loading import LoadedModel
 
 WRITERS = (WriterProcess, EventWriter)
 WRITE_REPS = 3  # fresh-database runs per writer kind in section 1

@@ -102,9 +102,9 @@ def load(args: argparse.Namespace):
 def _run_trace(args: argparse.Namespace):
     """A run-trace file, keyed under the namespace of `--model` (loaded: its tokenizer and weights revision)."""
     from analysis.own_workloads import Keying, read_run_trace
-    from engine.config import DEFAULT_MODEL, EngineConfig
-    from engine.models import load_model  # torch: only for the format that needs the model's tokenizer
-    from engine.namespace import CacheNamespace
+    from engine.core.config import DEFAULT_MODEL, EngineConfig
+    from engine.runner.model_loading import load_model  # torch: only for the format that needs the model's tokenizer
+    from engine.core.namespace import CacheNamespace
 
     config = EngineConfig(model=args.model or DEFAULT_MODEL, dtype=args.dtype, device="cpu",
                           block_size=args.block_size or 16)  # fmt: skip
@@ -120,7 +120,7 @@ def _history(args: argparse.Namespace):
     from sqlalchemy.exc import SQLAlchemyError
 
     from analysis.own_workloads import history_trace
-    from storage import queries
+    from storage.read import queries
     from storage.db import existing_db_engine, redacted_url
 
     target = args.trace

@@ -2,7 +2,7 @@
 
     python -m cli block-history --db URL [--run RUN] --block N [--group full|sliding] [--json]
 
-Reads the persisted events (`storage.queries.block_timeline`), so it works for any run the history
+Reads the persisted events (`storage.read.queries.block_timeline`), so it works for any run the history
 holds, after the console that ran it is gone. Each row: the engine step, the time, the event, the
 request, the reference count and the holders after it, the block's state, and the marker where the
 count reached zero ("no holder left: safe to reuse", or "evictable from here on" for a cached block).
@@ -19,7 +19,7 @@ import json
 import sys
 from datetime import UTC, datetime
 
-from engine.config import MAX_NUM_BLOCKS
+from engine.core.config import MAX_NUM_BLOCKS
 
 NAME = "block-history"
 GROUPS = ("full", "sliding")
@@ -42,7 +42,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     from sqlalchemy.exc import SQLAlchemyError  # the history is read only by this command
 
-    from storage import queries
+    from storage.read import queries
     from storage.db import DatabaseUrlError, existing_db_engine, redacted_url
 
     try:

@@ -5,7 +5,7 @@
     python -m cli fleet state --db URL [--pod NAME ...] [--json] [--hashes]
 
 `watch` runs the collector headless (fleet.collector) into the fleet index and the history database
-(storage.fleet_sink through one EventWriter) until SIGINT or SIGTERM, printing one status line on stderr
+(storage.write.fleet_sink through one EventWriter) until SIGINT or SIGTERM, printing one status line on stderr
 every `--status-every` seconds; on the signal it stops the collector, writes what is queued, marks its
 sources closed and exits (0; 1 if history rows were lost). A database that takes no rows cannot hold it
 up: after `STOP_TIMEOUT_S` the queued rows are dropped (counted, exit 1). Several watchers (and
@@ -111,8 +111,8 @@ def run_watch(args: argparse.Namespace) -> int:
     from fleet.collector import Collector
     from fleet.index import FleetIndex
     from storage.db import DatabaseUrlError, redacted_url
-    from storage.fleet_sink import FleetStore
-    from storage.writer import EventWriter
+    from storage.write.fleet_sink import FleetStore
+    from storage.write.writer import EventWriter
 
     try:
         writer = EventWriter(args.db)
@@ -179,7 +179,8 @@ def run_state(args: argparse.Namespace) -> int:
     """Print what the database says each pod holds; returns the exit status."""
     from sqlalchemy.exc import SQLAlchemyError
 
-    from storage import fleet_queries, migrate
+    from storage.read import fleet_queries
+    from storage import migrate
     from storage.db import DatabaseUrlError, existing_db_engine, redacted_url
 
     try:

@@ -3,7 +3,7 @@
     python -m cli run-trace TRACE.jsonl [--model M] [--block-size N] [--num-blocks N] [--db URL] ...
 
 The trace format and the lines printed are cli/trace.py's. With `--db URL` everything the replay ran
-(run, events, evictions, request rows) is persisted there through a `storage.writer_process.WriterProcess`;
+(run, events, evictions, request rows) is persisted there through a `storage.write.writer_process.WriterProcess`;
 storage is imported only then. Exit status: 0; 2 for an invalid option, an unreadable trace or a bad
 trace line (the replay stops there; the summary line is still printed); 1 when history rows could not
 be written.
@@ -16,8 +16,8 @@ import json
 import sys
 from typing import Any
 
-from engine.config import DEFAULT_MODEL, EngineConfig
-from engine.eviction import EvictionPolicyName
+from engine.core.config import DEFAULT_MODEL, EngineConfig
+from engine.core.eviction import EvictionPolicyName
 
 NAME = "run-trace"
 
@@ -30,7 +30,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--num-blocks", type=int, default=None)
     parser.add_argument(
         "--eviction-policy", choices=[p.value for p in EvictionPolicyName], default=EvictionPolicyName.LRU.value,
-        help="which evictable block the pool gives up first (engine/eviction.py)",
+        help="which evictable block the pool gives up first (engine/core/eviction.py)",
     )  # fmt: skip
     parser.add_argument("--device", default="auto")
     parser.add_argument("--dtype", default="float32")
@@ -60,7 +60,7 @@ def run(args: argparse.Namespace) -> int:
     writer = None
     if args.db is not None:  # the history is optional: storage is imported only when asked for
         from storage.db import DatabaseUrlError
-        from storage.writer_process import WriterProcess
+        from storage.write.writer_process import WriterProcess
 
         try:
             writer = WriterProcess(args.db)  # before the model loads: a bad URL fails at once
@@ -77,7 +77,7 @@ def run(args: argparse.Namespace) -> int:
         with source:
             engine = Engine(config)
             if writer is not None:
-                from storage.recorder import record_engine
+                from storage.write.recorder import record_engine
 
                 record_engine(engine, writer)
             try:

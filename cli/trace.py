@@ -17,10 +17,10 @@ from typing import Any, BinaryIO, Callable
 import orjson
 
 from engine.engine import Engine, RequestRejected
-from engine.errors import InvariantError
-from engine.prompts import submit_prompt, token_list
-from engine.request import SamplingParams
-from engine.snapshot import RequestView
+from engine.core.errors import InvariantError
+from serving.prompts import submit_prompt, token_list
+from engine.core.request import SamplingParams
+from engine.core.snapshot import RequestView
 
 OPS = ("submit", "fork", "release", "run", "reset")
 MAX_LINE_BYTES = 16 * 2**20  # one op: a prompt of a million tokens fits

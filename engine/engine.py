@@ -25,22 +25,22 @@ from typing import Callable
 
 import torch
 
-from engine.block_pool import BlockPool
-from engine.config import EngineConfig
-from engine.errors import require
-from engine.events import Event, EventKind, EventLog
-from engine.eviction import make_eviction_policy
-from engine.kv_cache_manager import KVCacheManager
-from engine.kv_coordinator import KVCoordinator
-from engine.kv_groups import WindowPolicy
-from engine.model_runner import GroupSlots, ModelRunner, SeqChunk
-from engine.models import LoadedModel, load_model
-from engine.namespace import CacheNamespace
-from engine.request import HitSource, Request, RequestStatus, SamplingParams
-from engine.sampler import sample
-from engine.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
-from engine.snapshot import EngineSnapshot, PoolStats, RequestView, block_views, pool_stats
-from engine.verify import ReplayVerifier
+from engine.core.block_pool import BlockPool
+from engine.core.config import EngineConfig
+from engine.core.errors import require
+from engine.core.events import Event, EventKind, EventLog
+from engine.core.eviction import make_eviction_policy
+from engine.core.kv_cache_manager import KVCacheManager
+from engine.core.kv_coordinator import KVCoordinator
+from engine.core.kv_groups import WindowPolicy
+from engine.runner.model_runner import GroupSlots, ModelRunner, SeqChunk
+from engine.runner.model_loading import LoadedModel, load_model
+from engine.core.namespace import CacheNamespace
+from engine.core.request import HitSource, Request, RequestStatus, SamplingParams
+from engine.runner.sampler import sample
+from engine.core.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
+from engine.core.snapshot import EngineSnapshot, PoolStats, RequestView, block_views, pool_stats
+from engine.runner.verify import ReplayVerifier
 
 logger = logging.getLogger(__name__)
 

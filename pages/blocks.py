@@ -12,7 +12,7 @@ from app.hosting import get_host
 from app.prompting import decode, token_pieces
 from app.scenario import ScenarioError, ScenarioRun, SharingScenario
 from app.ui import REFRESH_S, SLOW_REFRESH_S, age, fmt_clock, fmt_time, kept, read_history, wait_for_history
-from storage import queries
+from storage.read import queries
 
 LARGE_POOL = 4096  # pools above this refresh less often
 MAX_STACKED = 16  # blocks one stacked timeline draws
@@ -184,7 +184,7 @@ def stored_life(_db, run: str, block_id: int, kv_group: str) -> queries.BlockTim
 
 @st.fragment(run_every=interval)
 def pool_view() -> None:
-    snapshot = engine.snapshot()
+    snapshot = engine.core.snapshot()
     blocks = sorted((b for b in snapshot.blocks if b.group == group), key=lambda b: b.block_id)
     statuses = {r.request_id: r.status for r in snapshot.requests}
     marked: tuple[int, ...] = ()

@@ -13,7 +13,7 @@ from app.hosting import get_host
 from app.planner import MAX_UPLOAD_BYTES, REASONS, JobState, PlannerJob, PlannerRequest, curve_frame, read_upload
 from app.planner_charts import miss_ratio_curves
 from app.ui import kept, read_history, wait_for_history
-from storage import queries
+from storage.read import queries
 
 SOURCES = ("Sample", "Upload", "This console's history")
 POLL_S = 0.5

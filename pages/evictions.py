@@ -12,9 +12,9 @@ import streamlit as st
 from app import charts
 from app.hosting import get_host
 from app.ui import fmt_duration, fmt_time, kept, read_history, wait_for_history
-from engine.events import EvictReason
-from storage import queries
-from storage.queries import EvictionFilters
+from engine.core.events import EvictReason
+from storage.read import queries
+from storage.read.queries import EvictionFilters
 
 ALL_RUNS = "all runs"
 RANGES = {"All time": None, "Last 15 minutes": 900, "Last hour": 3600, "Last 24 hours": 86400, "Custom": None}

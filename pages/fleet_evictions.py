@@ -10,7 +10,7 @@ import streamlit as st
 from app import charts, fleet_charts
 from app.hosting import get_host
 from app.ui import fmt_time, kept, read_history
-from storage import fleet_queries
+from storage.read import fleet_queries
 
 RANGES = {"Last 15 minutes": 900, "Last hour": 3600, "Last 24 hours": 86400, "All time": None}
 LOG_ROWS = (50, 100, 500)

@@ -13,7 +13,7 @@ from app.fleet_view import history_pods, live_pods, pod_metrics
 from app.hosting import get_host
 from app.ui import LIVE, SLOW_REFRESH_S, fleet_source, fmt_duration, kept, read_history
 from fleet.source import parse_pods
-from storage import fleet_queries
+from storage.read import fleet_queries
 
 RATE_WINDOWS = {"Last 5 minutes": 300, "Last 15 minutes": 900, "Last hour": 3600}
 

@@ -11,8 +11,8 @@ from app import charts
 from app.frames import Headline, headline, history_frame
 from app.hosting import get_host
 from app.ui import REFRESH_S, SLOW_REFRESH_S, fmt_duration, kept, read_history, wait_for_history
-from engine.snapshot import PoolStats
-from storage import queries
+from engine.core.snapshot import PoolStats
+from storage.read import queries
 
 host = get_host()
 

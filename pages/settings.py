@@ -13,10 +13,10 @@ from sqlalchemy import make_url
 
 from app.hosting import get_host
 from app.ui import expect_in_history, fmt_duration, fmt_time
-from engine.config import DTYPES, MAX_BATCHED_TOKENS, MAX_BLOCK_SIZE, MAX_NUM_BLOCKS, EngineConfig
-from engine.eviction import EvictionPolicyName
-from engine.kv_memory import kv_bytes_per_block
-from engine.models import PRESETS, available_devices, resolve_device
+from engine.core.config import DTYPES, MAX_BATCHED_TOKENS, MAX_BLOCK_SIZE, MAX_NUM_BLOCKS, EngineConfig
+from engine.core.eviction import EvictionPolicyName
+from engine.core.kv_memory import kv_bytes_per_block
+from engine.runner.model_loading import PRESETS, available_devices, resolve_device
 
 LOCAL_DIRECTORY = "local directory…"
 LAYOUTS = ("", "sliding", "hybrid")
@@ -158,7 +158,7 @@ with st.form("settings_form"):
     policies = [policy.value for policy in EvictionPolicyName]
     eviction = c[1].selectbox(
         "Eviction policy", policies, index=policies.index(config.eviction_policy.value), key="settings_eviction",
-        help="lru: least recently used first; reuse-lru: blocks that were reused get more time (engine/eviction.py)",
+        help="lru: least recently used first; reuse-lru: blocks that were reused get more time (engine/core/eviction.py)",
     )
     device = c[2].selectbox("Device", devices, index=devices.index(config.device) if config.device in devices else 0, key="settings_device")
     with st.expander("Scheduler"):

@@ -9,10 +9,10 @@ from app.frames import HOLDING, requests_frame
 from app.hosting import get_host
 from app.prompting import CHAT, MODES, PRESETS, TEXT, TOKEN_IDS, decode, encode_prompt, parse_suffixes, token_pieces
 from app.ui import REFRESH_S, expect_in_history, fmt_duration, kept
-from engine.config import MAX_NEW_TOKENS
+from engine.core.config import MAX_NEW_TOKENS
 from engine.engine import RequestRejected
-from engine.prompts import first_divergence
-from engine.request import SamplingParams
+from serving.prompts import first_divergence
+from engine.core.request import SamplingParams
 
 DONE = ("retained", "finished", "released", "rejected", "failed", "aborted")  # statuses whose record is final (until a release)
 

@@ -1,7 +1,7 @@
 """The history store: what the engine did, kept across restarts, for the console to query.
 
-Imports no Streamlit and no torch, and from the engine only the types it persists (`engine.events`,
-`engine.snapshot`, `engine.errors`; tests/test_layering.py checks it). Modules, one job each:
+Imports no Streamlit and no torch, and from the engine only the types it persists (`engine.core.events`,
+`engine.core.snapshot`, `engine.core.errors`; tests/test_layering.py checks it). Modules, one job each:
     db          `db_engine(url)`: the one engine factory (SQLite pragmas, PostgreSQL lock timeout),
                 `default_db_url(data_dir)`, `open_session(engine)`, `encode_json`.
     models      the schema at head (runs, requests, events, evictions, prunes, eviction_rollups), its
@@ -15,7 +15,7 @@ Imports no Streamlit and no torch, and from the engine only the types it persist
                 array), bulk_postgres (COPY, ON CONFLICT), executemany elsewhere.
     writer_process  `WriterProcess`: the same interface, with the EventWriter in a child process (what
                 the console and the CLI use: the database work never shares the engine's interpreter).
-    writer_child  that child (`python -m storage.writer_child`): an EventWriter fed from a pipe.
+    writer_child  that child (`python -m storage.write.writer_child`): an EventWriter fed from a pipe.
     recorder    `record_engine(engine, writer)`, `persistence_listener(writer)`: an engine's listener.
     frame_pipe  `FramePipe`: length-prefixed frames into a pipe without ever blocking the writer.
     rollups     per-minute eviction aggregates kept equal to the log.
@@ -32,8 +32,8 @@ Engine side (never blocks on the database; nothing is lost without being counted
                                                     #   or <data_dir>/history.sqlite
     run_id = writer.start_run(RunInfo(model=..., num_blocks=..., block_size=..., dtype=..., device=...,
                                       weights_revision=..., namespace=..., started_at=...))
-    writer.submit(events)                           # list[engine.events.Event]; one call <= 512 events is atomic
-    writer.record_requests(views)                   # engine.snapshot.RequestViews; one upsert per request per
+    writer.submit(events)                           # list[engine.core.events.Event]; one call <= 512 events is atomic
+    writer.record_requests(views)                   # engine.core.snapshot.RequestViews; one upsert per request per
                                                     #   batch (latest wins). Anything else: TypeError at the call
     writer.stats()                                  # WriterStats: queued, written_*, dropped, failed_batches,
                                                     #   retries, retrying, last_error, schema_ready, pruned_rows,
@@ -46,7 +46,7 @@ Engine side (never blocks on the database; nothing is lost without being counted
     writer.close(timeout_s=30.0) -> bool            # stop the run, drain, stop the thread (and process); a
                                                     #   failing batch is given up at the timeout, and counted
 
-Faults (storage.writer, storage.writer_process): a locked, full, read-only or unreachable database is
+Faults (storage.write.writer, storage.write.writer_process): a locked, full, read-only or unreachable database is
 retried for `WriterOptions.retry_for_s` (120 s) while rows wait in bounded queues, then counted as dropped;
 a killed writer process is replaced and its uncommitted rows counted exactly; the engine never waits.
 

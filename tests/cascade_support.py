@@ -12,10 +12,10 @@ import pytest
 import torch
 from hypothesis import strategies as st
 
-from engine.attention_plan import ALWAYS_CASCADE, NO_CASCADE
-from engine.config import EngineConfig
-from engine.model_runner import GroupSlots, ModelRunner, SeqChunk
-from engine.models import load_model
+from engine.runner.attention_plan import ALWAYS_CASCADE, NO_CASCADE
+from engine.core.config import EngineConfig
+from engine.runner.model_runner import GroupSlots, ModelRunner, SeqChunk
+from engine.runner.model_loading import load_model
 
 BLOCK_SIZE = 4
 NUM_BLOCKS = 128

@@ -24,10 +24,10 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # before transformers is imported:
 pytest.register_assert_rewrite("tests.engine_reference")
 
 from build_native import stale_modules  # noqa: E402
-from engine.config import EngineConfig  # noqa: E402
+from engine.core.config import EngineConfig  # noqa: E402
 from engine.engine import Engine  # noqa: E402
-from engine.model_runner import ModelRunner  # noqa: E402
-from engine.models import LoadedModel, ensure_smollm2_converted, load_model  # noqa: E402
+from engine.runner.model_runner import ModelRunner  # noqa: E402
+from engine.runner.model_loading import LoadedModel, ensure_smollm2_converted, load_model  # noqa: E402
 from tests.engine_reference import LogitSpy  # noqa: E402
 from tests.engine_support import HYBRID_WINDOW, RUNNER_BLOCK_SIZE, RUNNER_NUM_BLOCKS  # noqa: E402
 

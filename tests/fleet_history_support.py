@@ -12,9 +12,9 @@ from sqlalchemy import Engine, select
 
 from fleet.events import BatchOrigin, BlockHash, BlockRemoved, BlockStored, EventBatch, KVEvent, PodBatch
 from fleet.source import PodSource
-from storage import fleet_queries
-from storage.fleet_rows import parse_hash_text
-from storage.models import FLEET_BLOCKS, FLEET_EVENTS, FLEET_EVICTIONS
+from storage.read import fleet_queries
+from storage.write.fleet_rows import parse_hash_text
+from storage.schema import FLEET_BLOCKS, FLEET_EVENTS, FLEET_EVICTIONS
 
 
 def pod_source(name: str = "a") -> PodSource:

@@ -20,12 +20,12 @@ from contextlib import contextmanager
 
 from sqlalchemy import func, select
 
-from engine.events import Event, EventKind, EvictReason
-from engine.snapshot import RequestView
+from engine.core.events import Event, EventKind, EvictReason
+from engine.core.snapshot import RequestView
 from storage.db import db_engine
-from storage.models import EVENTS
-from storage.writer import RunInfo, WriterOptions
-from storage.writer_process import WriterProcess
+from storage.schema import EVENTS
+from storage.write.writer import RunInfo, WriterOptions
+from storage.write.writer_process import WriterProcess
 
 STEP_S = 0.02  # the stream's step period
 STEP_EVENTS = 80  # events a step, one EVICT in four

@@ -7,7 +7,7 @@ import json
 import random
 from pathlib import Path
 
-from engine.namespace import CacheNamespace
+from engine.core.namespace import CacheNamespace
 
 NAMESPACE = CacheNamespace("tiny-llama", "rev-1", "float32", 4, ("full",))
 STEMS = [list(range(10, 22)), list(range(10, 18)) + [90, 91, 92, 93], list(range(40, 48))]  # 3, 3 and 2 blocks

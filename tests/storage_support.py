@@ -25,12 +25,12 @@ from sqlalchemy import Engine, create_engine, func, make_url, select, text
 from sqlalchemy.exc import OperationalError
 from sqlalchemy.schema import CreateSchema, DropSchema
 
-from engine.events import Event, EventKind, EvictReason
-from engine.snapshot import RequestView
+from engine.core.events import Event, EventKind, EvictReason
+from engine.core.snapshot import RequestView
 from storage.db import db_engine
-from storage.retention import RetentionPolicy
-from storage.writer import EventWriter, RunInfo, WriterOptions
-from storage.writer_process import WriterProcess
+from storage.write.retention import RetentionPolicy
+from storage.write.writer import EventWriter, RunInfo, WriterOptions
+from storage.write.writer_process import WriterProcess
 
 REPO = Path(__file__).resolve().parents[1]
 PG_URL_ENV = "PREFIX_CONSOLE_TEST_PG_URL"

@@ -14,19 +14,19 @@ from analysis.errors import TraceError
 from analysis.own_workloads import Keying, history_trace, key_ids, read_run_trace
 from analysis.policies import Policy
 from analysis.trace import PartialBlocks, TraceFormat
-from engine.block_pool import BlockPool
-from engine.config import EngineConfig
+from engine.core.block_pool import BlockPool
+from engine.core.config import EngineConfig
 from engine.engine import Engine
-from engine.events import EventLog
-from engine.kv_cache_manager import KVCacheManager
-from engine.models import smollm2_tokenizer
-from engine.namespace import CacheNamespace
-from engine.prompts import encode_chat, encode_text
-from engine.request import SamplingParams
-from storage import queries
+from engine.core.events import EventLog
+from engine.core.kv_cache_manager import KVCacheManager
+from engine.runner.model_loading import smollm2_tokenizer
+from engine.core.namespace import CacheNamespace
+from serving.prompts import encode_chat, encode_text
+from engine.core.request import SamplingParams
+from storage.read import queries
 from storage.db import db_engine
-from storage.recorder import record_engine
-from storage.writer import EventWriter
+from storage.write.recorder import record_engine
+from storage.write.writer import EventWriter
 from tests.own_workload_support import NAMESPACE, token_prompts, write_run_trace
 
 KEYING = Keying(NAMESPACE, None)
@@ -130,7 +130,7 @@ def test_the_history_holds_the_engines_own_keys_and_tells_namespace_misses_acros
 
     engine = Engine(EngineConfig(model="tiny-llama", device="cpu", block_size=4, num_blocks=64, data_dir=tmp_path))
     first_run = run_trace(*(submit(str(i), tokens) for i, tokens in enumerate(prompts)),
-                          keying=Keying(engine.namespace, None))  # fmt: skip
+                          keying=Keying(engine.core.namespace, None))  # fmt: skip
     assert trace.block_ids[: first_run.num_references].tolist() == first_run.block_ids.tolist()
     bounds = hit_bounds(trace)
     assert bounds.infinite.tolist() == [0, 2, 0, 2]  # within a run, the shared blocks hit

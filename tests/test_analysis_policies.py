@@ -11,7 +11,7 @@ from analysis.errors import NoVictimError
 from analysis.policies import FifoPolicy, LfuPolicy, Policy
 from analysis.sequential import SequentialCache, make_policy, simulate
 from analysis.stack_distance import lru_curve
-from engine.errors import InvariantError
+from engine.core.errors import InvariantError
 from tests.analysis_support import trace_of
 
 A, B, C, D = 1, 2, 3, 4

@@ -13,10 +13,10 @@ from analysis.pool_replay import PoolCache, prefix_keys
 from analysis.readers import load_trace
 from analysis.sequential import replay
 from analysis.stack_distance import lru_curve
-from engine.block_pool import BlockPool
-from engine.events import EventLog
-from engine.eviction import LruPolicy, ReuseLruPolicy
-from engine.kv_cache_manager import KVCacheManager
+from engine.core.block_pool import BlockPool
+from engine.core.events import EventLog
+from engine.core.eviction import LruPolicy, ReuseLruPolicy
+from engine.core.kv_cache_manager import KVCacheManager
 from tests.analysis_support import BAILIAN_SAMPLE, CONVERSATION_SAMPLE, SYNTHETIC_SAMPLE, trace_of
 from tests.own_workload_support import NAMESPACE, token_prompts, write_run_trace
 

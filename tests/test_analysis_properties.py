@@ -17,7 +17,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from analysis.policies import FifoPolicy, LfuPolicy, Policy
 from analysis.pool_replay import PoolCache
 from analysis.sequential import SequentialCache, infinite_hit_blocks, make_policy, simulate
-from engine.eviction import make_eviction_policy
+from engine.core.eviction import make_eviction_policy
 from tests.analysis_support import BLOCK_SIZE, any_chains, best_hit_blocks, best_hit_tokens, prefix_chains, trace_of
 
 ONLINE = [policy for policy in Policy if policy.online]

@@ -18,7 +18,7 @@ from analysis.readers import load_trace
 from analysis.report import to_json
 from analysis.timed import ServiceModel, _ModelFreeServer, prompt_tokens, run_timed
 from analysis.trace import Trace, TraceFormat, TraceRequest
-from engine.eviction import EvictionPolicyName, LruPolicy, ReuseLruPolicy, make_eviction_policy
+from engine.core.eviction import EvictionPolicyName, LruPolicy, ReuseLruPolicy, make_eviction_policy
 from tests.analysis_support import CONVERSATION_SAMPLE
 
 SERVICE = ServiceModel(prefill_tokens_per_s=4, decode_tokens_per_s=1, max_num_batched_tokens=64)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from engine.request import SamplingParams
+from engine.core.request import SamplingParams
 from tests.test_app_support import (  # noqa: F401  (console_env and streamlit_logs are fixtures)
     PAGES,
     ROOT,

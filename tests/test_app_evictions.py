@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from engine.config import EngineConfig
-from engine.request import SamplingParams
+from engine.core.config import EngineConfig
+from engine.core.request import SamplingParams
 from tests.test_app_support import (  # noqa: F401
     console_env,
     errors,

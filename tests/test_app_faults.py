@@ -13,8 +13,9 @@ import torch
 
 from app import ui
 from app.hosting import RESTART_REASON
-from engine.request import SamplingParams
-from storage import migrate, queries
+from engine.core.request import SamplingParams
+from storage import migrate
+from storage.read import queries
 from tests.storage_support import fill_disk
 from tests.test_app_support import (  # noqa: F401
     PAGES,

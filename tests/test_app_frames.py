@@ -10,7 +10,7 @@ from app import charts
 from app.frames import align_tables, block_category, evictions_per_minute, prefill_seconds_per_token, prefix_chain, prefix_tree
 from app.hosting import config_from_env
 from app.prompting import TOKEN_IDS, parse_suffixes, parse_token_ids
-from engine.snapshot import BlockView, PoolStats, RequestView
+from engine.core.snapshot import BlockView, PoolStats, RequestView
 
 
 def block(block_id: int, *, state: str = "free", ref: int = 0, key: str | None = None, parent: str | None = None, start: int = 0, hits: int = 0) -> BlockView:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 
 from app.hosting import HISTORY_INTERVAL_S
-from engine.request import SamplingParams
+from engine.core.request import SamplingParams
 from tests.test_app_support import console_env, host, no_exceptions, open_page, wait_for, wait_idle  # noqa: F401
 
 LABELS = [

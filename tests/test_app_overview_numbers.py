@@ -7,7 +7,7 @@ replayed from 0 saves nothing), and a preempted request's re-prefill is not a pr
 
 from __future__ import annotations
 
-from engine.request import SamplingParams
+from engine.core.request import SamplingParams
 from tests.test_app_support import console_env, host, no_exceptions, open_page, texts, wait_idle  # noqa: F401
 
 ONE = SamplingParams(max_new_tokens=1, ignore_eos=True)

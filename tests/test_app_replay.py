@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from engine.request import SamplingParams
+from engine.core.request import SamplingParams
 from tests.test_app_support import console_env, host, no_exceptions, open_page, texts, wait_idle  # noqa: F401
 
 PARAMS = SamplingParams(max_new_tokens=1, ignore_eos=True)

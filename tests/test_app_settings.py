@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine.request import SamplingParams
+from engine.core.request import SamplingParams
 from tests.test_app_support import console_env, errors, host, no_exceptions, open_page, texts, wait_idle  # noqa: F401
 
 PARAMS = SamplingParams(max_new_tokens=2, ignore_eos=True)
@@ -97,5 +97,5 @@ def test_restart_can_choose_the_eviction_policy(console_env):
     at.button(key="settings_restart_confirm").click().run()
     no_exceptions(at)
     engine = host().console.engine
-    assert engine.config.eviction_policy == "reuse-lru"
+    assert engine.core.config.eviction_policy == "reuse-lru"
     assert {manager.pool.eviction_policy for manager in engine.kv.managers} == {"reuse-lru"}

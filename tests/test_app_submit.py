@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from engine.prompts import encode_chat, encode_text
+from serving.prompts import encode_chat, encode_text
 from tests.test_app_support import (  # noqa: F401  (console_env is a fixture)
     console_env,
     errors,

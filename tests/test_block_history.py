@@ -14,18 +14,18 @@ import orjson
 from hypothesis import settings
 from hypothesis.stateful import invariant
 
-from engine.block_pool import BlockPool
-from engine.events import EventKind, EventLog
-from engine.eviction import EvictionPolicyName
-from engine.kv_cache_manager import KVCacheManager
-from engine.namespace import CacheNamespace
-from storage.block_history import EVICTABLE_FROM_HERE, SAFE_TO_REUSE, StoredEvent, replay, rows_involving
+from engine.core.block_pool import BlockPool
+from engine.core.events import EventKind, EventLog
+from engine.core.eviction import EvictionPolicyName
+from engine.core.kv_cache_manager import KVCacheManager
+from engine.core.namespace import CacheNamespace
+from storage.read.block_history import EVICTABLE_FROM_HERE, SAFE_TO_REUSE, StoredEvent, replay, rows_involving
 from tests.test_block_manager_properties import BlockManagerMachine
 from tests.test_kv_coordinator_properties import CoordinatorMachine
 
 
 def stored(events, first_id: int = 0) -> list[StoredEvent]:
-    """Events as `storage.queries` reads them back: kinds as values, details through JSON."""
+    """Events as `storage.read.queries` reads them back: kinds as values, details through JSON."""
     return [
         StoredEvent(first_id + i, e.step, e.time, e.kind.value, e.request_id, e.block_id, orjson.loads(orjson.dumps(e.detail)))
         for i, e in enumerate(events)

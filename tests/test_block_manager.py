@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from engine.block_pool import BlockPool
-from engine.errors import InvariantError, NoFreeBlocksError
-from engine.events import EventKind, EventLog, EvictReason
-from engine.kv_cache_manager import BlockCopy, KVCacheManager
-from engine.namespace import CacheNamespace
+from engine.core.block_pool import BlockPool
+from engine.core.errors import InvariantError, NoFreeBlocksError
+from engine.core.events import EventKind, EventLog, EvictReason
+from engine.core.kv_cache_manager import BlockCopy, KVCacheManager
+from engine.core.namespace import CacheNamespace
 
 
 def make_manager(num_blocks: int = 8, block_size: int = 4, **ns_overrides) -> KVCacheManager:

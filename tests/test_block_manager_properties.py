@@ -10,11 +10,11 @@ from __future__ import annotations
 from hypothesis import settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from engine.block_pool import BlockPool
-from engine.events import EventKind, EventLog, EvictReason
-from engine.eviction import EvictionPolicyName, make_eviction_policy
-from engine.kv_cache_manager import KVCacheManager
-from engine.namespace import CacheNamespace
+from engine.core.block_pool import BlockPool
+from engine.core.events import EventKind, EventLog, EvictReason
+from engine.core.eviction import EvictionPolicyName, make_eviction_policy
+from engine.core.kv_cache_manager import KVCacheManager
+from engine.core.namespace import CacheNamespace
 
 BLOCK_SIZE = 4
 NUM_BLOCKS = 24

@@ -14,10 +14,10 @@ from __future__ import annotations
 from hypothesis import settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from engine.block import Block
-from engine.block_pool import BlockPool, chain_key
-from engine.events import EventLog
-from engine.eviction import EvictionPolicy, LruPolicy
+from engine.core.block import Block
+from engine.core.block_pool import BlockPool, chain_key
+from engine.core.events import EventLog
+from engine.core.eviction import EvictionPolicy, LruPolicy
 
 BLOCK_SIZE = 2
 NUM_BLOCKS = 6

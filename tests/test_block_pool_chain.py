@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from engine.block_pool import BlockPool, chain_key
-from engine.events import EventLog
+from engine.core.block_pool import BlockPool, chain_key
+from engine.core.events import EventLog
 
 BLOCK_SIZE = 2
 ROOT = b"\0" * 16

@@ -15,9 +15,9 @@ from collections import OrderedDict
 from hypothesis import settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from engine.block_pool import BlockPool, chain_key
-from engine.events import EventLog, EvictReason
-from engine.eviction import EvictionPolicyName, LruPolicy, ReuseLruPolicy
+from engine.core.block_pool import BlockPool, chain_key
+from engine.core.events import EventLog, EvictReason
+from engine.core.eviction import EvictionPolicyName, LruPolicy, ReuseLruPolicy
 
 BLOCK_SIZE = 2
 NUM_BLOCKS = 5

@@ -15,8 +15,8 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 
-from engine.attention_kernels import HeadLayout, Kernel, attend, choose_kernels, merge_partials
-from engine.attention_plan import (
+from engine.runner.attention_kernels import HeadLayout, Kernel, attend, choose_kernels, merge_partials
+from engine.runner.attention_plan import (
     ALWAYS_CASCADE,
     NO_CASCADE,
     CascadeRule,
@@ -25,8 +25,8 @@ from engine.attention_plan import (
     KeySource,
     plan_group,
 )
-from engine.config import EngineConfig
-from engine.model_runner import GroupSlots, ModelRunner, SeqChunk
+from engine.core.config import EngineConfig
+from engine.runner.model_runner import GroupSlots, ModelRunner, SeqChunk
 from tests.cascade_support import (  # noqa: F401  (runners is a fixture)
     BLOCK_SIZE,
     NUM_BLOCKS,
@@ -204,7 +204,7 @@ def test_cascade_matches_the_plain_path_and_the_reference(runners, name, overrid
 
 def test_forks_decoding_together_take_the_shared_path(make_model, monkeypatch):
     """The runner hands its rule to the planner: forks of one parent get one merging (shared) call."""
-    import engine.model_runner as model_runner
+    import engine.runner.model_runner as model_runner
 
     runner = ModelRunner(make_model("tiny-llama"), NUM_BLOCKS, BLOCK_SIZE, cascade=CascadeRule(True, 1))
     rng = random.Random(5)
@@ -225,10 +225,10 @@ def test_forks_decoding_together_take_the_shared_path(make_model, monkeypatch):
 @pytest.mark.parametrize("override", [None, "hybrid:5"])
 def test_forks_and_prefix_hits_through_the_engine_match_the_reference(tmp_path, make_model, monkeypatch, override):
     """The scheduler's real tables (forks after copy-on-write, prefix hits, a sliding group) take the shared path."""
-    import engine.model_runner as model_runner
-    from engine.config import EngineConfig
+    import engine.runner.model_runner as model_runner
+    from engine.core.config import EngineConfig
     from engine.engine import Engine
-    from engine.request import SamplingParams
+    from engine.core.request import SamplingParams
     from tests.engine_reference import LogitSpy, assert_matches_reference
 
     engine = Engine(EngineConfig(model="tiny-llama", device="cpu", block_size=4, num_blocks=96, data_dir=tmp_path,
@@ -260,7 +260,7 @@ def test_forks_and_prefix_hits_through_the_engine_match_the_reference(tmp_path, 
 @pytest.mark.parametrize("name", ["tiny-llama", "tiny-mistral"])
 def test_bf16_runner_stays_within_the_stated_tolerance_of_bf16_transformers(test_data_dir, name):
     """bf16 keeps 8 bits of mantissa: logits within 0.05 of transformers in bf16 (benchmarks/cuda_check.py)."""
-    from engine.models import load_model
+    from engine.runner.model_loading import load_model
 
     def load():
         return load_model(EngineConfig(model=name, dtype="bfloat16", device="cpu", data_dir=test_data_dir))

@@ -149,7 +149,7 @@ def test_the_engine_alias_imports_storage_only_for_db(tmp_path):
     without_db = imported_storage(tmp_path)
     assert without_db == {"status": 0, "storage": []}
     with_db = imported_storage(tmp_path, "--db", f"sqlite:///{tmp_path / 'history.sqlite'}")
-    assert with_db["status"] == 0 and "storage.writer_process" in with_db["storage"]
+    assert with_db["status"] == 0 and "storage.write.writer_process" in with_db["storage"]
 
 
 def test_the_dispatcher_imports_no_torch_and_no_storage():
@@ -190,7 +190,7 @@ def test_a_replay_that_crashes_still_writes_the_history_it_made(tmp_path, capsys
     from sqlalchemy import func, select
 
     from storage.db import db_engine
-    from storage.models import RequestRecord
+    from storage.schema import RequestRecord
 
     def apply_or_crash(engine, op, emit):
         if op["op"] == "reset":
@@ -213,7 +213,7 @@ def test_db_flag_persists_requests_events_and_evictions(tmp_path, capsys):
     from sqlalchemy import func, select
 
     from storage.db import db_engine
-    from storage.models import Eviction, RequestRecord, Run
+    from storage.schema import Eviction, RequestRecord, Run
 
     url = f"sqlite:///{tmp_path / 'history.sqlite'}"
     lines = [{"op": "submit", "id": f"r{i}", "tokens": list(range(10 + 20 * i, 30 + 20 * i)), "max_new_tokens": 2}
@@ -252,7 +252,7 @@ def test_db_rows_carry_the_sliding_window_replay_fields(tmp_path, capsys):
     from sqlalchemy import select
 
     from storage.db import db_engine
-    from storage.models import RequestRecord
+    from storage.schema import RequestRecord
 
     url = f"sqlite:///{tmp_path / 'history.sqlite'}"
     prefix = list(range(10, 50))

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from engine.config import DATA_DIR_ENV, default_data_dir
+from engine.core.config import DATA_DIR_ENV, default_data_dir
 
 
 def test_an_empty_data_dir_variable_falls_back_to_data(monkeypatch, tmp_path):

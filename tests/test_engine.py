@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import pytest
 
-from engine.config import EngineConfig
+from engine.core.config import EngineConfig
 from engine.engine import Engine, RequestRejected
-from engine.kv_groups import chain_keys_of
-from engine.namespace import CONTENT_ROOT_KEY
-from engine.request import SamplingParams
-from engine.snapshot import RequestView
+from engine.core.kv_groups import chain_keys_of
+from engine.core.namespace import CONTENT_ROOT_KEY
+from engine.core.request import SamplingParams
+from engine.core.snapshot import RequestView
 from tests.engine_reference import LogitSpy, assert_matches_reference
 from tests.engine_support import tokens
 
@@ -277,13 +277,13 @@ def test_a_finished_request_keeps_its_prompts_chain_and_content_keys(tmp_path):
     """What the history stores for the workload analyzer: the chain keys the table computed for the
     prompt's full blocks, and the same blocks chained from the namespace-free content root."""
     engine, _ = make_engine(tmp_path)
-    bs = engine.config.block_size
+    bs = engine.core.config.block_size
     prompt = tokens(3 * bs + bs // 2, 7)  # three full blocks and a partial one
     salted = engine.submit(prompt, GREEDY, salt="tenant")
     plain = engine.submit(prompt, GREEDY)
     assert engine.get(salted).block_keys is None  # not finished yet
     engine.run_until_idle()
-    root = engine.namespace.root_key("tenant")
+    root = engine.core.namespace.root_key("tenant")
     expected = b"".join(chain_keys_of(prompt, root, bs, 3))
     assert engine.get(salted).block_keys == expected and len(expected) == 3 * 16
     assert engine.get(plain).block_keys != expected  # another salt, another chain

@@ -7,11 +7,11 @@ import time
 
 import pytest
 
-from engine.config import EngineConfig
+from engine.core.config import EngineConfig
 from engine.engine import Engine, RequestRejected
-from engine.events import EventKind
-from engine.request import SamplingParams
-from storage.block_history import replay
+from engine.core.events import EventKind
+from engine.core.request import SamplingParams
+from storage.read.block_history import replay
 from tests.engine_support import tokens
 from tests.test_block_history import stored
 

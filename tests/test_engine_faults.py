@@ -17,10 +17,10 @@ import torch
 from hypothesis import settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from engine.config import EngineConfig
+from engine.core.config import EngineConfig
 from engine.engine import Engine, RequestRejected
-from engine.models import LoadedModel, load_model
-from engine.request import SamplingParams
+from engine.runner.model_loading import LoadedModel, load_model
+from engine.core.request import SamplingParams
 from tests.engine_reference import LogitSpy, assert_matches_reference
 from tests.storage_support import wait_for
 
@@ -77,7 +77,7 @@ def test_a_request_whose_logits_go_nan_fails_alone_and_the_others_match_the_refe
     stats = engine.stats()
     assert stats.used_blocks == 0 and stats.free_blocks + stats.cached_blocks == stats.num_blocks
     assert_block_memory_finite(engine)
-    cached = [b for b in engine.snapshot().blocks if b.key is not None]
+    cached = [b for b in engine.core.snapshot().blocks if b.key is not None]
     assert cached and all(POISON not in b.token_ids for b in cached)  # nothing of theirs can be hit
 
 

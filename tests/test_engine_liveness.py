@@ -4,7 +4,7 @@ from there `run_until_idle` must end, with every block free or evictable and the
 
 The stalls this guards against: a waiting fork child holds its parent's blocks; with the parent gone,
 a request ahead of the child that needs them, or two children of different parents that each need the
-other's, waited for ever (engine/scheduler.py: children go ahead of a blocked head, and give their
+other's, waited for ever (engine/core/scheduler.py: children go ahead of a blocked head, and give their
 shares back when nothing can run).
 """
 
@@ -14,9 +14,9 @@ import pytest
 from hypothesis import HealthCheck, settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from engine.config import EngineConfig
+from engine.core.config import EngineConfig
 from engine.engine import Engine, RequestRejected
-from engine.request import SamplingParams
+from engine.core.request import SamplingParams
 
 STEMS = [[3, 4, 5, 6, 7, 8], [3, 4, 5, 6, 9, 9], [10, 11]]  # shared stems make prefix hits and forks common
 tokens = st.lists(st.integers(3, 40), min_size=1, max_size=6)

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from engine.config import EngineConfig
+from engine.core.config import EngineConfig
 from engine.engine import Engine
-from engine.prompts import encode_chat
-from engine.request import SamplingParams
+from serving.prompts import encode_chat
+from engine.core.request import SamplingParams
 from tests.conftest import load_cpu_model
 from tests.engine_reference import LogitSpy, assert_matches_reference
 

@@ -1,15 +1,15 @@
-"""The engine's eviction policies on their own (engine/eviction.py): reuse-LRU's credit, ties, history,
+"""The engine's eviction policies on their own (engine/core/eviction.py): reuse-LRU's credit, ties, history,
 and the misuse every policy refuses. The pool-level properties are in tests/test_block_pool_properties.py."""
 
 from __future__ import annotations
 
 import pytest
 
-from engine.block import Block
-from engine.block_pool import BlockPool
-from engine.errors import InvariantError
-from engine.events import EventLog
-from engine.eviction import EvictionPolicyName, LruPolicy, ReuseLruPolicy, make_eviction_policy
+from engine.core.block import Block
+from engine.core.block_pool import BlockPool
+from engine.core.errors import InvariantError
+from engine.core.events import EventLog
+from engine.core.eviction import EvictionPolicyName, LruPolicy, ReuseLruPolicy, make_eviction_policy
 
 
 def cached(policy, block_id: int, key: bytes) -> Block:

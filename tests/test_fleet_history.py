@@ -23,13 +23,14 @@ from sqlalchemy import insert, inspect, select
 from fleet.collector import Collector, CollectorConfig
 from fleet.events import AllBlocksCleared, PodReset, ResetReason
 from fleet.index import FleetIndex
-from storage import fleet_queries, migrate
-from storage.fleet_bulk import write_fleet_rows
-from storage.fleet_rows import FleetRowBuilder, hash_text, parse_hash_text
-from storage.fleet_sink import FleetStore
-from storage.models import FLEET_SOURCES, PRUNES, RUNS, Base
-from storage.retention import RetentionPolicy, prune
-from storage.writer import EventWriter, WriterOptions
+from storage.read import fleet_queries
+from storage import migrate
+from storage.write.fleet_bulk import write_fleet_rows
+from storage.write.fleet_rows import FleetRowBuilder, hash_text, parse_hash_text
+from storage.write.fleet_sink import FleetStore
+from storage.schema import FLEET_SOURCES, PRUNES, RUNS, Base
+from storage.write.retention import RetentionPolicy, prune
+from storage.write.writer import EventWriter, WriterOptions
 from tests.fleet_history_support import (
     batch,
     event_rows,

@@ -1,4 +1,4 @@
-"""storage.frame_pipe: ordered, whole frames over a pipe whose writer never waits for its reader."""
+"""storage.write.frame_pipe: ordered, whole frames over a pipe whose writer never waits for its reader."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import threading
 
 import pytest
 
-from storage.frame_pipe import FramePipe, read_frames
+from storage.write.frame_pipe import FramePipe, read_frames
 
 
 def payload(index: int, size: int) -> bytes:

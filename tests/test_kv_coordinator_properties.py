@@ -12,13 +12,13 @@ from __future__ import annotations
 from hypothesis import settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from engine.block_pool import BlockPool
-from engine.events import EventLog
-from engine.kv_cache_manager import KVCacheManager
-from engine.kv_coordinator import KVCoordinator
-from engine.kv_groups import WindowPolicy, kv_groups
-from engine.namespace import CacheNamespace
-from engine.kv_groups import ReplayMode
+from engine.core.block_pool import BlockPool
+from engine.core.events import EventLog
+from engine.core.kv_cache_manager import KVCacheManager
+from engine.core.kv_coordinator import KVCoordinator
+from engine.core.kv_groups import WindowPolicy, kv_groups
+from engine.core.namespace import CacheNamespace
+from engine.core.kv_groups import ReplayMode
 
 BLOCK_SIZE = 2
 NUM_BLOCKS = 40

@@ -15,11 +15,11 @@ import pytest
 import zmq
 from prometheus_client.parser import text_string_to_metric_families
 
-from engine.config import EngineConfig
+from engine.core.config import EngineConfig
 from engine.engine import Engine
-from engine.events import EventKind
-from engine.feeds import open_feeds, translator_for
-from engine.kv_events import (
+from engine.core.events import EventKind
+from engine.feeds.outbound import open_feeds, translator_for
+from engine.feeds.kv_events import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
@@ -28,13 +28,13 @@ from engine.kv_events import (
     KVEventTranslator,
     external_hash,
 )
-from engine.request import SamplingParams
+from engine.core.request import SamplingParams
 from fleet.collector import Collector, CollectorConfig
 from fleet.index import FleetIndex
 from fleet.metrics import scrape
 from fleet.source import PodSource
-from storage.recorder import record_engine
-from storage.writer import EventWriter, WriterOptions
+from storage.write.recorder import record_engine
+from storage.write.writer import EventWriter, WriterOptions
 from tests.engine_support import tokens
 from tests.fleet_support import wait_until
 from tests.storage_support import FAST
@@ -64,7 +64,7 @@ def pool_hashes(engine: Engine) -> dict[tuple[str, int, int], int]:
     index_of = {group.name: i for i, group in enumerate(engine.runner.groups)}
     return {
         ("CPU", index_of[view.group], external_hash(view.key)): 1
-        for view in engine.snapshot().blocks
+        for view in engine.core.snapshot().blocks
         if view.key is not None
     }
 
@@ -140,7 +140,7 @@ def test_a_cache_event_splits_where_a_block_hangs_from_a_twin() -> None:
         "token_ids": [1, 1, 2, 2, 4, 4],
         "group": "full",
     }
-    from engine.events import Event
+    from engine.core.events import Event
 
     (first, second) = translator.translate([Event(EventKind.CACHE, 1, 0.0, "r", 0, 6, cache)])
     assert (first.block_hashes, first.parent_block_hash, first.token_ids) == ([1, 2], None, [1, 1, 2, 2])
@@ -248,7 +248,7 @@ def test_the_feed_is_what_the_history_stores_translated(tmp_path) -> None:
     from sqlalchemy import select
 
     from storage.db import db_engine
-    from storage.models import EVENTS
+    from storage.schema import EVENTS
 
     url = f"sqlite:///{tmp_path / 'history.sqlite'}"
     engine, feeds = published_engine(tmp_path)
@@ -283,7 +283,7 @@ def test_the_feed_is_what_the_history_stores_translated(tmp_path) -> None:
             .order_by(EVENTS.c.id)
         ).all()
     db.dispose()
-    from engine.events import Event
+    from engine.core.events import Event
 
     stored_events = [Event(EventKind(kind), *rest) for kind, *rest in rows]
     from_history = KVEventTranslator(translator_for(engine).groups, 4, "CPU").translate(stored_events)

@@ -3,50 +3,52 @@
 Every module of the product packages is parsed with `ast`; an import counts wherever it is written (at
 module level, under `if TYPE_CHECKING:`, or inside a function). The rules:
 
-    engine/     nothing from storage, app, pages, cli, analysis or fleet; the one exception is
-                engine/__main__.py, the `python -m engine run-trace` alias, which imports cli.
-    storage/    nothing from app, pages, cli, analysis or fleet's collector, no streamlit, no torch or
-                transformers; from the engine only the types it persists: engine.events, engine.snapshot,
-                engine.errors; from the fleet likewise only the types it persists: fleet.events,
-                fleet.source (the fleet's storage sink lives in storage/, as the engine's recorder does).
-    fleet/      nothing from storage, the engine, app, pages or cli: the collector knows sinks only by
-                their protocol (fleet.sinks), so its storage sink is storage's and its feed's publisher
+    engine/core/    the torch-free bookkeeping (block pool, eviction, KV cache managers, coordinator,
+                scheduler, requests, events, snapshot): imports only engine.core and the standard library
+                (plus xxhash and mypy_extensions): no torch, no runner, no feeds, nothing outside.
+    engine/     nothing from storage, serving, app, pages, cli, analysis or fleet.
+    storage/    nothing from serving, app, pages, cli, analysis or fleet's collector, no streamlit, no
+                torch or transformers; from the engine only the types it persists: engine.core.events,
+                engine.core.snapshot, engine.core.errors; from the fleet likewise only the types it
+                persists: fleet.events, fleet.source (the fleet's storage sink lives in storage/write/, as
+                the engine's recorder does).
+    fleet/      nothing from storage, the engine, serving, app, pages or cli: the collector knows sinks only
+                by their protocol (fleet.sinks), so its storage sink is storage's and its feed's publisher
                 in the engine is the engine's.
     analysis/, fleet/   no torch, no transformers, no streamlit; analysis takes from the engine only
-                modules whose whole import closure is torch-free (the block pool, eviction policies, KV cache
-                manager, scheduler, ...: the analyzer replays traces through them), never the runner's side.
-    pages/      history through `storage.queries` and `storage.fleet_queries` only.
-    app/, cli/  storage through its public modules only: db, migrate, queries, fleet_queries, fleet_sink,
-                recorder, writer, writer_process (never rows, fleet_rows, bulk*, fleet_bulk, frame_pipe,
-                models, rollups, retention, buckets).
+                engine.core (the analyzer replays traces through the engine's own pool and scheduler).
+    pages/      history through storage/read/ only.
+    app/, cli/, serving/  storage through its public modules only: db, migrate, read.*, and of the write
+                path the writers and sinks (write.writer, write.writer_process, write.recorder,
+                write.fleet_sink), never rows, bulk or schema.
     cli/        storage only inside functions (the `--db` path), so a replay without --db never loads it.
     pages/, app/  no torch and no model runner (the engine's torch side stays behind the engine's API).
-    all of them   nothing from tests or benchmarks.
+    all of them   nothing from tests or benchmarks, and no import cycles between modules.
 """
 
 from __future__ import annotations
 
 import ast
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 
 ROOT = Path(__file__).resolve().parent.parent
-PRODUCT = ("engine", "storage", "app", "pages", "cli", "analysis", "fleet")
-STORAGE_PUBLIC = {
-    f"storage.{name}"
-    for name in ("db", "migrate", "queries", "fleet_queries", "fleet_sink", "recorder", "writer", "writer_process")
+PRODUCT = ("engine", "storage", "serving", "app", "pages", "cli", "analysis", "fleet")
+STORAGE_PUBLIC = {"storage.db", "storage.migrate"} | {
+    f"storage.write.{name}" for name in ("writer", "writer_process", "recorder", "fleet_sink")
 }
-STORAGE_MAY_IMPORT_FROM_ENGINE = {"engine.events", "engine.snapshot", "engine.errors"}
+STORAGE_MAY_IMPORT_FROM_ENGINE = {"engine.core.events", "engine.core.snapshot", "engine.core.errors"}
 STORAGE_MAY_IMPORT_FROM_FLEET = {"fleet.events", "fleet.source"}
-PAGE_QUERIES = {"storage", "storage.queries", "storage.fleet_queries"}
+CORE_MAY_IMPORT = {"xxhash", "mypy_extensions"}
 TORCH_SIDE = {"torch", "transformers"}
 
 
 @dataclass(frozen=True)
 class Import:
-    source: str  # the importing file, relative to the repository ("storage/writer.py")
-    module: str  # the imported module, dotted ("engine.events")
+    source: str  # the importing file, relative to the repository ("storage/write/writer.py")
+    module: str  # the imported module, dotted ("engine.core.events")
     lazy: bool  # written inside a function (runs only when the function does)
 
     @property
@@ -114,15 +116,13 @@ def breaking(imports: list[Import], rule) -> list[str]:
 def test_the_scanner_sees_imports_inside_functions_and_from_packages() -> None:
     """The rules below can only fail if the scanner finds what they forbid: run-trace's lazy --db import."""
     found = {(i.module, i.lazy) for i in imports_in("cli") if i.source == "cli/run_trace.py"}
-    assert ("storage.writer_process", True) in found and ("engine.config", False) in found
+    assert ("storage.write.writer_process", True) in found and ("engine.core.config", False) in found
     assert ("storage.migrate", False) in {(i.module, i.lazy) for i in imports_in("app")}  # `from storage import migrate`
 
 
 def test_the_engine_imports_nothing_from_storage_the_console_the_cli_analysis_or_fleet() -> None:
     def allowed(found: Import) -> bool:
-        if found.source == "engine/__main__.py" and found.within("cli"):
-            return True  # the `python -m engine run-trace` alias
-        return not found.within("storage", "app", "pages", "cli", "analysis", "fleet")
+        return not found.within("storage", "serving", "app", "pages", "cli", "analysis", "fleet")
 
     assert breaking(imports_in("engine"), allowed) == []
 
@@ -133,14 +133,14 @@ def test_storage_imports_only_the_engine_and_fleet_types_it_persists_and_no_cons
             return found.module in STORAGE_MAY_IMPORT_FROM_ENGINE
         if found.within("fleet"):
             return found.module in STORAGE_MAY_IMPORT_FROM_FLEET
-        return not found.within("app", "pages", "cli", "analysis", "streamlit", *TORCH_SIDE)
+        return not found.within("serving", "app", "pages", "cli", "analysis", "streamlit", *TORCH_SIDE)
 
     assert breaking(imports_in("storage"), allowed) == []
 
 
 def test_the_fleet_imports_nothing_from_storage_the_engine_or_the_console() -> None:
     def allowed(found: Import) -> bool:
-        return not found.within("storage", "engine", "app", "pages", "cli")
+        return not found.within("storage", "engine", "serving", "app", "pages", "cli")
 
     assert breaking(imports_in("fleet"), allowed) == []
 
@@ -167,28 +167,82 @@ def torch_free_engine_modules() -> set[str]:
 
 def test_the_scanner_sees_the_engines_torch_side() -> None:
     free = torch_free_engine_modules()
-    assert {"engine.block_pool", "engine.eviction", "engine.scheduler", "engine.kv_coordinator"} <= free
-    assert not {"engine.engine", "engine.model_runner", "engine.models"} & free
+    assert {"engine.core.block_pool", "engine.core.eviction", "engine.core.scheduler", "engine.core.kv_coordinator"} <= free
+    assert not {"engine.engine", "engine.runner.model_runner", "engine.runner.model_loading"} & free
 
 
-def test_analysis_and_fleet_use_only_the_engines_torch_free_modules() -> None:
-    free = torch_free_engine_modules()
+def test_analysis_and_fleet_take_from_the_engine_only_its_bookkeeping() -> None:
     imports = imports_in("analysis") + imports_in("fleet")
-    assert breaking(imports, lambda found: not found.within("engine") or found.module in free) == []
+    assert breaking(imports, lambda found: not found.within("engine") or found.within("engine.core")) == []
+
+
+def test_the_bookkeeping_package_imports_only_itself_and_the_standard_library() -> None:
+    """engine/core/ is the torch-free layer: not torch, not the runner or the feeds, nothing outside."""
+    stdlib = set(sys.stdlib_module_names)
+
+    def allowed(found: Import) -> bool:
+        return found.within("engine.core") or found.top in stdlib or found.top in CORE_MAY_IMPORT
+
+    assert breaking(imports_in("engine/core"), allowed) == []
+    assert "engine.core" in {".".join(i.module.split(".")[:2]) for i in imports_in("engine/core")}  # it sees them
+
+
+def import_cycles() -> list[list[str]]:
+    """The cycles of the product's module import graph (every import counted, lazy or not), by Tarjan's
+    strongly connected components over modules."""
+    graph: dict[str, set[str]] = {}
+    for package in PRODUCT:
+        for found in imports_in(package):
+            source = found.source.removesuffix(".py").removesuffix("/__init__").replace("/", ".")
+            if found.top in PRODUCT and found.module != source:
+                graph.setdefault(source, set()).add(found.module)
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    cycles: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        for target in graph.get(node, ()):
+            if target not in index:
+                visit(target)
+                low[node] = min(low[node], low[target])
+            elif target in stack:
+                low[node] = min(low[node], index[target])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1:
+                cycles.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return cycles
+
+
+def test_no_module_imports_itself_through_others() -> None:
+    assert import_cycles() == []
 
 
 def test_pages_read_the_history_through_storage_queries_only() -> None:
     def allowed(found: Import) -> bool:
-        return not found.within("storage") or found.module in PAGE_QUERIES
+        return not found.within("storage") or found.within("storage.read")
 
     assert breaking(imports_in("pages"), allowed) == []
 
 
 def test_the_app_and_the_cli_use_only_storages_public_modules() -> None:
     def allowed(found: Import) -> bool:
-        return not found.within("storage") or found.module == "storage" or found.module in STORAGE_PUBLIC
+        return (not found.within("storage") or found.module in ("storage", "storage.read")
+                or found.within("storage.read") or found.module in STORAGE_PUBLIC)
 
-    assert breaking(imports_in("app") + imports_in("cli"), allowed) == []
+    assert breaking(imports_in("app") + imports_in("cli") + imports_in("serving"), allowed) == []
 
 
 def test_the_cli_imports_storage_only_inside_the_commands_that_write_history() -> None:
@@ -197,7 +251,7 @@ def test_the_cli_imports_storage_only_inside_the_commands_that_write_history() -
 
 def test_the_console_imports_no_torch_and_no_model_runner() -> None:
     def allowed(found: Import) -> bool:
-        return not found.within(*TORCH_SIDE, "engine.model_runner")
+        return not found.within(*TORCH_SIDE, "engine.runner.model_runner")
 
     assert breaking(imports_in("app") + imports_in("pages"), allowed) == []
 

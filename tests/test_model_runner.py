@@ -12,11 +12,11 @@ import random
 import pytest
 import torch
 
-from engine.attention_plan import ALWAYS_CASCADE, NO_CASCADE
-from engine.config import EngineConfig
-from engine.kv_memory import kv_bytes_per_block
-from engine.model_runner import GroupSlots, ModelRunner, SeqChunk
-from engine.models import load_model
+from engine.runner.attention_plan import ALWAYS_CASCADE, NO_CASCADE
+from engine.core.config import EngineConfig
+from engine.core.kv_memory import kv_bytes_per_block
+from engine.runner.model_runner import GroupSlots, ModelRunner, SeqChunk
+from engine.runner.model_loading import load_model
 from tests.engine_support import RUNNER_BLOCK_SIZE as BLOCK_SIZE
 from tests.engine_support import RUNNER_NUM_BLOCKS as NUM_BLOCKS
 from tests.engine_support import tokens
@@ -200,7 +200,7 @@ def test_malformed_chunks_are_refused(runner_pair, chunk_args):
 def test_a_nan_in_a_block_no_chunk_holds_never_reaches_a_padded_decode_batch(runner_pair, name):
     """Regression: decode batches padded their gathers with block 0, masked yet multiplied by zero
     weights, so a NaN another request of the same step wrote into block 0 made every shorter decode NaN.
-    The padding is `engine/attention_plan.py`'s `_gathered_call`: each element pads with its own first block."""
+    The padding is `engine/runner/attention_plan.py`'s `_gathered_call`: each element pads with its own first block."""
     runner, reference = runner_pair(name)
     blocks = [b for b in shuffled_blocks(14) if b != 0]
     contexts = [tokens(n, 20 + n) for n in (3, 14, 8)]

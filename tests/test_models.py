@@ -7,12 +7,12 @@ import time
 import pytest
 import torch
 
-from engine.config import EngineConfig
-from engine.kv_groups import attention_window
-from engine.model_runner import ModelRunner, SeqChunk
-from engine.models import SMOLLM2_CACHE_NAME, ensure_atomic_dir, load_model, override_attention
-from engine.sampler import sample
-from engine.request import SamplingParams
+from engine.core.config import EngineConfig
+from engine.core.kv_groups import attention_window
+from engine.runner.model_runner import ModelRunner, SeqChunk
+from engine.runner.model_loading import SMOLLM2_CACHE_NAME, ensure_atomic_dir, load_model, override_attention
+from engine.runner.sampler import sample
+from engine.core.request import SamplingParams
 
 
 def test_smollm2_conversion_is_cached_and_runs_like_transformers_generate(smollm2_dir, test_data_dir):

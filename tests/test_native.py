@@ -1,6 +1,6 @@
 """The block pool runs compiled (build_native.py), and its plain source behaves exactly as the compiled one.
 
-`make` compiles engine/block.py, engine/eviction.py and engine/block_pool.py with mypyc; Python imports
+`make` compiles engine/core/block.py, engine/core/eviction.py and engine/core/block_pool.py with mypyc; Python imports
 the compiled modules in their place. These tests pin both halves of that bargain: what runs is compiled
 (the benchmarks' speed is the compiled pool's), and the source a reader reads is the same program: a copy
 of the packages without the compiled modules replays traces to the same hits and evictions, and passes
@@ -29,7 +29,7 @@ import json, sys
 from analysis.pool_replay import PoolCache
 from analysis.readers import load_trace
 from analysis.sequential import replay
-from engine.eviction import LruPolicy, ReuseLruPolicy
+from engine.core.eviction import LruPolicy, ReuseLruPolicy
 
 results = []
 for path in sys.argv[1:]:

@@ -6,8 +6,8 @@ import re
 
 import pytest
 
-from engine.kv_groups import HitPlan, ReplayMode
-from engine.request import HitSource, PromptKeys, Request, RequestStatus, SamplingParams
+from engine.core.kv_groups import HitPlan, ReplayMode
+from engine.core.request import HitSource, PromptKeys, Request, RequestStatus, SamplingParams
 
 
 def plan(mode: ReplayMode, h: int, r: int) -> HitPlan:

@@ -7,9 +7,9 @@ compute: a sliding-window hit replayed from r = 0 saves nothing.
 
 from __future__ import annotations
 
-from engine.config import EngineConfig
+from engine.core.config import EngineConfig
 from engine.engine import Engine
-from engine.request import SamplingParams
+from engine.core.request import SamplingParams
 from tests.engine_support import HYBRID_WINDOW, tokens
 
 ONE = SamplingParams(max_new_tokens=1, ignore_eos=True)

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.request import SamplingParams
-from engine.sampler import sample
+from engine.core.request import SamplingParams
+from engine.runner.sampler import sample
 
 LOGITS = torch.tensor([[0.0, 3.0, 1.0, 2.9], [5.0, 0.0, 0.0, 0.0]])
 

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import random
 
-from engine.config import EngineConfig
+from engine.core.config import EngineConfig
 from engine.engine import Engine, RequestRejected
-from engine.events import EventKind, EvictReason
-from engine.request import SamplingParams
+from engine.core.events import EventKind, EvictReason
+from engine.core.request import SamplingParams
 from tests.engine_reference import LogitSpy, assert_matches_reference
 from tests.engine_support import HYBRID_WINDOW, tokens
 
@@ -38,7 +38,7 @@ def test_hybrid_spec_splits_layers_into_two_groups(tmp_path):
     engine, _ = hybrid_engine(tmp_path)
     assert [g.name for g in engine.runner.groups] == ["full", "sliding"]
     assert engine.runner.groups[1].window == W
-    assert engine.namespace.attention_spec == ("sliding:8", "full", "sliding:8", "full")
+    assert engine.core.namespace.attention_spec == ("sliding:8", "full", "sliding:8", "full")
 
 
 def test_ready_hit_replays_nothing_and_matches_reference(tmp_path, hybrid_reference):

@@ -27,11 +27,12 @@ from sqlalchemy import column as sql_column
 from sqlalchemy import table as sql_table
 from sqlalchemy.exc import DBAPIError
 
-from engine.events import Event, EventKind
-from engine.request import HitSource, Request, RequestStatus, SamplingParams
-from storage import migrate, queries
+from engine.core.events import Event, EventKind
+from engine.core.request import HitSource, Request, RequestStatus, SamplingParams
+from storage import migrate
+from storage.read import queries
 from storage.db import DB_URL_ENV, db_engine, default_db_url, open_session
-from storage.models import (
+from storage.schema import (
     AGE_EDGES_S,
     EVENT_COLUMNS,
     EVENTS,
@@ -41,11 +42,11 @@ from storage.models import (
     Base,
     Prune,
 )
-from storage.queries import Cursor, EvictionFilters
-from storage.retention import RetentionPolicy, prune
-from storage.rows import event_values, request_row
-from storage.writer import RunInfo, WriterOptions
-from storage.writer_process import WriterProcess
+from storage.read.queries import Cursor, EvictionFilters
+from storage.write.retention import RetentionPolicy, prune
+from storage.write.rows import event_values, request_row
+from storage.write.writer import RunInfo, WriterOptions
+from storage.write.writer_process import WriterProcess
 from tests.storage_support import (
     BASE_TIME,
     FAST,
@@ -320,7 +321,7 @@ def test_request_views_are_coalesced_per_batch(db_url: str, make_writer, engine_
 
 def test_sqlite_json_paths_store_exactly_what_the_row_functions_build(tmp_path: Path, make_writer, engine_for) -> None:
     """On SQLite, events and engine views go in through one JSON statement per batch; every stored value
-    must equal what storage.rows builds for the generic path (PostgreSQL runs that path)."""
+    must equal what storage.write.rows builds for the generic path (PostgreSQL runs that path)."""
     url = f"sqlite:///{tmp_path / 'h.sqlite'}"
     writer = make_writer(url)
     run_id = writer.start_run(RUN_INFO)
@@ -647,7 +648,7 @@ def test_the_rollup_table_never_keeps_empty_minutes(history) -> None:
 
 
 def test_the_storage_package_imports_no_streamlit_and_no_torch() -> None:
-    modules = "storage.writer_process, storage.writer_child, storage.queries"
+    modules = "storage.write.writer_process, storage.write.writer_child, storage.read.queries"
     code = f"import sys, {modules}; print(sorted({{'streamlit', 'torch'}} & set(sys.modules)))"
     result = subprocess.run(
         [sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120, env=os.environ

@@ -8,13 +8,14 @@ as after a console restart.
 
 from __future__ import annotations
 
-from engine.block_pool import BlockPool
-from engine.events import EventLog
-from engine.kv_cache_manager import KVCacheManager
-from engine.namespace import CacheNamespace
-from storage import migrate, queries
-from storage.block_history import EVICTABLE_FROM_HERE, SAFE_TO_REUSE
-from storage.writer import RunInfo
+from engine.core.block_pool import BlockPool
+from engine.core.events import EventLog
+from engine.core.kv_cache_manager import KVCacheManager
+from engine.core.namespace import CacheNamespace
+from storage import migrate
+from storage.read import queries
+from storage.read.block_history import EVICTABLE_FROM_HERE, SAFE_TO_REUSE
+from storage.write.writer import RunInfo
 from tests.storage_support import BASE_TIME, RUN_INFO, request_view
 
 

@@ -7,7 +7,8 @@ from sqlalchemy import JSON, insert
 from sqlalchemy import column as sql_column
 from sqlalchemy import table as sql_table
 
-from storage import migrate, queries
+from storage import migrate
+from storage.read import queries
 from tests.storage_support import BASE_TIME, LATEST_REVISION, RUN_INFO, request_view
 
 KEYS = bytes(range(32))  # two 16-byte keys

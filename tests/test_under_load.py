@@ -16,7 +16,7 @@ from pathlib import Path
 from tests.load_support import busy_loops, visibility_latencies
 from tests.storage_support import PG_URL_ENV, REPO
 
-LATENCY_BOUND_S = 5.0  # every row queryable within this (storage/writer_process.py), two busy processes beside it
+LATENCY_BOUND_S = 5.0  # every row queryable within this (storage/write/writer_process.py), two busy processes beside it
 # The tests that write history and read it back at once (writer, read-your-writes, the console's history
 # pages, the browser walk that used to flake), rerun beside the busy loops.
 RERUN = (

@@ -24,15 +24,16 @@ from pathlib import Path
 import pytest
 from sqlalchemy import create_engine, func, make_url, select, text
 
-from engine.config import EngineConfig
+from engine.core.config import EngineConfig
 from engine.engine import Engine
-from engine.events import Event, EventKind
-from engine.request import SamplingParams
-from storage import migrate, queries
-from storage.models import EVENTS, EventRecord, Eviction, Run
-from storage.recorder import record_engine
-from storage.writer import WriterOptions
-from storage.writer_process import WriterProcess
+from engine.core.events import Event, EventKind
+from engine.core.request import SamplingParams
+from storage import migrate
+from storage.read import queries
+from storage.schema import EVENTS, EventRecord, Eviction, Run
+from storage.write.recorder import record_engine
+from storage.write.writer import WriterOptions
+from storage.write.writer_process import WriterProcess
 from tests.storage_support import (
     BASE_TIME,
     FAST,
@@ -52,10 +53,10 @@ from tests.storage_support import (
 # prints the writer process's pid.
 KILLED_CHILD = """
 import sys, time
-from engine.events import Event, EventKind
-from storage.writer import EventWriter, RunInfo, WriterOptions
-from storage.writer_process import WriterProcess
-from storage.retention import RetentionPolicy
+from engine.core.events import Event, EventKind
+from storage.write.writer import EventWriter, RunInfo, WriterOptions
+from storage.write.writer_process import WriterProcess
+from storage.write.retention import RetentionPolicy
 
 url, size, kind = sys.argv[1], int(sys.argv[2]), sys.argv[3]
 options = WriterOptions(item_rows=size, batch_rows=size * 3, retention=RetentionPolicy(None, None, None))

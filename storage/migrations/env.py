@@ -6,7 +6,7 @@ Runs only online, on the connection that `storage.migrate` puts in ``config.attr
 
 from alembic import context
 
-from storage.models import Base
+from storage.schema import Base
 
 connection = context.config.attributes.get("connection")
 if connection is None:

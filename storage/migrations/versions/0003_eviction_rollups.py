@@ -3,7 +3,7 @@
 Revision ID: 0003
 Revises: 0002
 
-The bins below are frozen copies of storage.models' edges at this revision; later edge changes
+The bins below are frozen copies of storage.schema' edges at this revision; later edge changes
 need their own migration.
 """
 

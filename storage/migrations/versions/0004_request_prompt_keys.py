@@ -4,7 +4,7 @@ Revision ID: 0004
 Revises: 0003
 
 `block_keys` holds the chain keys of a finished request's full prompt blocks, 16 bytes each,
-concatenated; `content_keys` the same blocks' namespace-free keys (engine/request.py's PromptKeys).
+concatenated; `content_keys` the same blocks' namespace-free keys (engine/core/request.py's PromptKeys).
 Both stay NULL until the request finishes, and for rows written before this revision.
 """
 

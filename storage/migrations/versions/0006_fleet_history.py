@@ -4,7 +4,7 @@ Revision ID: 0006
 Revises: 0003
 
 New tables only (nothing existing changes), so this revision can follow any later one when the chain
-is re-linked. The tables are frozen copies of storage.models' fleet section at this revision.
+is re-linked. The tables are frozen copies of storage.schema' fleet section at this revision.
 """
 
 import sqlalchemy as sa
@@ -19,7 +19,7 @@ ROW_ID = sa.BigInteger().with_variant(sa.Integer(), "sqlite")
 
 
 def _source_id() -> sa.Column:
-    """fleet_sources.id, without a FOREIGN KEY (see storage.models' fleet section)."""
+    """fleet_sources.id, without a FOREIGN KEY (see storage.schema' fleet section)."""
     return sa.Column("source_id", sa.String(), nullable=False)
 
 

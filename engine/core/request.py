@@ -1,0 +1,249 @@
+"""Requests: what an operator asked for, and what the engine did with it.
+
+`Request` is the engine's mutable record (owned by the engine thread). Every change of its fields is one
+of the transitions below, each a method that makes all of that transition's changes:
+
+    submitted ──admitted──> running ──finished──> finished | retained ──released──> released
+        │  ^                  │  ^                   (retained: blocks kept as a fork base)
+        │  └────preempted─────┘  └─ reserved, chunk_computed, append_token (every step)
+        ├─ rejected                 (a fork child starts with `seeded_by_fork`, still waiting)
+        └──────── stopped (waiting or running) ──> failed | aborted   (ended unfinished; blocks freed)
+
+`RequestView` (engine/core/snapshot.py) is the immutable copy handed to other threads (console, storage, CLI).
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+from engine.core.config import MAX_NEW_TOKENS
+from engine.core.kv_groups import HitPlan, ReplayMode
+
+
+class RequestStatus(str, enum.Enum):
+    WAITING = "waiting"  # queued, holds no blocks (or was preempted and gave them back)
+    RUNNING = "running"  # holds blocks, is prefilling or decoding
+    RETAINED = "retained"  # finished but kept as a fork base; holds its blocks until released
+    FINISHED = "finished"  # done; its blocks were released
+    RELEASED = "released"  # a retained request that an operator released
+    REJECTED = "rejected"  # refused (too large for the pool, ...); never held blocks
+    FAILED = "failed"  # stopped by an error of its own (non-finite logits); its blocks were freed
+    ABORTED = "aborted"  # stopped unfinished because its engine was shut down (a restart); blocks freed
+
+
+class HitSource(str, enum.Enum):
+    NONE = "none"  # nothing reused; the whole context was computed
+    PREFIX = "prefix"  # leading blocks came from the prefix index
+    FORK = "fork"  # the block table was shared from a parent request
+
+
+class PromptKeys(NamedTuple):
+    """The keys of a finished request's prompt that the history keeps, for the workload analyzer.
+
+    Both cover the prompt's full blocks, `num_prompt_tokens // block_size` keys of 16 bytes each,
+    concatenated: `chain` as the engine keyed them (its namespace and the request's salt at the root),
+    `content` chained from `engine.core.namespace.CONTENT_ROOT_KEY` instead, so the same tokens at the same
+    positions have the same content keys under every model, dtype and salt.
+    """
+
+    chain: bytes  # the table's chain keys of the prompt's full blocks
+    content: bytes  # the same blocks' namespace-free keys
+
+
+MIN_TEMPERATURE = 1e-5  # below it (but above 0) logits / temperature can overflow to inf: refused
+MAX_SEED = 2**63 - 1
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick the next token. temperature 0 means greedy."""
+
+    max_new_tokens: int = 16
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = None  # per-request generator seed for temperature > 0
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if type(self.max_new_tokens) is not int or not 1 <= self.max_new_tokens <= MAX_NEW_TOKENS:
+            raise ValueError(f"max_new_tokens must be an integer in [1, {MAX_NEW_TOKENS}], got {self.max_new_tokens!r}")
+        if not (self.temperature == 0.0 or MIN_TEMPERATURE <= self.temperature <= 10.0):
+            raise ValueError(f"temperature must be 0 (greedy) or in [{MIN_TEMPERATURE:g}, 10], got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.seed is not None and (type(self.seed) is not int or not 0 <= self.seed <= MAX_SEED):
+            raise ValueError(f"seed must be an integer in [0, 2**63 - 1] or None, got {self.seed!r}")
+
+
+@dataclass
+class Request:
+    """The engine's record of one request. Mutated only by the engine thread, only through its methods."""
+
+    request_id: str
+    prompt_token_ids: tuple[int, ...]  # context before generation (a fork's inherited tokens included); fixed
+    sampling: SamplingParams
+    parent_id: str | None = None  # set for forks
+    retain: bool = False  # keep blocks after finishing, as a fork base
+    salt: str | None = None  # tenant salt folded into the cache namespace
+    status: RequestStatus = RequestStatus.WAITING
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0  # tokens whose KV is in this request's blocks
+    cached_tokens: int = 0  # hit position: tokens reused at first schedule
+    computed_tokens: int = 0  # prefill tokens actually run through the model
+    hit_source: HitSource = HitSource.NONE
+    cow_copies: int = 0  # copy-on-write copies its chunks made (shared partial tails written into)
+    preemptions: int = 0
+    finish_reason: str | None = None
+    final_block_tables: dict[str, tuple[int, ...]] = field(default_factory=dict)  # per KV group, as it finished
+    prompt_keys: PromptKeys | None = None  # set when it finishes
+    # Sliding-window hit accounting (see engine/core/kv_groups.py): the hit position h is `cached_tokens`.
+    window_start: int = 0  # s: valid window-state range [s, e) found at admission
+    window_end: int = 0  # e
+    replay_from: int = 0  # r: computation started here; [r, h) was replayed
+    replay_mode: ReplayMode = ReplayMode.NONE
+    replayed_tokens: int = 0  # h - r
+    replay_divergence: dict[str, float] | None = None  # set when an approximate replay was verified
+    # False while the request's KV derives from an approximate replay: set at every admission from its hit
+    # plan, inherited by a fork child from its parent. Such state is never offered to the prefix index,
+    # so no later request can hit it.
+    cacheable: bool = True
+    prefilling: bool = True  # no token sampled since the last admission (fresh or after preemption)
+    arrival_time: float = 0.0
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finish_time: float | None = None
+
+    def __post_init__(self) -> None:
+        self.prompt_token_ids = tuple(self.prompt_token_ids)  # views share it instead of copying it
+
+    # ------------------------------------------------------------------ reading
+    @property
+    def num_tokens(self) -> int:
+        """Context length: prompt plus generated tokens."""
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    def tokens(self, start: int, end: int) -> list[int]:
+        """Context tokens [start, end) (prompt, then output), copying only those: the scheduler reads a
+        step's chunk through this, so a step costs what it computes, not the context length."""
+        num_prompt = len(self.prompt_token_ids)
+        if end <= num_prompt:
+            return list(self.prompt_token_ids[start:end])
+        if start >= num_prompt:
+            return self.output_token_ids[start - num_prompt : end - num_prompt]
+        return [*self.prompt_token_ids[start:], *self.output_token_ids[: end - num_prompt]]
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        """A copy of the whole context: for one-off uses (a hit lookup, a fork), never once per step."""
+        return [*self.prompt_token_ids, *self.output_token_ids]
+
+    # ------------------------------------------------------------------ transitions
+    def seeded_by_fork(self, shared_tokens: int, mode: ReplayMode) -> None:
+        """A fork child (hit source FORK), still waiting, shares its parent's first `shared_tokens` tokens of KV."""
+        self.num_computed_tokens = shared_tokens
+        self.cached_tokens = shared_tokens
+        self.replay_from = shared_tokens
+        self.replay_mode = mode
+
+    def fork_share_given_back(self) -> None:
+        """A waiting fork child gave its parent's blocks back (so that others could start): it starts like
+        a new request, from a lookup of its context in the prefix index. Counted as a preemption."""
+        self.preemptions += 1
+        self.num_computed_tokens = 0
+        self.cached_tokens = 0
+        self.replay_from = 0
+        self.replay_mode = ReplayMode.NONE
+        self.hit_source = HitSource.NONE
+
+    def rejected(self, reason: str) -> None:
+        self.status = RequestStatus.REJECTED
+        self.finish_reason = reason
+
+    def admitted(self, start: int, plan: HitPlan | None, now: float) -> None:
+        """The request runs from position `start`; `plan` is its hit plan (None for a fork child's
+        first admission, whose tables came from its parent).
+
+        The hit accounting (cached tokens, hit source, window range, replay) is the first admission's;
+        whether its state may be cached is decided afresh by every admission that planned a hit.
+        """
+        self.status = RequestStatus.RUNNING
+        self.num_computed_tokens = start
+        if plan is not None:
+            self.cacheable = plan.mode is not ReplayMode.APPROXIMATE
+        if self.first_scheduled_time is not None:
+            return
+        self.first_scheduled_time = now
+        if plan is not None:
+            self.cached_tokens = plan.h
+            self.hit_source = HitSource.PREFIX if plan.h else HitSource.NONE
+            self.window_start, self.window_end = plan.s, plan.e
+            self.replay_from, self.replay_mode = plan.r, plan.mode
+            self.replayed_tokens = plan.replayed_tokens
+
+    def reserved(self, num_copies: int) -> None:
+        """Slots for its next chunk were reserved; `num_copies` shared partial tails were copied for it."""
+        self.cow_copies += num_copies
+
+    def chunk_computed(self, num_tokens: int) -> None:
+        """The forward computed its scheduled chunk of `num_tokens` tokens."""
+        self.num_computed_tokens += num_tokens
+        if self.prefilling:
+            self.computed_tokens += num_tokens
+
+    def append_token(self, token: int, now: float) -> None:
+        """A token was sampled for it."""
+        self.output_token_ids.append(token)
+        self.prefilling = False
+        if self.first_token_time is None:
+            self.first_token_time = now
+
+    def preempted(self) -> None:
+        """It lost its blocks and waits to be recomputed from scratch."""
+        self.status = RequestStatus.WAITING
+        self.num_computed_tokens = 0
+        self.preemptions += 1
+        self.prefilling = True
+
+    def finished(
+        self, reason: str, block_tables: dict[str, tuple[int, ...]], now: float, *, prompt_keys: PromptKeys
+    ) -> None:
+        """It stopped generating; `block_tables` are its tables at that moment, `prompt_keys` its prompt's."""
+        self.prompt_keys = prompt_keys
+        self._ended(RequestStatus.RETAINED if self.retain else RequestStatus.FINISHED, reason, block_tables, now)
+
+    def stopped(self, status: RequestStatus, reason: str, block_tables: dict[str, tuple[int, ...]], now: float) -> None:
+        """It ended unfinished, waiting or running: FAILED by an error of its own (non-finite logits) or
+        ABORTED because its engine shut down. `block_tables` are the tables it held (empty if none; the
+        scheduler frees them), and it records no prompt keys (nothing it computed is kept).
+
+        Raises:
+            ValueError: a status other than FAILED or ABORTED.
+        """
+        if status not in (RequestStatus.FAILED, RequestStatus.ABORTED):
+            raise ValueError(f"a stopped request ends failed or aborted, not {status.value}")
+        self._ended(status, reason, block_tables, now)
+
+    def _ended(self, status: RequestStatus, reason: str, block_tables: dict[str, tuple[int, ...]], now: float) -> None:
+        """The fields every end sets (`finished` and `stopped` both end through here)."""
+        self.status = status
+        self.finish_reason = reason
+        self.finish_time = now
+        self.final_block_tables = block_tables
+
+    def release_when_finished(self) -> None:
+        """An operator released it before it finished: it frees its blocks when it does."""
+        self.retain = False
+
+    def released(self) -> None:
+        """An operator released it after it finished retained: its blocks are gone."""
+        self.status = RequestStatus.RELEASED
+
+    def replay_verified(self, divergence: dict[str, float]) -> None:
+        """Its approximate replay was measured against a from-scratch forward."""
+        self.replay_divergence = divergence

@@ -1,0 +1,344 @@
+"""Continuous batching: which tokens of which requests the next forward computes, and what its results do.
+
+Pure Python: no torch. Each step the scheduler fills a token budget, running requests first (decodes
+and unfinished prefill chunks, oldest first), then waiting requests (oldest first). A waiting request
+holds no blocks, except a fork child, which holds its parent's from the fork on; so when the oldest
+cannot start, a fork child that can goes ahead of it, and when no request can start and none runs, the
+waiting children give their parents' blocks back (newest first, until one can start): they then look
+their contexts up in the prefix index like any new request. Without both, a child whose parent ended
+could hold the blocks the requests ahead of it need for ever. A request that cannot get blocks waits;
+when a running request cannot grow, the newest running request is preempted: its blocks are released
+and it goes back to the front of the queue, to be recomputed later (usually a prefix hit, since its
+full blocks stay cached). After the forward, `postprocess` accounts for the computed chunks, appends
+the sampled tokens and finishes the requests that stop; a request whose forward went non-finite fails
+instead, and `stop_request` ends one unfinished (failed or aborted).
+
+Invariant between steps: for every running or retained request, its block table holds exactly
+`num_computed_tokens` tokens, and those are its context's first tokens.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Collection, Mapping
+
+from engine.core.config import EngineConfig
+from engine.core.events import EventKind, EventLog
+from engine.core.kv_cache_manager import BlockCopy
+from engine.core.kv_coordinator import KVCoordinator
+from engine.core.kv_groups import HitPlan
+from engine.core.request import Request, RequestStatus
+
+
+@dataclass(slots=True)
+class ReuseCounters:
+    """Prompt tokens reused and computed, counted the way vLLM's metrics count them (in tokens).
+
+    Three kinds of admission are kept apart, so that no number claims more reuse than happened:
+
+        prefix lookup   a new request's prompt looked up in the prefix index (vLLM's
+                        `prefix_cache_queries` / `prefix_cache_hits`); a hit counts only the tokens that
+                        were not computed: the replay boundary r, not the hit position h (a sliding-window
+                        hit replayed from r = 0 saved nothing)
+        fork            a child's context shared from its parent's table (not an index lookup)
+        re-admission    a preempted request looked up again; its reuse is its own recomputation, not a
+                        prefix hit (vLLM #25780), so it is counted here and nowhere else
+    """
+
+    prefix_query_tokens: int = 0  # prompt tokens of new requests looked up in the prefix index
+    prefix_hit_tokens: int = 0  # of which reused from the index and not computed (r per request)
+    replayed_tokens: int = 0  # hit tokens computed again to rebuild sliding-window state (h - r)
+    fork_query_tokens: int = 0  # context tokens of fork children at their first admission
+    fork_shared_tokens: int = 0  # of which shared from the parent and not computed
+    preempted_query_tokens: int = 0  # context tokens of preempted requests looked up again on re-admission
+    preempted_hit_tokens: int = 0  # of which found in the cache (their own blocks, mostly)
+
+    def count_admission(self, request: Request, plan: HitPlan | None, start: int, *, first_time: bool) -> None:
+        """Count one admission: `plan` is its hit plan (None for a fork child's first admission) and
+        `start` the position its first chunk starts at."""
+        if not first_time:
+            self.preempted_query_tokens += request.num_tokens
+            self.preempted_hit_tokens += start
+        elif plan is None:
+            self.fork_query_tokens += request.num_prompt_tokens
+            self.fork_shared_tokens += start
+        else:
+            self.prefix_query_tokens += request.num_prompt_tokens
+            self.prefix_hit_tokens += start
+            self.replayed_tokens += plan.replayed_tokens
+
+
+@dataclass(frozen=True, slots=True)
+class ScheduledChunk:
+    """Tokens of one request that the next forward computes, at positions start_pos.. onwards."""
+
+    request: Request
+    token_ids: list[int]
+    start_pos: int
+    write_from: tuple[int, ...]  # per KV group: first position this chunk writes (see KVCoordinator)
+
+    @property
+    def reaches_end(self) -> bool:
+        """True when the chunk computes the context's last token, so its logits are sampled."""
+        return self.start_pos + len(self.token_ids) == self.request.num_tokens
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerOutput:
+    chunks: list[ScheduledChunk]
+    copies: tuple[list[BlockCopy], ...]  # per KV group: copy-on-write copies to execute before the forward
+    preempted: list[Request]
+    changed: list[Request]  # every request this step changes: those with a chunk, then the preempted
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, kv: KVCoordinator, log: EventLog, eos_token_ids: Collection[int]):
+        self.kv = kv
+        self._log = log
+        self.max_num_batched_tokens = config.max_num_batched_tokens
+        self.max_num_seqs = config.max_num_seqs
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+        self.counters = ReuseCounters()
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def add(self, request: Request) -> None:
+        self.waiting.append(request)
+
+    # ------------------------------------------------------------------ scheduling
+    def schedule(self) -> SchedulerOutput:
+        budget = self.max_num_batched_tokens
+        chunks: list[ScheduledChunk] = []
+        preempted: list[Request] = []
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            start = request.num_computed_tokens
+            n = min(budget, request.num_tokens - start)
+            if not self._make_room(request, n, preempted):
+                break  # it preempted itself: it was the newest, nothing runs after it
+            tokens = request.tokens(start, start + n)
+            reservation = self.kv.append(request.request_id, start, tokens)
+            request.reserved(reservation.num_copies)
+            chunks.append(ScheduledChunk(request, tokens, start, reservation.write_from))
+            budget -= n
+            i += 1
+
+        budget = self._admit_waiting(chunks, budget, preempted)
+        while not chunks and not self.running and self._give_back_a_fork_share():
+            budget = self._admit_waiting(chunks, budget, preempted)
+
+        changed = [chunk.request for chunk in chunks] + preempted
+        return SchedulerOutput(chunks, self.kv.take_copies(), preempted, changed)
+
+    def _make_room(self, request: Request, num_tokens: int, preempted: list[Request]) -> bool:
+        """Preempt the newest running requests until the request's next chunk fits. Returns False when
+        the request had to preempt itself."""
+        while not self.kv.can_append(request.request_id, request.num_computed_tokens, num_tokens):
+            victim = self.running[-1]
+            self._preempt(victim)
+            preempted.append(victim)
+            if victim is request:
+                return False
+        return True
+
+    def _admit_waiting(self, chunks: list[ScheduledChunk], budget: int, preempted: list[Request]) -> int:
+        """Start waiting requests while the budget, the running set and the pool allow, adding their first
+        chunks to `chunks`; returns the budget left. None starts in a step that preempted."""
+        while self.waiting and budget > 0 and not preempted and len(self.running) < self.max_num_seqs:
+            admissible = self._next_admissible(budget)
+            if admissible is None:
+                break
+            request, plan = admissible
+            self.waiting.remove(request)
+            self.running.append(request)
+            chunks.append(self._admit(request, plan, budget))
+            budget -= len(chunks[-1].token_ids)
+        return budget
+
+    def _give_back_a_fork_share(self) -> bool:
+        """Free the blocks of the newest waiting fork child that still holds its parent's; False if none does."""
+        for request in reversed(self.waiting):
+            if self.kv.has_table(request.request_id):
+                shared = request.num_computed_tokens
+                self.kv.free(request.request_id)
+                request.fork_share_given_back()
+                detail = {"num_computed_tokens": shared, "waiting": True}
+                self._log.emit(EventKind.PREEMPT, detail, request_id=request.request_id, tokens=shared)
+                self.num_preemptions += 1
+                return True
+        return False
+
+    def _next_admissible(self, budget: int) -> tuple[Request, HitPlan | None] | None:
+        """The waiting request to start next, with its hit plan: the oldest if it can start now, else the
+        oldest fork child that can (see the module docstring), else None."""
+        head = self.waiting[0]
+        plan = self._plan(head)
+        if self._can_admit(head, plan, budget):
+            return head, plan
+        for request in itertools.islice(self.waiting, 1, None):
+            if self.kv.has_table(request.request_id) and self._can_admit(request, None, budget):
+                return request, None
+        return None
+
+    def _plan(self, request: Request) -> HitPlan | None:
+        """A waiting request's hit plan; None for a fork child, whose tables it shares with its parent."""
+        if self.kv.has_table(request.request_id):
+            return None
+        return self.kv.plan_hit(request.all_token_ids, request.salt)
+
+    def _first_chunk_start(self, request: Request, plan: HitPlan | None) -> int:
+        """Where a waiting request's first chunk starts: its replay boundary, or (a fork child) the end of
+        the tokens its shared tables hold."""
+        return self.kv.num_tokens(request.request_id) if plan is None else plan.r
+
+    def _can_admit(self, request: Request, plan: HitPlan | None, budget: int) -> bool:
+        """Whether a waiting request can start now (`plan`: its hit plan; None for a fork child with tables)."""
+        start = self._first_chunk_start(request, plan)
+        n = min(budget, request.num_tokens - start)
+        if plan is None:
+            return self.kv.can_append(request.request_id, start, n)
+        if self._computed_by_another(request, plan.r):
+            return False  # wait: next step this request hits the blocks another one is computing now
+        return self.kv.can_admit(plan, n)
+
+    def _admit(self, request: Request, plan: HitPlan | None, budget: int) -> ScheduledChunk:
+        """Reserve blocks for a waiting request's first chunk (`_can_admit` said yes)."""
+        rid = request.request_id
+        start = self._first_chunk_start(request, plan)
+        tokens = request.tokens(start, start + min(budget, request.num_tokens - start))
+        if plan is None:
+            reservation = self.kv.append(rid, start, tokens)
+        else:
+            reservation = self.kv.admit(rid, tokens, plan, request.salt)
+        first_time = request.first_scheduled_time is None
+        request.admitted(start, plan, time.time())
+        request.reserved(reservation.num_copies)
+        self.counters.count_admission(request, plan, start, first_time=first_time)
+        if first_time:
+            detail = {
+                "cached_tokens": request.cached_tokens,
+                "computed_tokens": request.num_prompt_tokens - start,
+                "hit_source": request.hit_source.value,
+            }
+            self._log.emit(EventKind.SCHEDULE, detail, request_id=rid, tokens=request.num_prompt_tokens)
+        return ScheduledChunk(request, tokens, start, reservation.write_from)
+
+    def _computed_by_another(self, request: Request, hit_end: int) -> bool:
+        """True when a running request is still prefilling the block of this prompt that follows its hit.
+
+        Admitting now would compute that block, and usually the rest of a shared prefix, a second time
+        (a burst of requests with a new system prompt all prefill it together); once the other request's
+        forward caches it, this request hits it instead.
+        """
+        bs = self.kv.block_size
+        end = hit_end + bs
+        if end > (request.num_tokens - 1) // bs * bs:  # past the hit cap: no further block could be reused
+            return False
+        head = request.tokens(0, end)
+        return any(
+            other.prefilling
+            and other.salt == request.salt
+            and other.num_computed_tokens < end
+            and other.num_tokens >= end
+            and other.tokens(0, end) == head
+            for other in self.running
+        )
+
+    def _preempt(self, request: Request) -> None:
+        self.running.remove(request)
+        self.kv.free(request.request_id)
+        detail = {"num_computed_tokens": request.num_computed_tokens}
+        self._log.emit(EventKind.PREEMPT, detail, request_id=request.request_id, tokens=request.num_computed_tokens)
+        request.preempted()
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    # ------------------------------------------------------------------ after the forward
+    def postprocess(
+        self, out: SchedulerOutput, sampled: dict[str, int], failed: Mapping[str, str] | None = None
+    ) -> list[Request]:
+        """Account for the forward over `out`: computed chunks enter the cache, sampled tokens are
+        appended, requests that stop finish, and requests whose forward went wrong fail. Returns the
+        requests that ended (finished or failed), in chunk order.
+
+        Args:
+            out: this step's schedule.
+            sampled: the token sampled for each request whose chunk reached its context's end.
+            failed: why each request in it failed (request id -> reason), for chunks whose forward came
+                out non-finite: such a chunk is not computed, its request ends FAILED and its blocks are
+                freed, none of them cached.
+        """
+        failed = failed or {}
+        finished = []
+        now = time.time()
+        for chunk in out.chunks:
+            request = chunk.request
+            if request.request_id in failed:
+                self.stop_request(request, RequestStatus.FAILED, failed[request.request_id])
+                finished.append(request)
+                continue
+            request.chunk_computed(len(chunk.token_ids))
+            self.kv.finish_chunk(request.request_id, cacheable=request.cacheable)
+            token = sampled.get(request.request_id)
+            if token is None:
+                continue
+            request.append_token(token, now)
+            reason = self._stop_reason(request, token)
+            if reason is not None:
+                self._finish(request, reason, now)
+                finished.append(request)
+        return finished
+
+    def _stop_reason(self, request: Request, token: int) -> str | None:
+        if not request.sampling.ignore_eos and token in self.eos_token_ids:
+            return "eos"
+        if len(request.output_token_ids) >= request.sampling.max_new_tokens:
+            return "length"
+        return None
+
+    def _finish(self, request: Request, reason: str, now: float) -> None:
+        """Take a finished request out of the running set; free its blocks unless it is retained."""
+        self.running.remove(request)
+        rid = request.request_id
+        keys = self.kv.prompt_keys(rid, request.prompt_token_ids)
+        request.finished(reason, self.kv.block_ids(rid), now, prompt_keys=keys)
+        self._end(request)
+
+    def stop_request(self, request: Request, status: RequestStatus, reason: str) -> None:
+        """End a waiting or running request unfinished (`status` FAILED or ABORTED); its blocks are freed.
+
+        Raises:
+            ValueError: a request that is neither waiting nor running, or a status that is not such an
+                end; nothing changes.
+        """
+        rid = request.request_id
+        if request in self.running:
+            queue = self.running
+        elif request in self.waiting:
+            queue = self.waiting
+        else:
+            raise ValueError(f"request {rid!r} is {request.status.value}: neither waiting nor running")
+        tables = self.kv.block_ids(rid) if self.kv.has_table(rid) else {}
+        request.stopped(status, reason, tables, time.time())  # raises on a wrong status, before any change
+        queue.remove(request)
+        self._end(request)
+
+    def _end(self, request: Request) -> None:
+        """What every end shares, after the request's own transition: its blocks are freed unless it is
+        retained, and a FINISH event records how it ended (its status and reason)."""
+        rid = request.request_id
+        if request.status is not RequestStatus.RETAINED and self.kv.has_table(rid):
+            self.kv.free(rid)
+        num_output = len(request.output_token_ids)
+        detail = {"reason": request.finish_reason, "output_tokens": num_output, "status": request.status.value}
+        self._log.emit(EventKind.FINISH, detail, request_id=rid, tokens=num_output)

@@ -1,0 +1,179 @@
+"""The engine's prefix-cache changes as vLLM 0.33's KV events: the wire types and the translation.
+
+vLLM, SGLang, llm-d's KV-cache indexer and NVIDIA Dynamo's KV router speak one feed (see
+engine/feeds/kv_event_publisher.py for the sockets). This module makes its messages from the engine's own
+`Event`s, so the feed is a pure function of what the engine's listeners (and the history) receive:
+
+    CACHE  (blocks entered the prefix index)   -> BlockStored per run of chained blocks
+    EVICT  (a cached block lost its key)       -> BlockRemoved, one per block (as vLLM sends them)
+    RESET  of every KV group, none keeping a referenced block
+                                               -> AllBlocksCleared after the groups' BlockRemoved
+
+Field by field, as vLLM's BlockPool fills them:
+    block_hashes       the low 64 bits of the engine's 128-bit chain key, an unsigned int
+                       (vLLM's `maybe_convert_block_hash`: int.from_bytes(key, "big") & (2**64 - 1))
+    parent_block_hash  the same of the block's chain parent; None under the namespace root
+    token_ids          the blocks' tokens back to back (always block_size per block: only full blocks
+                       are cached); block_size the engine's
+    medium             "GPU" when the KV lives on a CUDA device, else "CPU"
+    group_idx          the KV group's position in the model's groups (full attention first)
+    kv_cache_spec_kind "full_attention" or "sliding_window", kv_cache_spec_sliding_window its window
+                       (vLLM annotates every BlockStored with both)
+    lora_id, lora_name None (no adapters); extra_keys None (the tenant salt is folded into the root)
+
+A CACHE event's blocks are usually one chain; when a block was skipped (an identical twin is cached) the
+next one hangs from the twin, so the event splits where a block's parent is not the block before it.
+
+The wire types mirror vLLM 0.33's `vllm.distributed.kv_events` field for field (names, order, defaults,
+`omit_defaults`, tags, the array-encoded batch), so msgspec encodes them to the same bytes; the engine
+imports nothing from vLLM or from fleet/ (tests/test_kv_event_publisher.py compares with both).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+
+from engine.core.events import Event, EventKind
+
+MEDIUM_GPU = "GPU"
+MEDIUM_CPU = "CPU"
+FULL_ATTENTION_KIND = "full_attention"  # vLLM's KVCacheSpecKind values
+SLIDING_WINDOW_KIND = "sliding_window"
+_LOW_64 = (1 << 64) - 1
+
+
+class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """One published message: the events of one engine step (vLLM's EventBatch / KVEventBatch)."""
+
+    ts: float  # wall clock when the batch was made (seconds since the epoch)
+    events: list[Any]  # BlockStored | BlockRemoved | AllBlocksCleared
+    data_parallel_rank: int | None = None  # the engine's data-parallel rank (0: this engine is alone)
+
+
+class KVCacheEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True):
+    """A map tagged {"type": <class name>} on the wire."""
+
+
+class BlockStored(KVCacheEvent):
+    """Full blocks entered the prefix cache, chained after `parent_block_hash`."""
+
+    block_hashes: list[int]  # one per block, in chain order (low 64 bits of each chain key)
+    parent_block_hash: int | None  # the block before the first; None under the namespace root
+    token_ids: list[int]  # the blocks' tokens back to back
+    block_size: int  # tokens per block
+    lora_id: int | None  # deprecated by vLLM; None
+    medium: str | None  # "GPU" or "CPU"
+    lora_name: str | None  # None (no adapters)
+    extra_keys: list[tuple[Any, ...] | None] | None = None  # None (the salt is part of the root key)
+    group_idx: int | None = None  # the KV group
+    kv_cache_spec_kind: str | None = None  # "full_attention" | "sliding_window"
+    kv_cache_spec_sliding_window: int | None = None  # the window of a sliding group
+    locality: str | None = None  # not said
+    ownership: str | None = None  # not said
+    session_id: str | None = None  # not said
+    lookahead_token_ids: list[list[int]] | None = None  # no lookahead hashing
+
+
+class BlockRemoved(KVCacheEvent):
+    """Cached blocks left the prefix cache (the engine sends one per evicted block)."""
+
+    block_hashes: list[int]  # as in BlockStored
+    medium: str | None  # as in BlockStored
+    group_idx: int | None = None  # as in BlockStored
+    locality: str | None = None  # not said
+    ownership: str | None = None  # not said
+
+
+class AllBlocksCleared(KVCacheEvent):
+    """The prefix cache is empty after a reset."""
+
+
+KVEvent = BlockStored | BlockRemoved | AllBlocksCleared
+
+
+def external_hash(key_hex: str) -> int:
+    """The published hash of a chain key (hex): its low 64 bits, unsigned."""
+    return int(key_hex, 16) & _LOW_64
+
+
+@dataclass(frozen=True)
+class GroupSpec:
+    """What the feed says about one KV group."""
+
+    name: str  # the engine's group name ("full" / "sliding"), as events carry it
+    sliding_window: int | None  # its window in tokens; None for full attention
+
+    @property
+    def kind(self) -> str:
+        return FULL_ATTENTION_KIND if self.sliding_window is None else SLIDING_WINDOW_KIND
+
+
+class KVEventTranslator:
+    """Engine events -> KV events, in order. Keeps only the progress of a reset across the groups.
+
+    Not thread-safe: one listener (the engine thread) calls it.
+    """
+
+    def __init__(self, groups: Sequence[GroupSpec], block_size: int, medium: str) -> None:
+        """Args:
+        groups: the engine's KV groups in order (their positions are the group_idx).
+        block_size: tokens per block.
+        medium: MEDIUM_GPU or MEDIUM_CPU.
+        """
+        if not groups:
+            raise ValueError("an engine has at least one KV group")
+        self.groups = tuple(groups)  # the engine's KV groups, full attention first
+        self.block_size = block_size  # tokens per block
+        self.medium = medium  # where the KV lives
+        self._index = {group.name: index for index, group in enumerate(self.groups)}
+        self._resetting: list[int] = []  # kept blocks of the groups reset so far in the current reset
+
+    def translate(self, events: Sequence[Event]) -> list[KVEvent]:
+        """The KV events of `events` (engine events of other kinds translate to nothing)."""
+        out: list[KVEvent] = []
+        for event in events:
+            kind = event.kind
+            if kind is EventKind.CACHE:
+                out.extend(self._stored(event.detail))
+            elif kind is EventKind.EVICT:
+                group_idx = self._index[event.detail["group"]]
+                out.append(BlockRemoved([external_hash(event.detail["key"])], self.medium, group_idx))
+            elif kind is EventKind.RESET:
+                self._resetting.append(event.detail["kept_blocks"])
+                if len(self._resetting) == len(self.groups):  # every group's pool was reset
+                    if not any(self._resetting):
+                        out.append(AllBlocksCleared())
+                    self._resetting.clear()
+        return out
+
+    def _stored(self, detail: dict) -> list[BlockStored]:
+        group_idx = self._index[detail["group"]]
+        group = self.groups[group_idx]
+        keys, parents, tokens = detail["keys"], detail["parent_keys"], detail["token_ids"]
+        size = self.block_size
+        stored: list[BlockStored] = []
+        start = 0
+        for end in range(1, len(keys) + 1):
+            if end < len(keys) and parents[end] == keys[end - 1]:
+                continue  # the chain goes on
+            parent = parents[start]
+            stored.append(
+                BlockStored(
+                    block_hashes=[external_hash(key) for key in keys[start:end]],
+                    parent_block_hash=None if parent is None else external_hash(parent),
+                    token_ids=tokens[start * size : end * size],
+                    block_size=size,
+                    lora_id=None,
+                    medium=self.medium,
+                    lora_name=None,
+                    group_idx=group_idx,
+                    kv_cache_spec_kind=group.kind,
+                    kv_cache_spec_sliding_window=group.sliding_window,
+                )
+            )
+            start = end
+        return stored

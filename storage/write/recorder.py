@@ -1,0 +1,56 @@
+"""Connecting a running engine to the history: one run row, then every step's events and requests.
+
+Duck-typed on the engine (no torch import here): it needs `config`, `namespace`, `loaded` (model_id,
+device, weights_revision), `num_blocks` and `add_listener`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from storage.write.writer import EventWriter, RunInfo
+
+if TYPE_CHECKING:
+    from storage.write.writer_process import WriterProcess
+
+
+def run_info(engine: Any, started_at: float | None = None) -> RunInfo:
+    """What identifies this engine start in the history."""
+    return RunInfo(
+        model=engine.loaded.model_id,
+        num_blocks=engine.num_blocks,
+        block_size=engine.core.config.block_size,
+        dtype=engine.core.config.dtype,
+        device=str(engine.loaded.device),
+        weights_revision=engine.loaded.weights_revision,
+        namespace=engine.core.namespace.root_key(None).hex(),
+        started_at=time.time() if started_at is None else started_at,
+    )
+
+
+def record_engine(engine: Any, writer: EventWriter | WriterProcess) -> str:
+    """Start a run for `engine` and persist everything it does from now on. Returns the run id.
+
+    The listener only queues (the writer thread does the I/O), so the engine's step time does not
+    depend on the database.
+    """
+    run_id = writer.start_run(run_info(engine))
+    engine.add_listener(persistence_listener(writer))
+    return run_id
+
+
+def persistence_listener(writer: EventWriter | WriterProcess) -> Callable[[list, list], None]:
+    """An engine listener that queues every event and request view into the writer's current run.
+
+    The engine hands its listeners `Event`s and `RequestView`s, the only types the writers accept.
+    """
+
+    def persist(events: list, views: list) -> None:
+        if events:
+            writer.submit(events)
+        if views:
+            writer.record_requests(views)
+
+    return persist

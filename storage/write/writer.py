@@ -1,0 +1,621 @@
+"""The single writer: the engine hands it events and request views, a background thread stores them.
+
+Contract with the engine thread:
+    * `start_run`, `submit`, `record_requests` and `close` never wait on the database. They check what
+      they are given (engine `Event`s and `RequestView`s only: anything else raises TypeError at the
+      call, see storage.write.rows), encode events (one orjson call, in C) and queue; views are immutable and
+      queued as given. The queue is a bounded `queue.Queue`; when it is full the newest data is dropped
+      and counted in `stats().dropped`.
+    * The writer thread gathers a batch for up to `batch_interval_s` after its first item (or until
+      `batch_rows`), so a request updated on every step is upserted once per batch, its latest view
+      winning. `flush` and `wait` cut the wait short.
+    * One `submit()` call of at most `WriterOptions.item_rows` events is written in one transaction,
+      together with the `evictions` rows of its EVICT events: a crash loses whole calls, never part
+      of one. Longer calls are split into items of that size, each atomic.
+    * Read-your-writes: `mark()` names everything handed over so far; `wait(mark, timeout_s)` hurries
+      those rows and returns once they are written or dropped. `stats().done_mark` is the newest mark
+      reached, `stats().lag_s` the age of the oldest row not yet written or dropped.
+    * Nothing is lost silently. A batch that fails with a transient error (locked, busy, full, read-only,
+      unreachable) is retried with exponential backoff for up to `retry_for_s`; meanwhile new rows wait in
+      the bounded queue. A batch given up (or failing with bad data) is counted (`failed_batches`,
+      `dropped`) and the error kept in `last_error`. The engine keeps serving throughout; the writer
+      recovers when the database does: a lock or an outage shorter than `retry_for_s` loses nothing
+      as long as the queue holds what arrives meanwhile.
+    * A database whose schema is newer than this code (`storage.migrate.SchemaTooNewError`) is not
+      retried: the writer gives up at once, keeps the error in `last_error` (not retrying) and drops
+      every row handed to it from then on, counted in `dropped`. It never writes to that database.
+    * Eviction rollups are updated in the transaction that inserts their evictions.
+    * A run row is never dropped: it stays pending, and goes into every write transaction until one
+      commits, so the rows of that run always find their run.
+    * Other producers (the fleet collector's sink, storage.write.fleet_sink) hand in their own rows with
+      `submit_rows(rows, num_rows, write)`: the same queue, batches, retries and counters, their rows
+      written by their own bulk function `write(connection, [rows, ...])` in the batch's transaction.
+      Unlike the engine, such a producer may wait for room in the queue (`wait=True`) instead of
+      dropping: it can be slowed down, and what its sources send meanwhile is theirs to buffer.
+    * With a `progress_key` (a WriterProcess's child), every transaction also saves the writer's running
+      totals (storage.write.progress), and the counters start from the totals saved under that key: the
+      `written_*` counts are then those of every writer that ran under the key.
+
+Only the writer thread touches the database; it also applies the retention policy every
+`prune_interval_s` seconds. The rows of a batch go in through storage.write.bulk, which picks each dialect's
+bulk path (on SQLite one statement per table over a JSON array, so the writer holds the GIL for little
+work per row). Engines sharing one PostgreSQL database each run their own writer: every writer only adds
+rows of its own runs.
+"""
+
+from __future__ import annotations
+
+import operator
+import queue
+import secrets
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field, replace
+from datetime import UTC, datetime
+from typing import Any
+
+from sqlalchemy import Connection, update
+from sqlalchemy.exc import DBAPIError, OperationalError
+
+from engine.core.events import Event
+from engine.core.snapshot import RequestView
+from storage.write import bulk, progress, rollups
+from storage import migrate
+from storage.db import DEFAULT_BUSY_TIMEOUT_MS, db_engine
+from storage.schema import EVICTION_ROW_COLUMNS, EVICTIONS, RUN_COLUMNS, RUNS
+from storage.write.retention import RetentionPolicy, prune
+from storage.write.rows import EncodedEvents, checked_events, checked_views, encode_events, eviction_values
+
+# A producer's bulk function: writes the row sets of its items (in submission order) on the batch's connection.
+RowWriter = Callable[[Connection, list[Any]], None]
+
+# (run_id, time, reason, age_s, hit_count) of an eviction row, as rollups.eviction_deltas takes them.
+_ROLLUP_FIELDS = operator.itemgetter(
+    *(EVICTION_ROW_COLUMNS.index(name) for name in ("run_id", "time", "reason", "age_s", "hit_count"))
+)
+
+
+@dataclass(frozen=True)
+class RunInfo:
+    """What identifies one engine start."""
+
+    model: str  # preset name or model directory
+    num_blocks: int  # KV pool size
+    block_size: int  # token slots per block
+    dtype: str
+    device: str
+    weights_revision: str | None = None  # hash or revision of the loaded weights
+    namespace: str | None = None  # prefix-cache namespace (hex)
+    started_at: float = field(default_factory=time.time)  # epoch seconds
+
+
+@dataclass(frozen=True)
+class WriterOptions:
+    """How the writer buffers, batches, retries and prunes."""
+
+    queue_items: int = 2048  # queue bound, in items (one item = one submit chunk or one request call)
+    item_rows: int = 512  # most events per item; a submit() of at most this many is atomic
+    batch_rows: int = 5000  # rows gathered into one transaction (whole items; may exceed by one item)
+    batch_interval_s: float = 0.5  # a batch waits this long after its first item for more (wait cuts it)
+    retry_for_s: float = 120.0  # a batch failing with transient errors is retried this long, then dropped
+    first_backoff_s: float = 0.05  # wait after the first failure; doubles per failure
+    max_backoff_s: float = 2.0  # cap on that wait
+    busy_timeout_ms: int = DEFAULT_BUSY_TIMEOUT_MS  # per statement wait for another writer's lock
+    prune_interval_s: float = 60.0  # retention runs this often (and once right after start)
+    retention: RetentionPolicy = field(default_factory=RetentionPolicy)
+    poll_s: float = 0.2  # idle wake-up period of the writer thread
+    child_niceness: int = 0  # a WriterProcess's child runs at this nice value (see storage.write.writer_process)
+
+
+@dataclass(frozen=True)
+class WriterStats:
+    """A snapshot of the writer's counters (rows are events or request records)."""
+
+    queued: int  # rows waiting in the queue
+    written_events: int
+    written_requests: int
+    written_batches: int  # committed transactions
+    dropped: int  # rows that will never be written: queue full, batch given up, writer closed
+    failed_batches: int  # batches with rows given up after retries (their rows are in `dropped`)
+    retries: int  # failed attempts that were tried again
+    retrying: bool  # the thread is waiting to try a failed write (or schema upgrade) again
+    last_error: str | None  # the most recent database error, kept after recovery
+    schema_ready: bool  # migrations applied; nothing is written before
+    pruned_rows: int  # rows deleted by retention
+    written_other: int = 0  # rows handed in through `submit_rows` (the fleet's), as their producers count them
+    lag_s: float = 0.0  # age of the oldest row handed over and not yet written or dropped (0: none)
+    done_mark: int = 0  # every row handed over before `mark()` returned at most this is written or dropped
+    restarts: int = 0  # writer processes started again after one exited unexpectedly (WriterProcess)
+
+
+@dataclass(frozen=True)
+class _Item:
+    """One unit of the queue, written whole or not at all. An empty item only wakes the thread."""
+
+    seq: int  # order of submission; `mark` and `wait` name it
+    run_id: str | None = None  # the run its rows belong to
+    events: EncodedEvents | None = None  # at most `item_rows` events, written in one transaction
+    requests: tuple[RequestView, ...] = ()
+    rows: Any = None  # another producer's row set (`submit_rows`), written by `write_rows`
+    write_rows: RowWriter | None = None  # its bulk function
+    num_other: int = 0  # rows in `rows`, as its producer counts them
+    superseded: int = 0  # earlier records of these requests that `requests` replaced (counted with them)
+
+    @property
+    def num_events(self) -> int:
+        return 0 if self.events is None else self.events.count
+
+    @property
+    def num_requests(self) -> int:
+        return len(self.requests) + self.superseded
+
+    @property
+    def num_rows(self) -> int:
+        return self.num_events + self.num_requests + self.num_other
+
+
+@dataclass
+class _Counters:
+    """The counters behind `WriterStats` (the same fields, documented there), guarded by the writer's lock."""
+
+    queued: int = 0
+    written_events: int = 0
+    written_requests: int = 0
+    written_batches: int = 0
+    dropped: int = 0
+    failed_batches: int = 0
+    retries: int = 0
+    retrying: bool = False
+    last_error: str | None = None
+    schema_ready: bool = False
+    pruned_rows: int = 0
+    written_other: int = 0
+
+
+def new_run_id(started_at: float) -> str:
+    """A readable, sortable, unique-enough run id: UTC start time plus 24 random bits."""
+    stamp = datetime.fromtimestamp(started_at, tz=UTC).strftime("%Y%m%dT%H%M%S")
+    return f"{stamp}-{secrets.token_hex(3)}"
+
+
+class EventWriter:
+    """The one writer of the history database. See the module docstring for its contract."""
+
+    def __init__(self, url: str, options: WriterOptions | None = None, progress_key: str | None = None) -> None:
+        """Start the writer thread for `url` (any SQLAlchemy URL; see `storage.db.default_db_url`).
+
+        The thread first upgrades the schema (retrying while the database is unavailable); nothing
+        here touches the database, so a bad or unreachable database shows up in `stats()`.
+
+        Args:
+            progress_key: save the running totals under this key in every transaction, and start from
+                the totals saved under it (storage.write.progress; a WriterProcess passes its id).
+        """
+        self._options = options or WriterOptions()
+        self._progress_key = progress_key
+        self._engine = db_engine(url, busy_timeout_ms=self._options.busy_timeout_ms)
+        self._queue: queue.Queue[_Item] = queue.Queue(maxsize=self._options.queue_items)
+        self._lock = threading.Lock()
+        self._progress = threading.Condition(self._lock)
+        self._counters = _Counters()
+        self._pending_runs: dict[str, dict[str, Any]] = {}  # run rows not yet committed
+        self._pending_stops: dict[str, float] = {}  # run id -> stopped_at, not yet committed
+        self._current_run: str | None = None
+        self._last_seq = 0  # the newest item put into the queue
+        self._done_seq = 0  # the newest item written or dropped by the thread
+        self._hurry_seq = 0  # a waiter waits for this item: batches stop waiting for more until it is done
+        self._waiting: deque[tuple[int, float]] = deque()  # (seq, monotonic time queued) of items with rows
+        self._closing = threading.Event()
+        self._gave_up = False  # the schema is newer than this code: every row from then on is dropped
+        self._close_deadline = float("inf")  # monotonic time after which failing batches are no longer retried
+        self._thread = threading.Thread(target=self._run, name="storage-writer", daemon=True)
+        self._thread.start()
+
+    # ---- engine side: never blocks on the database -------------------------------------------
+
+    def start_run(self, info: RunInfo, run_id: str | None = None) -> str:
+        """Record a new engine start (stopping the previous run of this writer) and return its id
+        (`run_id`, else a new one from `new_run_id`)."""
+        run_id = run_id or new_run_id(info.started_at)
+        row = {"id": run_id, "stopped_at": None, **asdict(info)}
+        with self._lock:
+            if self._current_run is not None:
+                self._pending_stops[self._current_run] = info.started_at
+            self._pending_runs[run_id] = row
+            self._current_run = run_id
+        self._enqueue(lambda seq: _Item(seq))
+        return run_id
+
+    def restore_runs(self, runs: Mapping[str, tuple[RunInfo, float | None]]) -> None:
+        """Record runs that an earlier writer may not have committed: run id -> (info, stopped_at or None).
+
+        Each run row is inserted unless it is there, each stop time written again; the last run is the
+        current one. A WriterProcess's replacement child starts with this.
+        """
+        with self._lock:
+            for run_id, (info, stopped_at) in runs.items():
+                self._pending_runs[run_id] = {"id": run_id, "stopped_at": None, **asdict(info)}
+                if stopped_at is not None:
+                    self._pending_stops[run_id] = stopped_at
+                self._current_run = run_id
+        self._enqueue(lambda seq: _Item(seq))
+
+    def submit(self, events: Sequence[Event]) -> None:
+        """Queue events of the current run; EVICT events also become eviction-log rows.
+
+        Raises:
+            RuntimeError: no run was started.
+            TypeError: an element is not an `engine.core.events.Event` (nothing is queued).
+        """
+        run_id = self._require_run()
+        checked_events(events)
+        size = self._options.item_rows
+        for start in range(0, len(events), size):
+            encoded = encode_events(events[start : start + size])
+            self._enqueue(lambda seq, part=encoded: _Item(seq, run_id, events=part), encoded.count)
+
+    def submit_frame(self, events: EncodedEvents, views: tuple[RequestView, ...], superseded: int) -> bool:
+        """Queue rows of the current run as one atomic item: encoded events (`encode_events`), request
+        views (at most one per request) and the number of earlier records of those requests that the
+        views replaced (counted as written, or dropped, with them). A WriterProcess's child calls it.
+
+        Returns:
+            False if the rows were dropped at once (the queue was full, or the writer closed).
+
+        Raises:
+            RuntimeError: no run was started.
+        """
+        run_id = self._require_run()
+        item = _Item(0, run_id, events if events.count else None, views, superseded=superseded)
+        return self._enqueue(lambda seq: replace(item, seq=seq), item.num_rows)
+
+    def record_requests(self, views: Iterable[RequestView]) -> None:
+        """Queue request views of the current run (upserted by (run_id, request_id), the latest wins).
+
+        Raises:
+            RuntimeError: no run was started.
+            TypeError: an element is not an `engine.core.snapshot.RequestView` (nothing is queued).
+            ValueError: a view lacks a required field (see `storage.write.rows.checked_views`; nothing is queued).
+        """
+        run_id = self._require_run()
+        views = checked_views(views)
+        if views:
+            self._enqueue(lambda seq: _Item(seq, run_id, requests=views), len(views))
+
+    def submit_rows(self, rows: Any, num_rows: int, write: RowWriter, *, wait: bool = False) -> bool:
+        """Queue another producer's rows as one atomic item, written by `write(connection, [rows, ...])`.
+
+        Items of one `write` function that share a batch are handed to it together, in submission order,
+        inside the batch's transaction (it may raise; the batch is then retried like any other). No run
+        is needed.
+
+        Args:
+            rows: the row set, opaque to the writer.
+            num_rows: how many rows it holds (counted as written or dropped).
+            write: the producer's bulk function.
+            wait: while the queue is full, wait for room (until the writer closes) instead of dropping.
+
+        Returns:
+            False if the rows were dropped (and counted): the queue was full and `wait` was False, or
+            the writer was closing.
+        """
+        while True:
+            if self._closing.is_set() or self._gave_up:
+                with self._lock:
+                    self._counters.dropped += num_rows
+                return False
+            make = lambda seq: _Item(seq, rows=rows, write_rows=write, num_other=num_rows)  # noqa: E731
+            if self._enqueue(make, num_rows, count_drop=not wait):
+                return True
+            if not wait:
+                return False
+            with self._progress:
+                self._progress.wait_for(lambda: not self._queue.full() or self._closing.is_set(), self._options.poll_s)
+
+    def stats(self) -> WriterStats:
+        with self._lock:
+            lag_s = time.monotonic() - self._waiting[0][1] if self._waiting else 0.0
+            return WriterStats(**vars(self._counters), lag_s=lag_s, done_mark=self._done_seq)
+
+    def mark(self) -> int:
+        """A mark for every row handed over so far (see `wait`)."""
+        with self._lock:
+            return self._last_seq
+
+    def wait(self, mark: int, timeout_s: float | None = None) -> bool:
+        """Write the rows up to `mark` without waiting for more (`hurry`), and wait until they are written
+        or dropped.
+
+        Returns:
+            False if `timeout_s` passed first. Check `stats()` for what was dropped.
+        """
+        self.hurry(mark)
+        with self._progress:
+            return self._progress.wait_for(lambda: self._done_seq >= mark or not self._thread.is_alive(), timeout_s)
+
+    def hurry(self, mark: int) -> None:
+        """Write the rows up to `mark` without waiting for more to join their batch."""
+        with self._progress:
+            if self._done_seq >= mark:
+                return
+            self._hurry_seq = max(self._hurry_seq, mark)
+        self._enqueue(lambda seq: _Item(seq))  # wakes a batch that is waiting for more items
+
+    def flush(self, timeout_s: float | None = None) -> bool:
+        """Wait until everything queued before this call was written or dropped (`wait(mark())`)."""
+        return self.wait(self.mark(), timeout_s)
+
+    def wait_for_progress(self, done_mark: int, timeout_s: float) -> None:
+        """Return once an item after `done_mark` is done (written or dropped), or after `timeout_s`."""
+        with self._progress:
+            self._progress.wait_for(lambda: self._done_seq > done_mark, timeout_s)
+
+    def close(self, timeout_s: float | None = 30.0) -> bool:
+        """Mark the current run stopped, write what is queued, stop the thread, release the engine.
+
+        A batch failing while closing is retried until `timeout_s` has passed (at most `retry_for_s`);
+        then it and the rest of the queue are dropped (and counted) rather than retried batch by batch.
+        Calls after close are dropped and counted. Calling close again waits again (the first deadline stays).
+
+        Returns:
+            False if the thread was still working after `timeout_s` (it is a daemon thread; it stops
+            within one more attempt).
+        """
+        with self._lock:
+            if self._current_run is not None and not self._closing.is_set():
+                self._pending_stops[self._current_run] = time.time()
+            if not self._closing.is_set() and timeout_s is not None:
+                self._close_deadline = time.monotonic() + timeout_s
+        self._closing.set()
+        self._enqueue(lambda seq: _Item(seq))
+        self._thread.join(timeout_s)
+        finished = not self._thread.is_alive()
+        if finished:
+            self._drop_queued()  # anything that raced in behind the thread's last look
+            self._engine.dispose()
+        return finished
+
+    def _require_run(self) -> str:
+        run_id = self._current_run
+        if run_id is None:
+            raise RuntimeError("start_run() before submitting rows")
+        return run_id
+
+    def _enqueue(self, make_item, num_rows: int = 0, count_drop: bool = True) -> bool:
+        """Queue the item `make_item(seq)` makes. Returns False if the queue was full or the writer is gone;
+        the rows are then counted as dropped, unless `count_drop` is False (the caller will try again)."""
+        with self._lock:
+            if self._gave_up:
+                self._counters.dropped += num_rows if count_drop else 0
+                return False
+            if self._closing.is_set() and num_rows and not self._thread.is_alive():
+                self._counters.dropped += num_rows
+                return False
+            item = make_item(self._last_seq + 1)
+            try:
+                self._queue.put_nowait(item)
+            except queue.Full:
+                if count_drop:
+                    self._counters.dropped += num_rows
+                return False
+            self._last_seq = item.seq
+            self._counters.queued += num_rows
+            if num_rows:
+                self._waiting.append((item.seq, time.monotonic()))
+            return True
+
+    # ---- writer thread -------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        if not self._prepare_schema():
+            self._drop_queued()
+            return
+        next_prune = time.monotonic()
+        while True:
+            items = self._next_batch()
+            if items or self._has_pending_runs():
+                if not self._write(items) and self._closing.is_set():
+                    self._drop_queued()
+                    return
+            if time.monotonic() >= next_prune:
+                self._prune()
+                next_prune = time.monotonic() + self._options.prune_interval_s
+            if self._closing.is_set() and self._queue.empty() and not self._has_pending_runs():
+                return
+
+    def _prepare_schema(self) -> bool:
+        """Upgrade the schema, retrying while the database is unavailable. False when the writer must stop:
+        it is closing, or the schema is newer than this code (then it gives up: see `_enqueue`)."""
+        backoff = self._options.first_backoff_s
+        while True:
+            try:
+                migrate.upgrade(self._engine)
+                if self._progress_key is not None:
+                    with self._engine.connect() as connection:
+                        written = progress.load(connection, self._progress_key)
+            except migrate.SchemaTooNewError as error:
+                self._note_failure(error, retrying=False)
+                with self._lock:
+                    self._gave_up = True
+                return False
+            except Exception as error:  # the thread must outlive any failure; report it instead
+                self._note_failure(error, retrying=not self._closing.is_set())
+                if self._closing.is_set():
+                    return False
+                time.sleep(backoff)
+                backoff = min(backoff * 2, self._options.max_backoff_s)
+            else:
+                with self._lock:
+                    if self._progress_key is not None:
+                        self._counters.written_events += written.events
+                        self._counters.written_requests += written.requests
+                    self._counters.schema_ready = True
+                    self._counters.retrying = False
+                return True
+
+    def _next_batch(self) -> list[_Item]:
+        """Items for one transaction: what arrives within `batch_interval_s` of the first, up to
+        `batch_rows` rows; only what is queued already while a waiter or close is waiting."""
+        try:
+            first = self._queue.get(timeout=self._options.poll_s)
+        except queue.Empty:
+            return []
+        items = [first]
+        num_rows = first.num_rows
+        deadline = time.monotonic() + self._options.batch_interval_s
+        while num_rows < self._options.batch_rows:
+            wait_s = 0.0 if self._in_a_hurry() else deadline - time.monotonic()
+            try:
+                item = self._queue.get(timeout=wait_s) if wait_s > 0 else self._queue.get_nowait()
+            except queue.Empty:
+                break
+            items.append(item)
+            num_rows += item.num_rows
+        return items
+
+    def _in_a_hurry(self) -> bool:
+        with self._lock:
+            return self._closing.is_set() or self._hurry_seq > self._done_seq
+
+    def _write(self, items: list[_Item]) -> bool:
+        """Write one batch, retrying transient failures for up to `retry_for_s`. Returns False if it was
+        given up."""
+        with self._lock:
+            runs = dict(self._pending_runs)
+            stops = dict(self._pending_stops)
+            written = progress.Written(
+                self._counters.written_events + sum(item.num_events for item in items),
+                self._counters.written_requests + sum(item.num_requests for item in items),
+            )
+        backoff = self._options.first_backoff_s
+        give_up_at = None
+        while True:
+            try:
+                with self._engine.begin() as connection:
+                    _insert_runs(connection, runs)
+                    _insert_rows(connection, items)
+                    _stop_runs(connection, stops)
+                    if self._progress_key is not None and items:
+                        progress.save(connection, self._progress_key, written)
+            except Exception as error:  # the thread must outlive any failure; report it instead
+                give_up_at = give_up_at or time.monotonic() + self._options.retry_for_s
+                retry = _is_transient(error) and time.monotonic() + backoff < min(give_up_at, self._close_deadline)
+                self._note_failure(error, retrying=retry)
+                if not retry:
+                    self._finish(items, runs, stops, written=False)
+                    return False
+                time.sleep(backoff)
+                backoff = min(backoff * 2, self._options.max_backoff_s)
+            else:
+                self._finish(items, runs, stops, written=True)
+                return True
+
+    def _finish(self, items: list[_Item], runs: dict, stops: dict, written: bool) -> None:
+        num_events = sum(item.num_events for item in items)
+        num_requests = sum(item.num_requests for item in items)
+        num_other = sum(item.num_other for item in items)
+        with self._progress:
+            counters = self._counters
+            counters.queued -= num_events + num_requests + num_other
+            counters.retrying = False
+            if written:
+                counters.written_events += num_events
+                counters.written_requests += num_requests
+                counters.written_other += num_other
+                counters.written_batches += 1
+                for run_id in runs:
+                    self._pending_runs.pop(run_id, None)
+                for run_id, stopped_at in stops.items():
+                    if self._pending_stops.get(run_id) == stopped_at:
+                        del self._pending_stops[run_id]
+            elif num_events + num_requests + num_other:
+                counters.dropped += num_events + num_requests + num_other
+                counters.failed_batches += 1
+            if items:
+                self._mark_done(items[-1].seq)
+
+    def _drop_queued(self) -> None:
+        while True:
+            try:
+                item = self._queue.get_nowait()
+            except queue.Empty:
+                return
+            with self._progress:
+                self._counters.queued -= item.num_rows
+                self._counters.dropped += item.num_rows
+                self._mark_done(item.seq)
+
+    def _mark_done(self, seq: int) -> None:
+        """Every item up to `seq` is written or dropped (the lock held)."""
+        self._done_seq = seq
+        while self._waiting and self._waiting[0][0] <= seq:
+            self._waiting.popleft()
+        self._progress.notify_all()
+
+    def _prune(self) -> None:
+        try:
+            results = prune(self._engine, self._options.retention, time.time())
+        except Exception as error:  # retention can wait for the next interval; report it
+            self._note_failure(error, retrying=False)
+            return
+        with self._lock:
+            self._counters.pruned_rows += sum(result.rows_deleted for result in results)
+
+    def _has_pending_runs(self) -> bool:
+        with self._lock:
+            return bool(self._pending_runs or self._pending_stops)
+
+    def _note_failure(self, error: Exception, retrying: bool) -> None:
+        with self._lock:
+            self._counters.last_error = f"{type(error).__name__}: {error}".splitlines()[0][:500]
+            self._counters.retrying = retrying
+            if retrying:
+                self._counters.retries += 1
+
+
+def _is_transient(error: Exception) -> bool:
+    """Locked, busy, read-only, unreachable: worth another try. Bad data is not."""
+    if isinstance(error, OperationalError):
+        return True
+    return isinstance(error, DBAPIError) and error.connection_invalidated
+
+
+def _insert_runs(connection: Connection, runs: dict[str, dict[str, Any]]) -> None:
+    """Insert the pending runs that are not in the table yet (a commit may have been lost)."""
+    if runs:
+        rows = [tuple(row[name] for name in RUN_COLUMNS) for row in runs.values()]
+        bulk.insert_new_rows(connection, RUNS, RUN_COLUMNS, rows)
+
+
+def _insert_rows(connection: Connection, items: list[_Item]) -> None:
+    """The rows of a batch: each run's events and evictions (with their rollups), then the latest view of
+    every request."""
+    parts_by_run: dict[str, list[EncodedEvents]] = {}  # each run's events, in item order
+    for item in items:
+        if item.events is not None:
+            parts_by_run.setdefault(item.run_id, []).append(item.events)
+    for run_id, parts in parts_by_run.items():
+        bulk.insert_events(connection, run_id, parts)
+        evictions = [eviction_values(run_id, event) for part in parts for event in part.evictions]
+        if evictions:
+            bulk.insert_rows(connection, EVICTIONS, EVICTION_ROW_COLUMNS, evictions)
+            rollups.add_evictions(connection, rollups.eviction_deltas(map(_ROLLUP_FIELDS, evictions)))
+    latest = {(item.run_id, view.request_id): view for item in items for view in item.requests}
+    views_by_run: dict[str, list[RequestView]] = {}
+    for (run_id, _), view in latest.items():
+        views_by_run.setdefault(run_id, []).append(view)
+    for run_id, views in views_by_run.items():
+        bulk.upsert_views(connection, run_id, views)
+    row_sets: dict[RowWriter, list[Any]] = {}  # other producers' rows, by bulk function, in item order
+    for item in items:
+        if item.write_rows is not None:
+            row_sets.setdefault(item.write_rows, []).append(item.rows)
+    for write, sets in row_sets.items():
+        write(connection, sets)
+
+
+def _stop_runs(connection: Connection, stops: dict[str, float]) -> None:
+    for run_id, stopped_at in stops.items():
+        connection.execute(update(RUNS).where(RUNS.c.id == run_id).values(stopped_at=stopped_at))
