@@ -43,7 +43,7 @@ run: install
 	$(VENV)/bin/streamlit run app --server.address $(HOST) --server.port $(PORT)
 
 # The engine's checks must not lean on `assert` (python -O drops them): these run a second time under -O.
-OPTIMIZED_TESTS := tests/test_block_manager.py tests/test_block_manager_properties.py \
+OPTIMIZED_TESTS := tests/test_kv_cache_manager.py tests/test_kv_cache_manager_properties.py \
 	tests/test_block_pool_properties.py tests/test_block_pool_batched_eviction.py tests/test_block_pool_chain.py \
 	tests/test_kv_coordinator_properties.py tests/test_request.py \
 	tests/test_engine.py tests/test_sliding_window.py tests/test_eviction.py
@@ -53,7 +53,7 @@ test: install system-deps
 	$(PY) -O -m pytest -q -p no:cacheprovider -W "ignore::pytest.PytestConfigWarning" $(OPTIMIZED_TESTS)
 
 bench: install
-	$(PY) benchmarks/block_manager.py
+	$(PY) benchmarks/kv_cache_manager.py
 	$(PY) benchmarks/prefix_reuse.py
 	$(PY) benchmarks/sliding_window.py
 	$(PY) benchmarks/storage.py

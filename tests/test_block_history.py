@@ -1,7 +1,7 @@
 """A block's history rebuilt from the engine's events agrees with the pool at every moment.
 
-Two property tests replay the events of the block-manager and the two-group coordinator state machines
-(tests/test_block_manager_properties.py, tests/test_kv_coordinator_properties.py), JSON round-tripped
+Two property tests replay the events of the KV-cache-manager and the two-group coordinator state machines
+(tests/test_kv_cache_manager_properties.py, tests/test_kv_coordinator_properties.py), JSON round-tripped
 as the history stores them, and check after every rule, for every block of every group, that the
 rebuilt reference count, holders and state are the pool's own. They would fail if any event that
 changes a count left out the blocks it changed (as FORK and HIT once did: a count, or the last id).
@@ -20,7 +20,7 @@ from engine.core.eviction import EvictionPolicyName
 from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.namespace import CacheNamespace
 from storage.read.block_history import EVICTABLE_FROM_HERE, SAFE_TO_REUSE, StoredEvent, replay, rows_involving
-from tests.test_block_manager_properties import BlockManagerMachine
+from tests.test_kv_cache_manager_properties import BlockManagerMachine
 from tests.test_kv_coordinator_properties import CoordinatorMachine
 
 

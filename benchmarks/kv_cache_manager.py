@@ -24,7 +24,7 @@ one ratio (ours / theirs, > 1 means ours is faster) serves both. The ratio is th
 each round's ratio: this machine's speed drifts by tens of percent within seconds, and a drift between
 rounds cancels out of a round's ratio but not out of a ratio of two medians.
 
-Run: `.venv/bin/python benchmarks/block_manager.py` (about a minute on 2 cores) or `--quick` for a smoke run.
+Run: `.venv/bin/python benchmarks/kv_cache_manager.py` (about a minute on 2 cores) or `--quick` for a smoke run.
 """
 
 from __future__ import annotations
