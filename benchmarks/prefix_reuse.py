@@ -531,7 +531,7 @@ def profile_engine_step(hf: HFGenerate, eng: EngineSystem, work: Workload, reps:
 
         return wrapper
 
-    patches = [(engine.core.scheduler, "schedule"), (engine.runner, "execute"), (engine.loaded.model, "forward")]
+    patches = [(engine.scheduler, "schedule"), (engine.runner, "execute"), (engine.loaded.model, "forward")]
     for obj, attr in patches:
         setattr(obj, attr, timed(attr, getattr(obj, attr)))
     steps, floors = [], []

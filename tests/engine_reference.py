@@ -20,7 +20,7 @@ class LogitSpy:
     def __init__(self, engine: Engine) -> None:
         self.logits: dict[str, list[torch.Tensor]] = {}
         self.positions: dict[str, list[int]] = {}  # every position each request ran through the model
-        schedule, execute = engine.core.scheduler.schedule, engine.runner.execute
+        schedule, execute = engine.scheduler.schedule, engine.runner.execute
         pending: list = []
 
         def spy_schedule():
@@ -39,7 +39,7 @@ class LogitSpy:
                     self.logits.setdefault(rid, []).append(row.detach().float().cpu().clone())
             return logits
 
-        engine.core.scheduler.schedule = spy_schedule
+        engine.scheduler.schedule = spy_schedule
         engine.runner.execute = spy_execute
 
 

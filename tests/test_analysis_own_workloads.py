@@ -130,7 +130,7 @@ def test_the_history_holds_the_engines_own_keys_and_tells_namespace_misses_acros
 
     engine = Engine(EngineConfig(model="tiny-llama", device="cpu", block_size=4, num_blocks=64, data_dir=tmp_path))
     first_run = run_trace(*(submit(str(i), tokens) for i, tokens in enumerate(prompts)),
-                          keying=Keying(engine.core.namespace, None))  # fmt: skip
+                          keying=Keying(engine.namespace, None))  # fmt: skip
     assert trace.block_ids[: first_run.num_references].tolist() == first_run.block_ids.tolist()
     bounds = hit_bounds(trace)
     assert bounds.infinite.tolist() == [0, 2, 0, 2]  # within a run, the shared blocks hit

@@ -55,7 +55,7 @@ def test_the_chosen_point_shows_its_breakdown_summing_to_the_prompt_tokens(conso
     at = analysed(open_page("capacity_planner"))
     points = at.selectbox(key="planner_point")
     engine = host().console.engine
-    engine_tokens = engine.num_blocks * engine.core.config.block_size  # 64 blocks of 16: the default point
+    engine_tokens = engine.num_blocks * engine.config.block_size  # 64 blocks of 16: the default point
     assert points.format_func(points.value) == f"lru at {engine_tokens:,} tokens"
     breakdown = at.table[1].value["tokens"]
     total = sum(int(value.replace(",", "")) for value in breakdown)

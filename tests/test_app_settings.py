@@ -97,5 +97,5 @@ def test_restart_can_choose_the_eviction_policy(console_env):
     at.button(key="settings_restart_confirm").click().run()
     no_exceptions(at)
     engine = host().console.engine
-    assert engine.core.config.eviction_policy == "reuse-lru"
+    assert engine.config.eviction_policy == "reuse-lru"
     assert {manager.pool.eviction_policy for manager in engine.kv.managers} == {"reuse-lru"}

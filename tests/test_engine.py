@@ -277,13 +277,13 @@ def test_a_finished_request_keeps_its_prompts_chain_and_content_keys(tmp_path):
     """What the history stores for the workload analyzer: the chain keys the table computed for the
     prompt's full blocks, and the same blocks chained from the namespace-free content root."""
     engine, _ = make_engine(tmp_path)
-    bs = engine.core.config.block_size
+    bs = engine.config.block_size
     prompt = tokens(3 * bs + bs // 2, 7)  # three full blocks and a partial one
     salted = engine.submit(prompt, GREEDY, salt="tenant")
     plain = engine.submit(prompt, GREEDY)
     assert engine.get(salted).block_keys is None  # not finished yet
     engine.run_until_idle()
-    root = engine.core.namespace.root_key("tenant")
+    root = engine.namespace.root_key("tenant")
     expected = b"".join(chain_keys_of(prompt, root, bs, 3))
     assert engine.get(salted).block_keys == expected and len(expected) == 3 * 16
     assert engine.get(plain).block_keys != expected  # another salt, another chain

@@ -77,7 +77,7 @@ def test_a_request_whose_logits_go_nan_fails_alone_and_the_others_match_the_refe
     stats = engine.stats()
     assert stats.used_blocks == 0 and stats.free_blocks + stats.cached_blocks == stats.num_blocks
     assert_block_memory_finite(engine)
-    cached = [b for b in engine.core.snapshot().blocks if b.key is not None]
+    cached = [b for b in engine.snapshot().blocks if b.key is not None]
     assert cached and all(POISON not in b.token_ids for b in cached)  # nothing of theirs can be hit
 
 

@@ -64,7 +64,7 @@ def pool_hashes(engine: Engine) -> dict[tuple[str, int, int], int]:
     index_of = {group.name: i for i, group in enumerate(engine.runner.groups)}
     return {
         ("CPU", index_of[view.group], external_hash(view.key)): 1
-        for view in engine.core.snapshot().blocks
+        for view in engine.snapshot().blocks
         if view.key is not None
     }
 

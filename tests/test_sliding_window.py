@@ -38,7 +38,7 @@ def test_hybrid_spec_splits_layers_into_two_groups(tmp_path):
     engine, _ = hybrid_engine(tmp_path)
     assert [g.name for g in engine.runner.groups] == ["full", "sliding"]
     assert engine.runner.groups[1].window == W
-    assert engine.core.namespace.attention_spec == ("sliding:8", "full", "sliding:8", "full")
+    assert engine.namespace.attention_spec == ("sliding:8", "full", "sliding:8", "full")
 
 
 def test_ready_hit_replays_nothing_and_matches_reference(tmp_path, hybrid_reference):

@@ -25,7 +25,7 @@ def translator_for(engine: Any) -> KVEventTranslator:
     """The KV-event translation of `engine`'s groups, block size and device."""
     groups = [GroupSpec(group.name, group.window) for group in engine.runner.groups]
     medium = MEDIUM_GPU if str(engine.loaded.device).startswith("cuda") else MEDIUM_CPU
-    return KVEventTranslator(groups, engine.core.config.block_size, medium)
+    return KVEventTranslator(groups, engine.config.block_size, medium)
 
 
 @dataclass
@@ -54,7 +54,7 @@ def open_feeds(engine: Any) -> EngineFeeds:
     Raises:
         zmq.ZMQError, OSError: an endpoint or port that cannot be bound; nothing stays open.
     """
-    config = engine.core.config
+    config = engine.config
     publisher = metrics = None
     try:
         if config.kv_events_endpoint is not None:

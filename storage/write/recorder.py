@@ -21,11 +21,11 @@ def run_info(engine: Any, started_at: float | None = None) -> RunInfo:
     return RunInfo(
         model=engine.loaded.model_id,
         num_blocks=engine.num_blocks,
-        block_size=engine.core.config.block_size,
-        dtype=engine.core.config.dtype,
+        block_size=engine.config.block_size,
+        dtype=engine.config.dtype,
         device=str(engine.loaded.device),
         weights_revision=engine.loaded.weights_revision,
-        namespace=engine.core.namespace.root_key(None).hex(),
+        namespace=engine.namespace.root_key(None).hex(),
         started_at=time.time() if started_at is None else started_at,
     )
 
