@@ -3,8 +3,9 @@
 The three modules are plain, typed Python and run as they are. Compiled, the same source replays the
 workload analyzer's traces about 1.7x faster (benchmarks/analyzer.py measures both in one run), and
 the engine's bookkeeping per step gets the same speed-up. `make` runs this whenever one of them changed;
-Python then imports the compiled module in preference to its source, so tests/conftest.py refuses to
-run the tests against a compiled module older than its source.
+Python then imports the compiled module in preference to its source, so importing `engine.core` refuses a
+compiled module older than its source (engine/native_guard.py, which also lists the modules). This script
+imports only that guard, never `engine.core`, so it runs, and repairs, a stale build.
 
 What the compiled modules change for their callers: arguments and attributes are checked against their
 annotations at run time (a TypeError where plain Python would carry on), and only `EvictionPolicy` and
@@ -19,28 +20,11 @@ from __future__ import annotations
 import os
 import shutil
 from collections.abc import Iterable
-from importlib.machinery import EXTENSION_SUFFIXES
 from pathlib import Path
 
-NATIVE_MODULES = ("engine/core/block.py", "engine/core/eviction.py", "engine/core/block_pool.py")  # compiled as one group
+from engine.native_guard import NATIVE_MODULES, compiled_module
+
 BUILD_DIR = ".build/native"
-
-
-def compiled_module(source: Path) -> Path | None:
-    """The compiled module Python imports instead of `source`, if one was built."""
-    built = (source.with_suffix(suffix) for suffix in EXTENSION_SUFFIXES)
-    return next((path for path in built if path.is_file()), None)
-
-
-def stale_modules(root: Path) -> list[str]:
-    """The modules under `root` whose compiled module is older than their source: Python would import the
-    compiled one and run code that is no longer there."""
-    stale = []
-    for name in NATIVE_MODULES:
-        built = compiled_module(root / name)
-        if built is not None and built.stat().st_mtime < (root / name).stat().st_mtime:
-            stale.append(name)
-    return stale
 
 
 def copy_plain_source(root: Path, into: Path, packages: Iterable[str]) -> None:

@@ -23,21 +23,19 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # before transformers is imported:
 # Their asserts are checks too: rewritten like a test module's, they still run under `python -O`.
 pytest.register_assert_rewrite("tests.engine_reference")
 
-from build_native import stale_modules  # noqa: E402
+from engine.native_guard import refuse_stale_modules  # noqa: E402
+
+# Refuse to run against a compiled block pool older than its source (build_native.py): Python would import
+# the compiled module, and the tests would pass or fail on code that is no longer there. Importing
+# engine.core below refuses too; saying it here keeps the refusal first whatever this file imports.
+refuse_stale_modules()
+
 from engine.core.config import EngineConfig  # noqa: E402
 from engine.engine import Engine  # noqa: E402
 from engine.runner.model_runner import ModelRunner  # noqa: E402
 from engine.runner.model_loading import LoadedModel, ensure_smollm2_converted, load_model  # noqa: E402
 from tests.engine_reference import LogitSpy  # noqa: E402
 from tests.engine_support import HYBRID_WINDOW, RUNNER_BLOCK_SIZE, RUNNER_NUM_BLOCKS  # noqa: E402
-
-
-def pytest_configure(config: pytest.Config) -> None:
-    """Refuse to run against a compiled block pool older than its source (build_native.py): Python would
-    import the compiled module, and the tests would pass or fail on code that is no longer there."""
-    stale = stale_modules(Path(__file__).resolve().parent.parent)
-    if stale:
-        pytest.exit(f"compiled modules older than {', '.join(stale)}: run `make native`", returncode=2)
 
 
 TEST_DATA_DIR = Path(
