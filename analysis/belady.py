@@ -35,13 +35,13 @@ import numpy as np
 
 from analysis.errors import NoVictimError
 from analysis.keyed_heap import KeyedHeap
-from analysis.policies import EvictionPolicy
+from analysis.policies import KeyEvictionPolicy
 from engine.core.errors import InvariantError
 
 NEVER = -1  # internal marker in `_next_use`: no further reference (never stored outside this class)
 
 
-class BeladyPolicy(EvictionPolicy):
+class BeladyPolicy(KeyEvictionPolicy):
     """OPT over dense block ids `0..num_blocks-1` of a fixed reference sequence."""
 
     def __init__(self, references: np.ndarray, num_blocks: int) -> None:

@@ -22,4 +22,4 @@ class TraceError(ValueError):
 
 
 class NoVictimError(LookupError):
-    """Raised by `EvictionPolicy.victim` when no block is evictable. Callers check `can_evict()` first."""
+    """Raised by `KeyEvictionPolicy.victim` when no block is evictable. Callers check `can_evict()` first."""

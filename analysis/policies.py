@@ -65,8 +65,12 @@ class Policy(Enum):
             return None
 
 
-class EvictionPolicy(ABC):
-    """The contract every policy meets (see the module docstring)."""
+class KeyEvictionPolicy(ABC):
+    """The contract every simulated policy meets (see the module docstring).
+
+    It orders cached *keys* that the sequential simulator names; the engine's
+    `engine.core.eviction.EvictionPolicy` orders the block pool's own `Block` objects instead.
+    """
 
     @abstractmethod
     def insert(self, key: Hashable) -> None:
@@ -110,7 +114,7 @@ class EvictionPolicy(ABC):
         than the cache). Online policies ignore it; the offline optimum counts it as a use."""
 
 
-class PriorityPolicy(EvictionPolicy):
+class PriorityPolicy(KeyEvictionPolicy):
     """Evicts the evictable key of the lowest priority, ties to the least recently released.
 
     A subclass says what a key's priority is when it enters the cache (`insert`) and how a reuse

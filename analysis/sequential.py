@@ -31,7 +31,7 @@ from typing import Protocol
 import numpy as np
 
 from analysis.belady import BeladyPolicy
-from analysis.policies import EvictionPolicy, FifoPolicy, LfuPolicy, Policy
+from analysis.policies import FifoPolicy, KeyEvictionPolicy, LfuPolicy, Policy
 from analysis.pool_replay import PoolCache
 from analysis.trace import Trace
 from engine.core.errors import InvariantError
@@ -57,7 +57,7 @@ class SequentialCache:
     cached, and every cached block is evictable in the policy.
     """
 
-    def __init__(self, capacity_blocks: int, policy: EvictionPolicy, *, record_evictions: bool = False) -> None:
+    def __init__(self, capacity_blocks: int, policy: KeyEvictionPolicy, *, record_evictions: bool = False) -> None:
         if capacity_blocks < 0:
             raise ValueError(f"capacity must be >= 0 blocks, got {capacity_blocks}")
         self.capacity_blocks = capacity_blocks
@@ -113,7 +113,7 @@ class SequentialCache:
         self.policy.check_invariants()
 
 
-def make_policy(policy: Policy, trace: Trace | None = None) -> EvictionPolicy:
+def make_policy(policy: Policy, trace: Trace | None = None) -> KeyEvictionPolicy:
     """A fresh simulator policy object (for the policies the engine does not ship: FIFO, LFU, OPT).
 
     Args:

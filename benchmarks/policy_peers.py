@@ -1,4 +1,4 @@
-"""Two published policies, written against `analysis.policies.EvictionPolicy`, as peers for the policy
+"""Two published policies, written against `analysis.policies.KeyEvictionPolicy`, as peers for the policy
 comparison in `benchmarks/analyzer.py` (benchmark code only: the product ships LRU, FIFO, LFU,
 reuse-LRU and OPT).
 
@@ -20,11 +20,11 @@ from collections import OrderedDict
 from collections.abc import Hashable
 
 from analysis.errors import NoVictimError
-from analysis.policies import EvictionPolicy
+from analysis.policies import KeyEvictionPolicy
 from engine.core.errors import InvariantError
 
 
-class ArcPolicy(EvictionPolicy):
+class ArcPolicy(KeyEvictionPolicy):
     """Adaptive Replacement Cache over the pool contract (recency = release order)."""
 
     def __init__(self, capacity_blocks: int) -> None:
@@ -93,7 +93,7 @@ class ArcPolicy(EvictionPolicy):
             raise InvariantError("T1 and T2 overlap, or a held block is not cached")
 
 
-class S3FifoPolicy(EvictionPolicy):
+class S3FifoPolicy(KeyEvictionPolicy):
     """S3-FIFO over the pool contract."""
 
     SMALL_FRACTION = 0.1  # the small queue's share of the capacity

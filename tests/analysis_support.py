@@ -9,7 +9,7 @@ from pathlib import Path
 from hypothesis import strategies as st
 
 from analysis.errors import NoVictimError
-from analysis.policies import EvictionPolicy
+from analysis.policies import KeyEvictionPolicy
 from analysis.trace import PartialBlocks, Trace, TraceFormat, TraceRequest
 
 DATA = Path(__file__).resolve().parent.parent / "analysis" / "samples"  # shipped with their licence note
@@ -65,7 +65,7 @@ def any_chains(draw, max_requests: int = 12, max_len: int = 5, ids: int = 8) -> 
     ]
 
 
-class NaiveLru(EvictionPolicy):
+class NaiveLru(KeyEvictionPolicy):
     """A test oracle: LRU over any hashable keys, the victim recomputed from release stamps (O(n)).
 
     The product's LRU is the engine's block pool, which keys a block by its whole prefix; this one
