@@ -1,6 +1,6 @@
 """The one event type that flows out of the engine.
 
-The block manager and the engine append events as state changes; the engine drains them once per step
+The KV cache manager and the engine append events as state changes; the engine drains them once per step
 and hands them to whoever listens (the storage writer, the console). Events are immutable values.
 """
 
@@ -11,7 +11,7 @@ import time
 from typing import Any, Callable, NamedTuple
 
 
-class EventKind(str, enum.Enum):
+class EventKind(enum.StrEnum):
     """What happened. Block-level kinds carry a block id; request-level kinds carry a request id."""
 
     ALLOCATE = "allocate"  # a free or evicted block was handed to a request
@@ -31,7 +31,7 @@ class EventKind(str, enum.Enum):
     WINDOW_RELEASE = "window_release"  # sliding-layer blocks outside the window were released
 
 
-class EvictReason(str, enum.Enum):
+class EvictReason(enum.StrEnum):
     """Why a cached block lost its key."""
 
     LRU = "lru"  # the allocator needed a block and this was the eviction policy's victim (LRU by default)
