@@ -37,6 +37,7 @@ from functools import cached_property
 import numpy as np
 
 from analysis.errors import TraceError
+from engine.core.arith import ceil_div
 
 MAX_BLOCK_ID = 2**63 - 1  # ids live in int64 columns
 MAX_TOKENS = 2**40  # a request's input or output length, and its turn number: far beyond any context
@@ -66,11 +67,6 @@ class TraceFormat(Enum):
         if self not in _FORMAT_BLOCK_SIZES:
             raise ValueError(f"{self.value} workloads have the engine's block size, not a format's")
         return _FORMAT_BLOCK_SIZES[self]
-
-    @property
-    def token_workload(self) -> bool:
-        """Whether its requests are tokens keyed as the engine keys them (only full blocks are cached)."""
-        return self not in _FORMAT_BLOCK_SIZES
 
 
 _FORMAT_BLOCK_SIZES = {TraceFormat.MOONCAKE: 512, TraceFormat.BAILIAN: 16}
@@ -102,7 +98,7 @@ class TraceRequest:
 def expected_blocks(input_length: int, block_size: int, partial: PartialBlocks) -> int:
     """How many block ids a prompt of `input_length` tokens has."""
     if partial is PartialBlocks.CACHED:
-        return -(-input_length // block_size)
+        return ceil_div(input_length, block_size)
     return input_length // block_size
 
 
@@ -333,7 +329,7 @@ class Trace:
         children = np.full(self.num_references, factor, dtype=np.int64)
         last = self.block_starts[1:] - 1
         tail_tokens = self.input_lengths - (self.blocks_per_request - 1) * self.block_size
-        children[last] = -(-tail_tokens // block_size)
+        children[last] = -(-tail_tokens // block_size)  # ceil_div, elementwise
         references = int(children.sum())
         if references > MAX_REFERENCES:
             raise ValueError(f"at block size {block_size} the trace has {references:,} references; {_TOO_LARGE}")

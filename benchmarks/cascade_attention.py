@@ -43,8 +43,9 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # see benchmarks/prefix_reu
 import torch  # noqa: E402
 
 from benchmarks.random_models import SMOLLM2_ATTENTION, write_random_model  # noqa: E402
-from engine.runner.attention_plan import ALWAYS_CASCADE, CPU_CASCADE, NO_CASCADE  # noqa: E402
+from engine.core.arith import ceil_div  # noqa: E402
 from engine.core.config import EngineConfig  # noqa: E402
+from engine.runner.attention_plan import ALWAYS_CASCADE, CPU_CASCADE, NO_CASCADE  # noqa: E402
 from engine.runner.model_runner import ModelRunner, SeqChunk  # noqa: E402
 from engine.runner.model_loading import load_model  # noqa: E402
 
@@ -82,7 +83,7 @@ class Cell:
         prefix_len = shared_blocks * BLOCK_SIZE
         own_len = PRIVATE_TOKENS if decode else 0
         new_len = 1 if decode else SUFFIX_TOKENS
-        own_blocks = -(-(own_len + new_len) // BLOCK_SIZE)
+        own_blocks = ceil_div(own_len + new_len, BLOCK_SIZE)
         tables = [shared + [free.pop() for _ in range(own_blocks)] for _ in range(sharers)]
         vocab = runners[0].loaded.vocab_size
         prefix = [rng.randrange(3, vocab) for _ in range(prefix_len)]

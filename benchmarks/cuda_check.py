@@ -550,8 +550,9 @@ def benchmark(report: Report, s: Settings, budget: Budget) -> None:
     import torch
 
     from benchmarks.random_models import write_random_model
-    from engine.runner.attention_plan import NO_CASCADE
+    from engine.core.arith import ceil_div
     from engine.core.config import EngineConfig
+    from engine.runner.attention_plan import NO_CASCADE
     from engine.runner.model_loading import load_model
 
     with tempfile.TemporaryDirectory(prefix="cuda-check-model-") as directory:
@@ -567,7 +568,7 @@ def benchmark(report: Report, s: Settings, budget: Budget) -> None:
         def fresh() -> list[int]:  # a suffix no earlier request had
             return [rng.randrange(3, vocab) for _ in range(s.suffix_len)]
 
-        private = -(-(s.suffix_len + s.new_tokens) // s.block_size)
+        private = ceil_div(s.suffix_len + s.new_tokens, s.block_size)
         num_blocks = s.prefix_len // s.block_size + max(s.fork_counts) * private + 64
 
         engine = EngineBench(model_dir, s, num_blocks)

@@ -75,6 +75,7 @@ from transformers.generation.configuration_utils import ContinuousBatchingConfig
 from transformers.generation.streamers import BaseStreamer  # noqa: E402
 from transformers.utils import logging as hf_logging  # noqa: E402
 
+from engine.core.arith import ceil_div  # noqa: E402
 from engine.core.config import EngineConfig, default_data_dir  # noqa: E402
 from engine.engine import Engine  # noqa: E402
 from engine.runner.model_runner import ModelRunner  # noqa: E402
@@ -120,7 +121,7 @@ class Settings:
     @property
     def private_blocks(self) -> int:
         """Blocks one request holds beyond the prefix at its peak (the last sampled token has no KV yet)."""
-        return -(-(self.suffix_len + self.new_tokens - 1) // BLOCK_SIZE)
+        return ceil_div(self.suffix_len + self.new_tokens - 1, BLOCK_SIZE)
 
     @property
     def prefix_blocks(self) -> int:
@@ -397,7 +398,7 @@ class EngineSystem:
     def check_exact_memory(self, num_requests: int, first_step_used: int, peak_used: int) -> None:
         """Steady state: the prefix once plus each request's private blocks, nothing more."""
         s = self.settings
-        expect_first = s.prefix_blocks + num_requests * -(-s.suffix_len // BLOCK_SIZE)
+        expect_first = s.prefix_blocks + num_requests * ceil_div(s.suffix_len, BLOCK_SIZE)
         expect_peak = s.prefix_blocks + num_requests * s.private_blocks
         assert first_step_used == expect_first, f"N={num_requests}: {first_step_used} blocks after prefill != {expect_first}"
         assert peak_used == expect_peak, f"N={num_requests}: peak {peak_used} blocks != {expect_peak}"
@@ -676,7 +677,7 @@ def main(argv: list[str] | None = None) -> int:
     hf_loaded = load_model(model_config)
     engine_loaded = load_model(model_config)
     work = Workload(hf_loaded.tokenizer, settings)
-    blocks_per_request = -(-(s.prefix_len + s.suffix_len + s.new_tokens) // BLOCK_SIZE)
+    blocks_per_request = ceil_div(s.prefix_len + s.suffix_len + s.new_tokens, BLOCK_SIZE)
     num_blocks = s.num_requests * blocks_per_request + s.prefix_blocks + max(s.fork_counts) * s.private_blocks
     print(
         f"SmolLM2-135M-Instruct fp32 on CPU, {torch.get_num_threads()} threads (OMP_WAIT_POLICY="

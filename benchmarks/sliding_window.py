@@ -69,6 +69,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # before transformers is imported:
 
 import torch  # noqa: E402
 
+from engine.core.arith import ceil_div  # noqa: E402
 from engine.core.config import MAX_BATCHED_TOKENS, EngineConfig, default_data_dir  # noqa: E402
 from engine.engine import Engine  # noqa: E402
 from engine.core.kv_groups import FULL, SLIDING  # noqa: E402
@@ -152,7 +153,7 @@ def expected_plan(s: Settings, system: SystemSpec, h: int) -> tuple[str, int]:
         return "ready", h
     exact_r = s.checkpoint_len
     bound = max(0, h - s.window - system.backtrack)
-    approx_r = -(-bound // s.block_size) * s.block_size
+    approx_r = ceil_div(bound, s.block_size) * s.block_size
     if system.allow_approximate and approx_r > exact_r:
         return "approximate", approx_r
     return "exact", exact_r
@@ -415,7 +416,7 @@ def print_generation(s: Settings, sizes: Sizes, gen: dict[str, GenRun]) -> None:
         f"{keep.full_table_blocks}; (3) holds {measured}: {'match' if keep.full_table_blocks == measured else 'MISMATCH'}"
     )
     (r_blocks, r_mb), (k_blocks, k_mb) = totals[RELEASE_EXACT.label], totals[KEEP_ALL.label]
-    bound = -(-(s.window - 1) // s.block_size) + 1
+    bound = ceil_div(s.window - 1, s.block_size) + 1
     print(
         f"  sliding memory, release / keep-all: {r_blocks}/{k_blocks} blocks = {r_blocks / k_blocks:.2f}x "
         f"(window bound ceil((W-1)/bs) + 1 = {bound} blocks); all KV: {r_mb:.2f}/{k_mb:.2f} MB = {r_mb / k_mb:.2f}x"

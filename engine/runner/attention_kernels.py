@@ -43,6 +43,8 @@ from typing import NamedTuple
 
 import torch
 
+from engine.core.arith import ceil_div
+
 
 class Kernel(Enum):
     CPU_FLASH = "cpu-flash"  # aten::_scaled_dot_product_flash_attention_for_cpu
@@ -256,6 +258,6 @@ def _aligned(bias: torch.Tensor) -> torch.Tensor:
     length = bias.shape[-1]
     if length % _BIAS_ALIGN == 0 and bias.is_contiguous():
         return bias
-    padded = bias.new_zeros(*bias.shape[:-1], -(-length // _BIAS_ALIGN) * _BIAS_ALIGN)
+    padded = bias.new_zeros(*bias.shape[:-1], ceil_div(length, _BIAS_ALIGN) * _BIAS_ALIGN)
     padded[..., :length] = bias
     return padded[..., :length]

@@ -45,6 +45,8 @@ from typing import NamedTuple
 
 import torch
 
+from engine.core.arith import ceil_div
+
 
 @dataclass(frozen=True, slots=True)
 class GroupSlots:
@@ -147,7 +149,7 @@ class HostCall:
         num_rows = self.rows.stop - self.rows.start
         bias = None
         if self.mask is not None:
-            blocks_per_element = -(-self.num_keys // block_size)
+            blocks_per_element = ceil_div(self.num_keys, block_size)
             fields = packed[self.mask].view(num_rows // self.num_queries, 2 + blocks_per_element)
             bias = _bias(fields, self.num_queries, self.num_keys, block_size, window, dtype)
         blocks = self.blocks
@@ -190,7 +192,7 @@ def plan_group(
     for i, chunk in enumerate(chunks):
         end = chunk.start + chunk.num_queries
         first_visible = max(chunk.table.first_block * bs, 0 if window is None else chunk.start - window + 1)
-        ranges = [(first_visible // bs, -(-end // bs))]
+        ranges = [(first_visible // bs, ceil_div(end, bs))]
         if i in run_of:
             first, run_end = run_of[i]
             ranges = [(ranges[0][0], first), (run_end, ranges[0][1])]
@@ -309,7 +311,7 @@ def _sharing_groups(
     shareable: list[tuple[int, int]] = []
     for i, chunk in enumerate(chunks):
         end = chunk.start + chunk.num_queries
-        first = chunk.table.first_block if window is None else max(chunk.table.first_block, -(-(end - window) // bs))
+        first = chunk.table.first_block if window is None else max(chunk.table.first_block, ceil_div(end - window, bs))
         shareable.append((first, chunk.start // bs))
         if first < chunk.start // bs:
             by_anchor.setdefault((first, chunk.table.block_ids[first - chunk.table.first_block]), []).append(i)
