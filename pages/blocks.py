@@ -184,7 +184,7 @@ def stored_life(_db, run: str, block_id: int, kv_group: str) -> queries.BlockTim
 
 @st.fragment(run_every=interval)
 def pool_view() -> None:
-    snapshot = engine.core.snapshot()
+    snapshot = engine.snapshot()
     blocks = sorted((b for b in snapshot.blocks if b.group == group), key=lambda b: b.block_id)
     statuses = {r.request_id: r.status for r in snapshot.requests}
     marked: tuple[int, ...] = ()

@@ -66,7 +66,7 @@ def run_hover(run: PrefixRun) -> str:
 
 @st.fragment(run_every=REFRESH_S * 5 if live else None)
 def tree() -> None:
-    blocks = [b for b in engine.core.snapshot().blocks if b.group == group]
+    blocks = [b for b in engine.snapshot().blocks if b.group == group]
     nodes, roots, dropped = prefix_tree(blocks, int(limit))
     if not nodes:
         st.info("The prefix cache is empty: full blocks enter it once their KV is computed.")

@@ -167,7 +167,7 @@ def test_the_guided_scenario_plays_the_exercise_and_leaves_everyone_elses_state_
     engine = host().console.engine
     other = engine.submit(list(range(300, 340)), PARAMS, retain=True)  # another operator's retained request
     wait_idle()
-    before = {v.block_id: (v.ref_count, v.key) for v in engine.core.snapshot().blocks if v.ref_count or v.key}
+    before = {v.block_id: (v.ref_count, v.key) for v in engine.snapshot().blocks if v.ref_count or v.key}
     at = open_page("blocks")
     at.button(key="blocks_scenario_go").click().run(timeout=180)
     no_exceptions(at)
@@ -186,7 +186,7 @@ def test_the_guided_scenario_plays_the_exercise_and_leaves_everyone_elses_state_
     assert "go to reference count 3" in page and "may be forked again" in page and "safe to reuse" in page
     # The engine is as the scenario found it: the other request and its blocks untouched, nothing held.
     assert engine.get(other).status == "retained"
-    after = {v.block_id: (v.ref_count, v.key) for v in engine.core.snapshot().blocks if v.ref_count}
+    after = {v.block_id: (v.ref_count, v.key) for v in engine.snapshot().blocks if v.ref_count}
     assert after == {b: state for b, state in before.items() if state[0]}
     assert all(engine.get(rid).status == "released" for rid in run.request_ids)
     assert engine.stats().evictions == 0

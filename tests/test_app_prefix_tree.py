@@ -29,7 +29,7 @@ def test_tree_branches_where_prompts_diverge(console_env):
     figure = json.loads(at.get("plotly_chart")[0].proto.spec)
     icicle = figure["data"][0]
     assert icicle["type"] == "icicle"
-    keyed = {b.key: b for b in engine.core.snapshot().blocks if b.key}
+    keyed = {b.key: b for b in engine.snapshot().blocks if b.key}
     assert len(keyed) == 4  # 2 shared + one own block each
     ids, parents = icicle["ids"], icicle["parents"]
     # One namespace root, the two shared blocks as one tile (no branch between them), one tile per branch.
@@ -79,7 +79,7 @@ def test_inspecting_a_prefix_decodes_its_whole_chain(console_env):
     engine.submit(prompt, PARAMS)
     wait_idle()
     at = open_page("prefix_tree")
-    deepest = next(b for b in engine.core.snapshot().blocks if b.key and b.start_pos == 32)
+    deepest = next(b for b in engine.snapshot().blocks if b.key and b.start_pos == 32)
     at.selectbox(key="tree_pick").select(deepest.key).run()
     chain = at.table[0].value
     assert [int(b) for b in chain["block"]] == [engine.get("req-0").block_table[i] for i in range(3)]
