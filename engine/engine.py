@@ -33,6 +33,7 @@ from engine.core.eviction import make_eviction_policy
 from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.kv_coordinator import KVCoordinator
 from engine.core.kv_groups import WindowPolicy
+from engine.core.kv_memory import pool_num_blocks
 from engine.runner.model_runner import GroupSlots, ModelRunner, SeqChunk
 from engine.runner.model_loading import LoadedModel, load_model
 from engine.core.namespace import CacheNamespace
@@ -44,7 +45,6 @@ from engine.runner.verify import ReplayVerifier
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_NUM_BLOCKS = 1024
 WARM_UP_TOKENS = 256  # prefill length of `Engine.warm_up`: about a typical prompt
 MAX_REQUEST_ID_LEN = 128
 MAX_SALT_LEN = 256  # characters of a tenant salt
@@ -67,15 +67,10 @@ class ResetResult:
 
 
 def pool_size(config: EngineConfig, loaded: LoadedModel) -> int:
-    """Blocks in the pool: `num_blocks`, or as many as `kv_memory_mb` holds, or the default."""
-    if config.num_blocks is not None:
-        return config.num_blocks
-    if config.kv_memory_mb is not None:
-        num = config.kv_memory_mb * 2**20 // ModelRunner.bytes_per_block(loaded, config.block_size)
-        if num < 1:
-            raise ValueError(f"kv_memory_mb={config.kv_memory_mb} holds less than one block")
-        return int(num)
-    return DEFAULT_NUM_BLOCKS
+    """Blocks in the pool: `num_blocks`, or as many as `kv_memory_mb` holds, or the default
+    (engine/core/kv_memory.py's `pool_num_blocks`, the console's rule too)."""
+    bytes_per_block = ModelRunner.bytes_per_block(loaded, config.block_size)
+    return pool_num_blocks(config.num_blocks, config.kv_memory_mb, bytes_per_block)
 
 
 class Engine:

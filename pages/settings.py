@@ -15,13 +15,12 @@ from app.hosting import get_host
 from app.ui import expect_in_history, fmt_duration, fmt_time
 from engine.core.config import DTYPES, MAX_BATCHED_TOKENS, MAX_BLOCK_SIZE, MAX_NUM_BLOCKS, EngineConfig
 from engine.core.eviction import EvictionPolicyName
-from engine.core.kv_memory import kv_bytes_per_block
+from engine.core.kv_memory import check_pool_fits, kv_bytes_per_block, machine_memory_bytes, pool_bytes
 from engine.runner.model_loading import PRESETS, available_devices, resolve_device
 
 LOCAL_DIRECTORY = "local directory…"
 LAYOUTS = ("", "sliding", "hybrid")
 LAYOUT_LABELS = {"": "as the model defines it", "sliding": "every layer sliding", "hybrid": "hybrid: even layers sliding"}
-MEMORY_SHARE = 0.8  # refuse a KV pool estimated above this share of the machine's memory (CPU)
 
 host = get_host()
 console = host.console
@@ -35,24 +34,17 @@ def flash(kind: str, message: str) -> None:
     state["settings_flash"] = (kind, message)
 
 
-def pool_bytes(dtype: str, block_size: int, num_blocks: int) -> int:
-    """KV pool bytes of a pool of the running model's shape (every group holds `num_blocks` blocks)."""
+def bytes_per_block(dtype: str, block_size: int) -> int:
+    """Bytes one block takes over every layer of the running model, K and V."""
     shape = engine.loaded
-    return num_blocks * kv_bytes_per_block(shape.num_layers, shape.num_kv_heads, shape.head_dim, dtype, block_size)
+    return kv_bytes_per_block(shape.num_layers, shape.num_kv_heads, shape.head_dim, dtype, block_size)
 
 
-def kv_bytes(new: EngineConfig) -> int | None:
-    """KV pool bytes for `new` when it runs the current model (other models are only known once loaded)."""
+def new_bytes_per_block(new: EngineConfig) -> int | None:
+    """`bytes_per_block` for `new` when it runs the current model (other models are only known once loaded)."""
     if new.model != config.model or new.num_blocks is None:
         return None
-    return pool_bytes(new.dtype, new.block_size, new.num_blocks)
-
-
-def machine_bytes() -> int | None:
-    try:
-        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError, AttributeError):
-        return None
+    return bytes_per_block(new.dtype, new.block_size)
 
 
 st.title("Settings")
@@ -79,7 +71,7 @@ st.table(
                 f"{engine.num_blocks:,} blocks × {config.block_size} tokens"
                 + (f" per KV group ({', '.join(groups)})" if len(groups) > 1 else ""),
                 config.eviction_policy.value,
-                f"{pool_bytes(config.dtype, config.block_size, engine.num_blocks) / 2**20:,.1f} MiB",
+                f"{pool_bytes(engine.num_blocks, bytes_per_block(config.dtype, config.block_size)) / 2**20:,.1f} MiB",
                 f"{config.max_num_batched_tokens:,}",
                 f"{config.max_num_seqs:,}",
                 str(config.seed),
@@ -204,13 +196,9 @@ if asked:
             allow_approximate_replay=approximate,
             verify_replay=verify,
         )
-        needed, available = kv_bytes(new), machine_bytes()
-        if needed is not None and available is not None and resolve_device(device).type == "cpu":
-            if needed > MEMORY_SHARE * available:
-                raise ValueError(
-                    f"a pool of {new.num_blocks:,} blocks needs about {needed / 2**30:,.1f} GiB of KV memory; this "
-                    f"machine has {available / 2**30:,.1f} GiB"
-                )
+        per_block = new_bytes_per_block(new)
+        if per_block is not None and resolve_device(device).type == "cpu":
+            check_pool_fits(new.num_blocks, per_block, machine_memory_bytes())
     except ValueError as exc:
         st.error(f"Not restarted: {exc}")
     else:
@@ -219,7 +207,8 @@ if asked:
 
 if state.get("settings_confirm") == "restart" and "settings_pending" in state:
     new = state["settings_pending"]
-    needed = kv_bytes(new)
+    per_block = new_bytes_per_block(new)
+    needed = None if per_block is None else pool_bytes(new.num_blocks, per_block)
     st.warning(
         f"Restart the shared engine as **{new.model}**, {new.num_blocks:,} blocks × {new.block_size} tokens, "
         f"{new.dtype} on {new.device}, {new.eviction_policy.value} eviction"
