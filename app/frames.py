@@ -16,7 +16,6 @@ from engine.core.snapshot import BlockView, PoolStats, RequestView
 FREE = "free"
 CACHED = "cached (evictable)"
 MAX_REF_CATEGORY = 4  # reference counts of this or more share one colour
-HOLDING = ("running", "retained")  # request statuses that hold blocks
 
 
 def block_category(block: BlockView) -> str:
@@ -183,7 +182,7 @@ def align_tables(requests: Sequence[RequestView], group: str = "full") -> TableA
     tables = [r.block_tables.get(group, ()) for r in rows]
     width = max((len(t) for t in tables), default=0)
     ids = [[*t, *([None] * (width - len(t)))] for t in tables]
-    holding = [r.status in HOLDING for r in rows]
+    holding = [r.holds_blocks for r in rows]
     shared = [
         [
             0 if not held or cell is None else sum(1 for other, h in zip(ids, holding) if h and other[i] == cell)

@@ -28,7 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from engine.core.request import SamplingParams
+from engine.core.request import RequestStatus, SamplingParams
 
 if TYPE_CHECKING:
     from engine.engine import Engine
@@ -129,7 +129,7 @@ class SharingScenario:
         # One new token: its KV is never computed, so the table holds the prompt alone, 1.5 blocks.
         params = SamplingParams(max_new_tokens=1, ignore_eos=True)
         engine.submit(prompt, params, request_id=run.parent, retain=True, salt=f"scenario-{run.tag}")
-        self._wait(run.parent, "retained")
+        self._wait(run.parent, RequestStatus.RETAINED)
         table = engine.get(run.parent).block_table
         run.full_block, run.tail_block = table[0], table[1]
         run.steps.append(
@@ -147,7 +147,7 @@ class SharingScenario:
         engine.fork_many(run.parent, suffixes, SamplingParams(max_new_tokens=2, ignore_eos=True),
                          request_ids=list(run.children), retain=True)  # fmt: skip
         for child in run.children:
-            self._wait(child, "retained")
+            self._wait(child, RequestStatus.RETAINED)
         run.copies = tuple(engine.get(child).block_table[1] for child in run.children)
         a, b = run.children
         full, tail = run.full_block, run.tail_block
@@ -182,11 +182,11 @@ class SharingScenario:
         )  # fmt: skip
 
     # ------------------------------------------------------------------ helpers
-    def _wait(self, request_id: str, status: str) -> None:
+    def _wait(self, request_id: str, status: RequestStatus) -> None:
+        """Until the request is in `status`; a final status other than it (or a dead engine) raises."""
         deadline = time.monotonic() + TIMEOUT_S
         while (view := self.engine.get(request_id)).status != status:
-            ended = view.status in ("finished", "rejected", "released", "failed", "aborted")
-            if ended or self.engine.failure is not None:
+            if view.is_final or self.engine.failure is not None:
                 raise ScenarioError(f"{request_id} ended {view.status} ({view.finish_reason or 'engine stopped'})")
             if time.monotonic() > deadline:
                 raise ScenarioError(f"{request_id} did not finish within {TIMEOUT_S:.0f} s (the engine is busy)")
@@ -199,5 +199,5 @@ class SharingScenario:
                 view = self.engine.get(rid)
             except KeyError:
                 continue
-            if view.status == "retained" or (view.retain and view.status in ("running", "waiting")):
+            if view.releasable:
                 self.engine.release(rid)

@@ -37,7 +37,7 @@ from engine.core.kv_memory import pool_num_blocks
 from engine.runner.model_runner import GroupSlots, ModelRunner, SeqChunk
 from engine.runner.model_loading import LoadedModel, load_model
 from engine.core.namespace import CacheNamespace
-from engine.core.request import HitSource, Request, RequestStatus, SamplingParams
+from engine.core.request import HitSource, Request, RequestStatus, SamplingParams, can_release
 from engine.runner.sampler import sample
 from engine.core.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
 from engine.core.snapshot import EngineSnapshot, PoolStats, RequestView, block_views, pool_stats
@@ -231,7 +231,7 @@ class Engine:
             parent = self._requests.get(parent_id)
             if parent is None:
                 raise ValueError(f"unknown parent request {parent_id!r}")
-            if parent.status not in (RequestStatus.RUNNING, RequestStatus.RETAINED):
+            if not parent.status.holds_blocks:
                 raise ValueError(
                     f"cannot fork {parent_id!r}: it is {parent.status.value}; only running or retained requests "
                     "hold KV to share"
@@ -273,14 +273,14 @@ class Engine:
             request = self._requests.get(request_id)
             if request is None:
                 raise ValueError(f"unknown request {request_id!r}")
+            if not can_release(request.status, request.retain):  # the rule RequestView.releasable answers with
+                raise ValueError(f"request {request_id!r} is {request.status.value}: nothing to release")
             if request.status is RequestStatus.RETAINED:
                 self.kv.free(request_id)
                 request.released()
                 self._publish(self.log.take(), [request])  # its RELEASE events leave now, not with the next step
-            elif request.status in (RequestStatus.RUNNING, RequestStatus.WAITING) and request.retain:
-                request.release_when_finished()
             else:
-                raise ValueError(f"request {request_id!r} is {request.status.value}: nothing to release")
+                request.release_when_finished()
 
     def reset_cache(self) -> ResetResult:
         """Evict every unreferenced cached block; says honestly whether the cache is now empty."""
@@ -483,7 +483,7 @@ class Engine:
             self.kv.check_invariants()
             for request in self._requests.values():
                 rid = request.request_id
-                holds = request.status in (RequestStatus.RUNNING, RequestStatus.RETAINED) or (
+                holds = request.status.holds_blocks or (
                     request.status is RequestStatus.WAITING and self.kv.has_table(rid)
                 )
                 require(holds == self.kv.has_table(rid), f"{rid}: table mismatch")

@@ -7,11 +7,12 @@ import pandas as pd
 import streamlit as st
 
 from app import charts
-from app.frames import HOLDING, align_tables, block_category, block_counts
+from app.frames import align_tables, block_category, block_counts
 from app.hosting import get_host
 from app.prompting import decode, token_pieces
 from app.scenario import ScenarioError, ScenarioRun, SharingScenario
 from app.ui import REFRESH_S, SLOW_REFRESH_S, age, fmt_clock, fmt_time, kept, read_history, wait_for_history
+from engine.core.snapshot import newest_first
 from storage.read import queries
 
 LARGE_POOL = 4096  # pools above this refresh less often
@@ -149,7 +150,7 @@ group = c[1].radio(
     "KV group", groups, horizontal=True, **kept("blocks_group", groups[0]),
     help="Full-attention layers and sliding-window layers keep separate pools and tables",
 ) if len(groups) > 1 else groups[0]
-request_ids = [r.request_id for r in sorted(engine.requests(), key=lambda r: -r.arrival_time)]
+request_ids = [r.request_id for r in newest_first(engine.requests())]
 if state.get("blocks_highlight") not in [NO_HIGHLIGHT, *request_ids]:
     state["blocks_highlight"] = NO_HIGHLIGHT
 highlight = c[2].selectbox(
@@ -192,7 +193,7 @@ def pool_view() -> None:
         view = next((r for r in snapshot.requests if r.request_id == highlight), None)
         if view is not None:
             marked = view.block_tables.get(group, ())
-            held = "holds" if view.status in HOLDING else f"is {view.status} and holds nothing; it ended with"
+            held = "holds" if view.holds_blocks else f"is {view.status} and holds nothing; it ended with"
             st.caption(f"**{highlight}** {held} blocks {', '.join(map(str, marked)) or '—'} (outlined in blue).")
     st.markdown(charts.legend_markdown(block_counts(blocks)), unsafe_allow_html=True)
     st.plotly_chart(
@@ -297,10 +298,10 @@ st.caption(
     "in a column are one shared physical block. Where a child's row turns to another id, copy-on-write "
     "gave it its own block. Requests that no longer hold blocks keep the table they ended with, in grey."
 )
-views = sorted(engine.requests(), key=lambda r: -r.arrival_time)
+views = newest_first(engine.requests())
 with_tables = [r.request_id for r in views if r.block_tables.get(group)]
 if "blocks_tables" not in state:
-    state["blocks_tables"] = [r.request_id for r in views if r.status in HOLDING][:4]
+    state["blocks_tables"] = [r.request_id for r in views if r.holds_blocks][:4]
 state["blocks_tables"] = [rid for rid in state["blocks_tables"] if rid in with_tables]
 picked = st.multiselect("Requests", with_tables, **kept("blocks_tables", []), placeholder="Pick requests to compare")
 if picked:

@@ -5,16 +5,16 @@ from __future__ import annotations
 import pandas as pd
 import streamlit as st
 
-from app.frames import HOLDING, requests_frame
+from app.frames import requests_frame
 from app.hosting import get_host
 from app.prompting import CHAT, MODES, PRESETS, TEXT, TOKEN_IDS, decode, encode_prompt, parse_suffixes, token_pieces
 from app.ui import REFRESH_S, expect_in_history, fmt_duration, kept
 from engine.core.config import MAX_NEW_TOKENS
+from engine.core.kv_groups import max_hit_blocks
+from engine.core.request import SamplingParams
+from engine.core.snapshot import newest_first
 from engine.engine import RequestRejected
 from serving.prompts import first_divergence
-from engine.core.request import SamplingParams
-
-DONE = ("retained", "finished", "released", "rejected", "failed", "aborted")  # statuses whose record is final (until a release)
 
 host = get_host()
 console = host.console
@@ -70,7 +70,7 @@ with right:
             f"(only full blocks enter the prefix cache)"
         )
         st.code(", ".join(map(str, prompt_ids)), language=None, wrap_lines=True, height=160)
-        requests = sorted(engine.requests(), key=lambda r: -r.arrival_time)
+        requests = newest_first(engine.requests())
         targets = {"(nothing)": None}
         if state["submit_last_ids"]:
             targets["my previous submission"] = state["submit_last_ids"]
@@ -88,7 +88,7 @@ with right:
         other = targets.get(other_label)
         if other is not None:
             d = first_divergence(prompt_ids, other)
-            reusable = min(d, len(prompt_ids) - 1) // block_size
+            reusable = min(d // block_size, max_hit_blocks(len(prompt_ids), block_size))
             if d == len(prompt_ids) == len(other):
                 st.info("Identical token ids.")
             else:
@@ -188,9 +188,9 @@ def show_outcome(key: str) -> None:
 @st.fragment(run_every=REFRESH_S)
 def fork_parent_picker() -> None:
     """The parent box, redrawn every second so each request's status is the current one."""
-    live = sorted(engine.requests(), key=lambda r: -r.arrival_time)
-    holding = [r.request_id for r in live if r.status in HOLDING]
-    options = holding + [r.request_id for r in live if r.status not in HOLDING]
+    live = newest_first(engine.requests())
+    holding = [r.request_id for r in live if r.holds_blocks]
+    options = holding + [r.request_id for r in live if not r.holds_blocks]
     if state.get("submit_fork_parent") not in options:
         state["submit_fork_parent"] = options[0]
     # Plain ids: Streamlit keeps a selectbox's value as its formatted label, so a label that changes
@@ -199,7 +199,7 @@ def fork_parent_picker() -> None:
         "Parent (running or retained requests hold KV to share)", options, **kept("submit_fork_parent", options[0])
     )
     view = next(r for r in live if r.request_id == parent)
-    if view.status in HOLDING:  # the status lives here, redrawn every second, never in the box's labels
+    if view.holds_blocks:  # the status lives here, redrawn every second, never in the box's labels
         st.caption(
             f"**{parent}** · `{view.status}`: holds {view.num_computed_tokens} tokens in "
             f"{len(view.block_table)} blocks; every child shares them and computes only what follows."
@@ -208,7 +208,7 @@ def fork_parent_picker() -> None:
         st.caption(f"**{parent}** · `{view.status}`: it holds no KV to share. Pick a running or retained request.")
 
 
-views = sorted(engine.requests(), key=lambda r: -r.arrival_time)
+views = newest_first(engine.requests())
 if not views:
     st.caption("Submit a request (retained, or still running) to fork it.")
 else:
@@ -245,7 +245,7 @@ else:
 
 # ---------------------------------------------------------------- live output
 st.subheader("Output")
-all_ids = [r.request_id for r in sorted(engine.requests(), key=lambda r: -r.arrival_time)]
+all_ids = [r.request_id for r in newest_first(engine.requests())]
 state["submit_watch"] = [rid for rid in state.get("submit_watch", []) if rid in all_ids]
 st.multiselect("Watch", all_ids, **kept("submit_watch", []), placeholder="Pick requests to follow")
 
@@ -263,7 +263,7 @@ def live_output() -> None:
             continue
         done = len(view.output_token_ids)
         recorded = st.session_state.setdefault("submit_recorded", set())  # (run, request) seen done here
-        if view.status in DONE and (console.run_id, rid) not in recorded:
+        if view.is_final and (console.run_id, rid) not in recorded:
             recorded.add((console.run_id, rid))  # its final record is with the writer now
             expect_in_history(host, f"{rid}'s record")
         with st.container(border=True):
@@ -300,8 +300,7 @@ def release_picked() -> None:
 @st.fragment(run_every=REFRESH_S)
 def release_box() -> None:
     """Retained requests, re-listed every second (another operator may release one, or one may finish)."""
-    live = sorted(engine.requests(), key=lambda r: -r.arrival_time)
-    releasable = [r.request_id for r in live if r.status == "retained" or (r.retain and r.status in ("running", "waiting"))]
+    releasable = [r.request_id for r in newest_first(engine.requests()) if r.releasable]
     if not releasable:
         st.caption("No retained request holds blocks.")
     else:

@@ -29,6 +29,7 @@ from engine.core.kv_groups import (
     WindowHit,
     WindowPolicy,
     chain_keys_of,
+    max_hit_blocks,
     plan_sliding_only_hit,
     plan_window_hit,
 )
@@ -118,7 +119,7 @@ class KVCoordinator:
     def plan_hit(self, token_ids: list[int], salt: str | None) -> HitPlan:
         """Decide what a new request reuses (no side effects; pass the plan to `admit`)."""
         bs = self.block_size
-        max_blocks = (len(token_ids) - 1) // bs
+        max_blocks = max_hit_blocks(len(token_ids), bs)
         full, sliding = self.full, self.sliding
         if sliding is None:
             hits = full.find_prefix_hit(token_ids, salt)  # type: ignore[union-attr]

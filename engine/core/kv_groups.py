@@ -117,6 +117,12 @@ class WindowHit:
 NO_HIT = WindowHit(h=0, s=0, e=0, r=0, mode=ReplayMode.NONE)
 
 
+def max_hit_blocks(num_tokens: int, block_size: int) -> int:
+    """The hit cap: the most leading full blocks a context of `num_tokens` tokens may take from the
+    prefix index. Its last token is always computed, so that the forward produces logits to sample from."""
+    return (num_tokens - 1) // block_size
+
+
 @dataclass(frozen=True)
 class HitPlan:
     """What a new request reuses, where its computation starts, and why."""

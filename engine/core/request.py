@@ -22,7 +22,9 @@ from engine.core.config import MAX_NEW_TOKENS
 from engine.core.kv_groups import HitPlan, ReplayMode
 
 
-class RequestStatus(str, enum.Enum):
+class RequestStatus(enum.StrEnum):
+    """Where a request is in the diagram above; the value is what the history stores."""
+
     WAITING = "waiting"  # queued, holds no blocks (or was preempted and gave them back)
     RUNNING = "running"  # holds blocks, is prefilling or decoding
     RETAINED = "retained"  # finished but kept as a fork base; holds its blocks until released
@@ -32,8 +34,29 @@ class RequestStatus(str, enum.Enum):
     FAILED = "failed"  # stopped by an error of its own (non-finite logits); its blocks were freed
     ABORTED = "aborted"  # stopped unfinished because its engine was shut down (a restart); blocks freed
 
+    @property
+    def holds_blocks(self) -> bool:
+        """Whether every request in this status holds KV blocks: running and retained ones, the only
+        parents a fork may share from. (A waiting fork child holds its parent's shared blocks until its
+        first step; no other waiting request holds any.)"""
+        return self is RequestStatus.RUNNING or self is RequestStatus.RETAINED
 
-class HitSource(str, enum.Enum):
+    @property
+    def is_final(self) -> bool:
+        """Whether the request will never run again (everything but waiting and running). A retained
+        request's record still changes once: when it is released."""
+        return not (self is RequestStatus.WAITING or self is RequestStatus.RUNNING)
+
+
+def can_release(status: RequestStatus, retain: bool) -> bool:
+    """Whether an operator may release a request (`Engine.release`'s rule): a retained one frees its
+    blocks at once; a waiting or running one that would be retained frees them when it finishes."""
+    return status is RequestStatus.RETAINED or (
+        retain and (status is RequestStatus.WAITING or status is RequestStatus.RUNNING)
+    )
+
+
+class HitSource(enum.StrEnum):
     NONE = "none"  # nothing reused; the whole context was computed
     PREFIX = "prefix"  # leading blocks came from the prefix index
     FORK = "fork"  # the block table was shared from a parent request

@@ -29,7 +29,7 @@ from engine.core.config import EngineConfig
 from engine.core.events import EventKind, EventLog
 from engine.core.kv_cache_manager import BlockCopy
 from engine.core.kv_coordinator import KVCoordinator
-from engine.core.kv_groups import HitPlan
+from engine.core.kv_groups import HitPlan, max_hit_blocks
 from engine.core.request import Request, RequestStatus
 
 
@@ -242,7 +242,7 @@ class Scheduler:
         """
         bs = self.kv.block_size
         end = hit_end + bs
-        if end > (request.num_tokens - 1) // bs * bs:  # past the hit cap: no further block could be reused
+        if end > max_hit_blocks(request.num_tokens, bs) * bs:  # past the hit cap: no further block could be reused
             return False
         head = request.tokens(0, end)
         return any(

@@ -2,9 +2,12 @@
 functions that assemble them.
 
 A snapshot is taken under the engine lock between steps, so every number in it belongs to the same
-moment: block states, reference counts, holders and tables agree with one another. Views carry states
-as plain strings (a `RequestView`'s status, hit source and replay mode are the enums' values); a
-`BlockView`'s state is a `BlockState`, a string enum that compares equal to its value.
+moment: block states, reference counts, holders and tables agree with one another. A `RequestView`'s
+status is a `RequestStatus` and a `BlockView`'s state a `BlockState`, string enums that compare equal to
+their values (which the history stores); its hit source and replay mode are the enums' values.
+
+A view answers what the console asks of a request (`releasable`, `holds_blocks`, `is_final`) with the
+engine's own rules (engine/core/request.py), so no page re-derives them from the status.
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Iterable, Mapping, NamedTuple, Sequence
 
 from engine.core.block_pool import BlockState
-from engine.core.request import Request, RequestStatus
+from engine.core.request import Request, RequestStatus, can_release
 
 if TYPE_CHECKING:
     from engine.core.kv_cache_manager import KVCacheManager
@@ -26,7 +29,7 @@ class RequestView(NamedTuple):
 
     request_id: str
     parent_id: str | None  # set for forks
-    status: str  # a RequestStatus value
+    status: RequestStatus  # (a plain value once decoded from the history's wire; the answers below accept both)
     retain: bool  # keeps its blocks after finishing, as a fork base
     salt: str | None  # tenant salt
     prompt_token_ids: tuple[int, ...]
@@ -80,6 +83,22 @@ class RequestView(NamedTuple):
         """The first group's table (the full group when the model has full-attention layers)."""
         return next(iter(self.block_tables.values()), ())
 
+    # What the console asks, answered by the engine's rules (engine/core/request.py).
+    @property
+    def releasable(self) -> bool:
+        """Whether `Engine.release` accepts it: retained, or waiting or running with retain set."""
+        return can_release(RequestStatus(self.status), self.retain)
+
+    @property
+    def holds_blocks(self) -> bool:
+        """Whether its status always holds KV blocks (running or retained): a fork may share them."""
+        return RequestStatus(self.status).holds_blocks
+
+    @property
+    def is_final(self) -> bool:
+        """Whether it will never run again (retained, finished, released, rejected, failed, aborted)."""
+        return RequestStatus(self.status).is_final
+
     @property
     def ttft_s(self) -> float | None:
         return None if self.first_token_time is None else self.first_token_time - self.arrival_time
@@ -95,7 +114,7 @@ class RequestView(NamedTuple):
         return RequestView(
             request_id=request.request_id,
             parent_id=request.parent_id,
-            status=request.status.value,
+            status=request.status,
             retain=request.retain,
             salt=request.salt,
             prompt_token_ids=request.prompt_token_ids,  # a tuple already: shared, not copied
@@ -123,6 +142,11 @@ class RequestView(NamedTuple):
             block_keys=None if request.prompt_keys is None else request.prompt_keys.chain,
             content_keys=None if request.prompt_keys is None else request.prompt_keys.content,
         )
+
+
+def newest_first(views: Iterable[RequestView]) -> list[RequestView]:
+    """`views` ordered by arrival, newest first (the order in which the console lists requests)."""
+    return sorted(views, key=lambda view: view.arrival_time, reverse=True)
 
 
 @dataclass(frozen=True, slots=True)
