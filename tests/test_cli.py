@@ -1,6 +1,6 @@
 """The run-trace CLI: one JSON line per finished request, a summary line, clear errors naming the line.
 
-`python -m cli run-trace` is the command; `python -m engine run-trace` its old spelling, kept working.
+`python -m cli run-trace` is the command.
 """
 
 from __future__ import annotations
@@ -111,10 +111,9 @@ def test_bad_lines_name_the_line_and_keep_state_consistent(tmp_path, capsys):
         assert records(proc)[-1]["summary"]["invariants_ok"] is True
 
 
-@pytest.mark.parametrize("package", ["cli", "engine"])
-def test_cli_runs_as_a_module(tmp_path, package):
+def test_cli_runs_as_a_module(tmp_path):
     trace = write_trace(tmp_path, [{"op": "submit", "id": "a", "tokens": [3, 4, 5], "max_new_tokens": 2}])
-    cmd = [sys.executable, "-m", package, "run-trace", str(trace), "--model", "tiny-llama", "--device", "cpu"]
+    cmd = [sys.executable, "-m", "cli", "run-trace", str(trace), "--model", "tiny-llama", "--device", "cpu"]
     env = {"PREFIX_CONSOLE_DATA_DIR": str(tmp_path), "PATH": "/usr/bin:/bin", "HF_HUB_OFFLINE": "1"}
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stderr
@@ -122,12 +121,12 @@ def test_cli_runs_as_a_module(tmp_path, package):
     assert lines[0]["id"] == "a" and lines[-1]["summary"]["invariants_ok"] is True
 
 
-# Runs `python -m engine ARGS...` in this interpreter, then reports which storage modules it imported.
+# Runs `python -m cli ARGS...` in this interpreter, then reports which storage modules it imported.
 IMPORTED_STORAGE = """
 import runpy, sys
-sys.argv = ["engine", *sys.argv[1:]]
+sys.argv = ["cli", *sys.argv[1:]]
 try:
-    runpy.run_module("engine", run_name="__main__", alter_sys=True)
+    runpy.run_module("cli", run_name="__main__", alter_sys=True)
 except SystemExit as exit:
     status = exit.code
 print(json.dumps({"status": status, "storage": sorted(m for m in sys.modules if m.split(".")[0] == "storage")}))
@@ -145,7 +144,7 @@ def imported_storage(tmp_path: Path, *extra: str) -> dict:
     return json.loads(proc.stdout.splitlines()[-1])
 
 
-def test_the_engine_alias_imports_storage_only_for_db(tmp_path):
+def test_run_trace_imports_storage_only_for_db(tmp_path):
     without_db = imported_storage(tmp_path)
     assert without_db == {"status": 0, "storage": []}
     with_db = imported_storage(tmp_path, "--db", f"sqlite:///{tmp_path / 'history.sqlite'}")
