@@ -4,6 +4,9 @@
     console = host.console       # the running engine, its run id and its in-process history
     host.restart(new_config)     # Settings: a new engine (and a new run) replaces the old one
 
+With PREFIX_CONSOLE_API_PORT (`make run` sets 8000) the host also serves the OpenAI-compatible API
+(serving/api.py) on 127.0.0.1, over whichever engine is current: API requests land in the same engine,
+history and pages as the console's own. A port that cannot be bound is shown; the console runs.
 When the configuration asks (PREFIX_CONSOLE_KV_EVENTS_ENDPOINT, ..._METRICS_PORT), each engine also
 publishes vLLM's KV-event feed and /metrics (`engine.feeds.outbound.open_feeds`); a restart closes the old
 engine's feeds before the new engine opens its own. A feed that cannot bind is shown, the engine runs.
@@ -41,6 +44,7 @@ from engine.core.config import DEFAULT_MODEL, EngineConfig
 from engine.engine import Engine
 from engine.core.events import Event
 from engine.feeds.outbound import EngineFeeds, open_feeds
+from serving.server import ApiServer
 from engine.core.snapshot import PoolStats, RequestView
 from storage import migrate
 from storage.db import db_engine, default_db_url
@@ -60,6 +64,7 @@ ENV_KV_EVENTS_ENDPOINT = "PREFIX_CONSOLE_KV_EVENTS_ENDPOINT"  # publish vLLM's K
 ENV_KV_EVENTS_REPLAY = "PREFIX_CONSOLE_KV_EVENTS_REPLAY_ENDPOINT"  # and its replay socket (ROUTER)
 ENV_KV_EVENTS_TOPIC = "PREFIX_CONSOLE_KV_EVENTS_TOPIC"  # the feed's topic
 ENV_METRICS_PORT = "PREFIX_CONSOLE_METRICS_PORT"  # vLLM-named /metrics on 127.0.0.1:PORT
+ENV_API_PORT = "PREFIX_CONSOLE_API_PORT"  # the OpenAI-compatible API on 127.0.0.1:PORT; unset or "off": none
 
 HISTORY_SAMPLES = 3600  # PoolStats samples kept for the Overview charts
 HISTORY_INTERVAL_S = 0.5  # at most one sample per this many seconds
@@ -106,6 +111,22 @@ def config_from_env(environ: Mapping[str, str] | None = None) -> EngineConfig:
         raise ValueError(f"invalid console configuration from the environment: {exc}") from None
 
 
+def api_port_from_env(environ: Mapping[str, str] | None = None) -> int | None:
+    """The port of the OpenAI-compatible API ($PREFIX_CONSOLE_API_PORT; `make run` sets 8000), or None for
+    no API (unset, empty or "off").
+
+    Raises:
+        ValueError: a value that is neither "off" nor a port number.
+    """
+    env = os.environ if environ is None else environ
+    text = (env.get(ENV_API_PORT) or "off").strip()
+    if text == "off":
+        return None
+    if not text.isdigit() or not 0 <= int(text) <= 65535:
+        raise ValueError(f"{ENV_API_PORT} must be a port number or 'off', got {text!r}")
+    return int(text)
+
+
 class StatsHistory:
     """A bounded ring of (time, PoolStats) samples; written on the engine thread, read by pages."""
 
@@ -147,7 +168,7 @@ class Console:
 class ConsoleHost:
     """Owns the shared engine, the history writer and a read-only database handle."""
 
-    def __init__(self, config: EngineConfig, db_url: str | None = None) -> None:
+    def __init__(self, config: EngineConfig, db_url: str | None = None, api_port: int | None = None) -> None:
         self.db_url = db_url or default_db_url(config.resolved_data_dir)
         self.db: DbEngine = db_engine(self.db_url)  # for the pages' reads (storage.read.queries)
         self.schema_error: str | None = None
@@ -164,10 +185,18 @@ class ConsoleHost:
             self.writer.close(timeout_s=5)
             self.db.dispose()
             raise
+        self.api: ApiServer | None = None  # the OpenAI-compatible API over the current engine, when asked for
+        self.api_error: str | None = None  # why it could not be started (shown on the pages)
+        if api_port is not None:
+            try:
+                self.api = ApiServer(lambda: self.console.engine, port=api_port)
+            except (OSError, RuntimeError) as exc:  # a port in use: shown, the console still runs
+                self.api_error = f"{type(exc).__name__}: {exc}"
+                logger.exception("the OpenAI-compatible API could not be started")
 
     @classmethod
     def from_env(cls) -> ConsoleHost:
-        return cls(config_from_env())
+        return cls(config_from_env(), api_port=api_port_from_env())
 
     @property
     def console(self) -> Console:
@@ -204,6 +233,8 @@ class ConsoleHost:
             if self._closed:
                 return
             self._closed = True
+            if self.api is not None:
+                self.api.close()  # no new API requests reach the engine being stopped
             self._console.active = False
             self._console.engine.stop()
             if self._console.feeds is not None:

@@ -4,6 +4,8 @@
     analyze         what a cache of given sizes would hit on a workload, and why it misses (cli/analyze.py)
     block-history   one block's reference-count history from the history database (cli/block_history.py)
     fleet           watch vLLM/SGLang prefix caches through their KV events; read what was seen (cli/fleet.py)
+    serve           the OpenAI-compatible API on one engine, writing the history (cli/serve.py)
+    why             why a request missed the prefix cache, from the history (cli/why.py)
 
 A command module exposes `add_parser(subparsers)`, which adds its subcommand and sets `run` as that
 parser's default, and `run(args) -> int`, the exit status. Command modules import at the top only what
@@ -19,9 +21,9 @@ import sys
 from collections.abc import Sequence
 from types import ModuleType
 
-from cli import analyze, block_history, fleet, run_trace
+from cli import analyze, block_history, fleet, run_trace, serve, why
 
-COMMANDS: tuple[ModuleType, ...] = (run_trace, analyze, block_history, fleet)
+COMMANDS: tuple[ModuleType, ...] = (run_trace, analyze, block_history, fleet, serve, why)
 
 
 def main(argv: Sequence[str] | None = None, *, prog: str = "python -m cli", commands=COMMANDS) -> int:

@@ -7,9 +7,11 @@ not the text. The engine itself knows nothing about text.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 ROLES = ("system", "user", "assistant")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")  # a model directory with a tokenizer
 PROMPT_FIELDS = ("tokens", "text", "chat")  # a run-trace submit line gives its prompt as exactly one of these
 
 
@@ -67,3 +69,19 @@ def first_divergence(a: list[int], b: list[int]) -> int:
         if x != y:
             return i
     return min(len(a), len(b))
+
+
+def load_tokenizer(model: str, data_dir: Path) -> Any:
+    """The tokenizer of a model the history names (a preset or a model directory), without its weights;
+    None for a model that has none (the token-id-only presets, a directory without tokenizer files)."""
+    from engine.runner.model_loading import SMOLLM2, TINY_PRESETS, smollm2_tokenizer
+
+    if model in (SMOLLM2, "tiny-chat"):
+        return smollm2_tokenizer(data_dir)
+    if model in TINY_PRESETS or not Path(model).is_dir():
+        return None
+    if not any((Path(model) / name).is_file() for name in TOKENIZER_FILES):
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model, local_files_only=True)

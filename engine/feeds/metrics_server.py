@@ -147,6 +147,15 @@ class _EngineCollector:
         yield from self._residency.families(labels)
 
 
+def engine_registry(engine: Any, residency: BlockResidency) -> CollectorRegistry:
+    """A registry holding the engine's metrics (read at every scrape) and `residency`'s histograms; the
+    caller feeds `residency.on_step` to the engine as a listener. Other servers (the OpenAI-compatible
+    API) serve it under their own /metrics."""
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_EngineCollector(engine, residency))
+    return registry
+
+
 class MetricsServer:
     """The HTTP endpoint (GET /metrics) on 127.0.0.1, with its residency listener on the engine."""
 
@@ -161,8 +170,7 @@ class MetricsServer:
         """
         self.residency = BlockResidency()  # the histograms, fed by the engine's events
         self._engine = engine
-        registry = CollectorRegistry(auto_describe=False)
-        registry.register(_EngineCollector(engine, self.residency))
+        registry = engine_registry(engine, self.residency)
         self._http, self._thread = start_http_server(port, addr=BIND_ADDRESS, registry=registry)
         self.port = self._http.server_port  # the bound port
         self.url = f"http://{BIND_ADDRESS}:{self.port}/metrics"  # where to scrape

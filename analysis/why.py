@@ -1,0 +1,354 @@
+"""Why a request's prompt tokens were not served from the prefix cache: one cause per request.
+
+Pure computation over history rows (storage/read/why.py reads them; cli/why.py and the console's panel
+show the result). The cause is the first that applies at the first prompt token not served from the
+cache, `position` (= the request's cached tokens):
+
+    hit        everything reusable was served: the cache served every full block before the last prompt
+               token (the engine always computes that token, for its logits; a partial tail is never
+               cached), so nothing is missed. A request that waited for another one computing the same
+               prefix (the scheduler's rule) is a hit; `wait` says how long and for whom.
+    evicted    an earlier request of the same namespace held the block at `position` (its chain was
+               cached) and the block was evicted before this request looked it up; `eviction` is the
+               latest such eviction from the history (time, reason, block).
+    window     sliding-window state was not ready: the chain was there but the window's blocks were not
+               (evicted with reason "window", or the request replayed from its boundary `r`).
+    namespace  the same tokens through `position`'s block were cached under another namespace (another
+               tenant salt, model, weights, dtype or attention spec): no key could match.
+    diverged   an earlier request shared the first P tokens and then differed: `divergence` gives P and
+               the decoded text after it on both sides; `same_text` says the ids differ but decode to
+               the same text (the tokenization or the template changed, not the text), and the
+               template's special tokens on each side are called out. A request whose visible words an
+               earlier one holds under another template (chat and plain text) diverges at P = 0.
+    new        no earlier request shared even the first block.
+
+The workload analyzer (analysis/breakdown.py) splits misses by reason over a trace; where a cause means
+the same as one of its reasons it has that reason's name in `ANALYZER_REASONS`: "namespace" is the same
+word; "evicted" is its "capacity"; "new" and "diverged" are both its "compulsory" (no cache of any size
+holds the tokens).
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+WINDOW_BEFORE = 8  # tokens of shared context shown before a divergence
+WINDOW_AFTER = 16  # tokens shown after it, on each side (a date of ten digits fits)
+MIN_SHARED_WORDS = 16  # characters of visible text two prompts must share to count as the same words
+WAIT_EPSILON_S = 1e-3  # a shorter wait between arrival and first schedule is not reported
+
+
+class Cause(enum.StrEnum):
+    HIT = "hit"
+    NEW = "new"
+    DIVERGED = "diverged"
+    EVICTED = "evicted"
+    NAMESPACE = "namespace"
+    WINDOW = "window"
+
+
+ANALYZER_REASONS = {Cause.NEW: "compulsory", Cause.DIVERGED: "compulsory", Cause.EVICTED: "capacity",
+                    Cause.NAMESPACE: "namespace"}  # fmt: skip
+
+
+class WhyError(ValueError):
+    """The history cannot explain this request (its prompt was not recorded)."""
+
+
+class HistoryRequest(Protocol):
+    """One request as the history holds it (storage/read/why.py's `WhyRequest` has these fields)."""
+
+    run_id: str
+    request_id: str
+    arrival_time: float
+    first_scheduled_time: float | None
+    first_token_time: float | None
+    prompt_token_ids: tuple[int, ...] | None  # from its SUBMIT event; None when not recorded
+    salt: str | None
+    cached_tokens: int
+    prompt_tokens: int
+    block_keys: bytes | None  # chain keys of its prompt's full blocks, 16 bytes each, once finished
+    replay_mode: str | None
+    r: int | None  # replay boundary (sliding windows)
+    namespace: str | None  # its run's namespace root (hex)
+    block_size: int
+    model: str
+    dtype: str
+    weights_revision: str | None
+
+
+class EvictionFact(Protocol):
+    """One eviction from the history (storage/read/why.py's `WhyEviction` has these fields)."""
+
+    at: float  # epoch seconds
+    reason: str  # EvictReason value: lru, reset, parent_evicted, window
+    block: int | None  # the physical block
+    key_hex: str
+    group: str | None
+
+
+@dataclass(frozen=True)
+class Diagnosis:
+    """The answer for one request (`as_json` is `python -m cli why --json`'s object)."""
+
+    request_id: str
+    run_id: str
+    prompt_tokens: int
+    cached_tokens: int
+    reusable_tokens: int  # what an unbounded cache would have served (the best earlier same-namespace match)
+    cause: Cause
+    position: int  # first prompt token not served from the cache
+    missed_tokens: int  # cacheable tokens not served: (prompt_tokens - 1) // block_size * block_size - cached
+    match: dict[str, Any] | None = None  # request_id, run_id, shared_tokens
+    divergence: dict[str, Any] | None = None  # position, before, ours, theirs, same_text, template_tokens
+    eviction: dict[str, Any] | None = None  # at, reason, block, key
+    namespace: dict[str, Any] | None = None  # what differs: {"salt": [ours, theirs], "model": [...], ...}
+    wait: dict[str, Any] | None = None  # seconds, request_id (the request it waited for)
+    window: dict[str, Any] | None = None  # replay boundary r
+    notes: list[str] = field(default_factory=list)
+
+    def as_json(self) -> dict[str, Any]:
+        return {
+            "request_id": self.request_id, "run_id": self.run_id, "prompt_tokens": self.prompt_tokens,
+            "cached_tokens": self.cached_tokens, "reusable_tokens": self.reusable_tokens, "cause": self.cause.value,
+            "analyzer_reason": ANALYZER_REASONS.get(self.cause), "position": self.position,
+            "missed_tokens": self.missed_tokens, "match": self.match, "divergence": self.divergence,
+            "eviction": self.eviction, "namespace": self.namespace, "wait": self.wait, "window": self.window,
+            "notes": list(self.notes),
+        }  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Decoder:
+    """How token ids become text for the windows shown (the model's tokenizer, or the ids as text)."""
+
+    decode: Callable[[Sequence[int]], str]  # ids -> text, special tokens kept
+    visible: Callable[[Sequence[int]], str]  # ids -> text without special tokens
+    special_ids: frozenset[int]  # the template's special tokens
+
+    @staticmethod
+    def of(tokenizer: Any) -> Decoder:
+        """The model's tokenizer as a decoder; without one, ids are shown as numbers."""
+        if tokenizer is None:
+            as_text = lambda ids: " ".join(map(str, ids))  # noqa: E731
+            return Decoder(as_text, as_text, frozenset())
+        return Decoder(
+            lambda ids: tokenizer.decode(list(ids), skip_special_tokens=False),
+            lambda ids: tokenizer.decode(list(ids), skip_special_tokens=True),
+            frozenset(getattr(tokenizer, "all_special_ids", ())),
+        )
+
+
+EvictionLookup = Callable[[str, str, float], EvictionFact | None]  # (run_id, key hex, before) -> latest eviction
+
+
+def shared_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading tokens two sequences share."""
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+def diagnose(request: HistoryRequest, earlier: Iterable[HistoryRequest], evictions: EvictionLookup,
+             decoder: Decoder) -> Diagnosis:  # fmt: skip
+    """One request's cause (see the module docstring).
+
+    Args:
+        request: the request to explain.
+        earlier: requests that arrived before it, in any run (other runs are other namespaces, or the same).
+        evictions: the latest eviction of a chain key in a run before a time.
+        decoder: for the divergence windows.
+
+    Raises:
+        WhyError: the request's prompt tokens are not in the history.
+    """
+    ours = request.prompt_token_ids
+    if ours is None:
+        raise WhyError(f"the prompt of {request.request_id!r} is not in the history (recorded before prompts were)")
+    bs = request.block_size
+    cap = (request.prompt_tokens - 1) // bs * bs  # tokens a lookup may serve
+    cached = min(request.cached_tokens, request.prompt_tokens)
+    position = cached
+    same, other = [], []
+    for candidate in earlier:
+        if candidate.prompt_token_ids is None or candidate.request_id == request.request_id and (
+            candidate.run_id == request.run_id
+        ):
+            continue
+        shared = shared_prefix(ours, candidate.prompt_token_ids)
+        (same if _same_namespace(request, candidate) else other).append((shared, candidate))
+    best_shared, best = max(same, key=lambda pair: (pair[0], pair[1].arrival_time), default=(0, None))
+    reusable = max(min(cap, best_shared // bs * bs), min(cached, cap))
+    base = dict(request_id=request.request_id, run_id=request.run_id, prompt_tokens=request.prompt_tokens,
+                cached_tokens=cached, reusable_tokens=reusable, position=position,
+                missed_tokens=max(0, cap - cached))  # fmt: skip
+    if cached >= cap:
+        return Diagnosis(cause=Cause.HIT, wait=_wait(request, same, bs), **base)
+    next_end = position + bs
+    holders = [(shared, c) for shared, c in same if shared >= next_end]
+    if holders:
+        shared, holder = max(holders, key=lambda pair: pair[1].arrival_time)  # the latest to have computed it
+        return _evicted(request, holder, shared, evictions, base)
+    strangers = [(shared, c) for shared, c in other if shared >= next_end and c.block_size == bs]
+    if strangers:
+        shared, stranger = max(strangers, key=lambda pair: (pair[0], pair[1].arrival_time))
+        return Diagnosis(cause=Cause.NAMESPACE, match=_match(stranger, shared),
+                         namespace=_namespace_difference(request, stranger), **base)  # fmt: skip
+    if best is not None and best_shared >= bs:
+        return Diagnosis(cause=Cause.DIVERGED, match=_match(best, best_shared),
+                         divergence=_divergence(ours, best.prompt_token_ids, best_shared, decoder), **base)  # fmt: skip
+    words = _same_words(ours, [c for _, c in same], decoder)
+    if words is not None:
+        shared = shared_prefix(ours, words.prompt_token_ids)
+        return Diagnosis(cause=Cause.DIVERGED, match=_match(words, shared),
+                         divergence=_divergence(ours, words.prompt_token_ids, shared, decoder), **base)  # fmt: skip
+    return Diagnosis(cause=Cause.NEW, **base)
+
+
+def _same_namespace(a: HistoryRequest, b: HistoryRequest) -> bool:
+    return a.namespace == b.namespace and a.salt == b.salt and a.block_size == b.block_size
+
+
+def _match(candidate: HistoryRequest, shared: int) -> dict[str, Any]:
+    return {"request_id": candidate.request_id, "run_id": candidate.run_id, "shared_tokens": shared}
+
+
+def _wait(request: HistoryRequest, same: list[tuple[int, HistoryRequest]], bs: int) -> dict[str, Any] | None:
+    """How long a hit waited for an earlier request that was computing its prefix, or None."""
+    scheduled = request.first_scheduled_time
+    if scheduled is None or scheduled - request.arrival_time < WAIT_EPSILON_S:
+        return None
+    computing = [
+        (shared, c) for shared, c in same
+        if shared >= bs and c.first_scheduled_time is not None and c.first_scheduled_time <= scheduled
+        and (c.first_token_time is None or c.first_token_time >= request.arrival_time)
+    ]  # fmt: skip
+    if not computing:
+        return None
+    shared, other = max(computing, key=lambda pair: (pair[0], pair[1].arrival_time))
+    return {"seconds": scheduled - request.arrival_time, "request_id": other.request_id, "shared_tokens": shared}
+
+
+def _evicted(request: HistoryRequest, holder: HistoryRequest, shared: int, evictions: EvictionLookup,
+             base: dict[str, Any]) -> Diagnosis:  # fmt: skip
+    """The block at `position` was held by `holder`: find its eviction (or the window that was not ready)."""
+    index = base["position"] // request.block_size
+    keys = holder.block_keys or request.block_keys
+    match = _match(holder, shared)
+    before = request.first_scheduled_time or request.arrival_time
+    fact = None
+    if keys is not None and len(keys) >= 16 * (index + 1):
+        fact = evictions(holder.run_id, keys[16 * index : 16 * (index + 1)].hex(), before)
+    window = {"r": request.r, "replay_mode": request.replay_mode} if request.replay_mode not in (None, "none") else None
+    if fact is not None:
+        eviction = {"at": fact.at, "reason": fact.reason, "block": fact.block, "key": fact.key_hex, "group": fact.group}
+        cause = Cause.WINDOW if fact.reason == "window" else Cause.EVICTED
+        return Diagnosis(cause=cause, match=match, eviction=eviction, window=window, **base)
+    if window is not None:
+        return Diagnosis(cause=Cause.WINDOW, match=match, window=window, **base)
+    note = ("no eviction of this block is in the history: retention may have pruned it, or "
+            f"{holder.request_id} had not finished computing it when this request looked it up")  # fmt: skip
+    return Diagnosis(cause=Cause.EVICTED, match=match, notes=[note], **base)
+
+
+def _namespace_difference(ours: HistoryRequest, theirs: HistoryRequest) -> dict[str, Any]:
+    """Each namespace field that differs, as [ours, theirs]."""
+    fields = ("salt", "model", "weights_revision", "dtype", "namespace")
+    differs = {name: [getattr(ours, name), getattr(theirs, name)] for name in fields}
+    return {name: pair for name, pair in differs.items() if pair[0] != pair[1]}
+
+
+def _same_words(ours: Sequence[int], candidates: list[HistoryRequest], decoder: Decoder) -> HistoryRequest | None:
+    """The latest earlier request whose visible text holds ours or is held in ours (the same words under
+    another template or tokenization), when at least MIN_SHARED_WORDS characters are shared."""
+    mine = decoder.visible(ours).strip()
+    if len(mine) < MIN_SHARED_WORDS:
+        return None
+    for candidate in sorted(candidates, key=lambda c: c.arrival_time, reverse=True):
+        theirs = decoder.visible(candidate.prompt_token_ids or ()).strip()
+        if len(theirs) >= MIN_SHARED_WORDS and (mine in theirs or theirs in mine):
+            return candidate
+    return None
+
+
+def _divergence(ours: Sequence[int], theirs: Sequence[int], at: int, decoder: Decoder) -> dict[str, Any]:
+    """The text around the first differing token, on both sides, and what kind of difference it is."""
+    ours_after, theirs_after = list(ours[at : at + WINDOW_AFTER]), list(theirs[at : at + WINDOW_AFTER])
+    ours_text, theirs_text = decoder.decode(ours_after), decoder.decode(theirs_after)
+    common = min(len(ours_text), len(theirs_text), 32)
+    same_text = common > 0 and ours_text[:common] == theirs_text[:common]
+    special = decoder.special_ids
+    template = {
+        "ours": [decoder.decode([t]) for t in ours[: at + WINDOW_AFTER] if t in special],
+        "theirs": [decoder.decode([t]) for t in theirs[: at + WINDOW_AFTER] if t in special],
+    }
+    notes = []
+    if same_text:
+        notes.append("the ids differ but decode to the same text: the tokenization or template changed, not the text")
+    if template["ours"] != template["theirs"]:
+        notes.append("the chat template's special tokens differ: one prompt was rendered through a template")
+    return {
+        "position": at,
+        "before": decoder.decode(list(ours[max(0, at - WINDOW_BEFORE) : at])),
+        "ours": ours_text,
+        "theirs": theirs_text,
+        "ours_ids": ours_after,
+        "theirs_ids": theirs_after,
+        "same_text": same_text,
+        "template_tokens": template,
+        "notes": notes,
+    }
+
+
+@dataclass(frozen=True)
+class RunSummary:
+    """Tokens missed by cause over one run's requests."""
+
+    run_id: str
+    requests: int
+    prompt_tokens: int
+    cached_tokens: int
+    by_cause: dict[str, dict[str, int]]  # cause -> {"requests", "missed_tokens"}
+    unexplained: int  # requests whose prompt the history does not hold
+
+    def as_json(self) -> dict[str, Any]:
+        return {"run_id": self.run_id, "requests": self.requests, "prompt_tokens": self.prompt_tokens,
+                "cached_tokens": self.cached_tokens, "by_cause": self.by_cause,
+                "unexplained": self.unexplained}  # fmt: skip
+
+
+def summarize(run_id: str, requests: Sequence[HistoryRequest], before: Sequence[HistoryRequest],
+              evictions: EvictionLookup, decoder: Decoder) -> tuple[RunSummary, list[Diagnosis]]:  # fmt: skip
+    """Every request of a run diagnosed (in arrival order), and the tokens missed by cause.
+
+    Args:
+        requests: the run's requests.
+        before: requests of other runs that arrived before the run's last request.
+    """
+    ordered = sorted(requests, key=lambda r: r.arrival_time)
+    pool = sorted(before, key=lambda r: r.arrival_time)
+    by_cause = {cause.value: {"requests": 0, "missed_tokens": 0} for cause in Cause}
+    diagnoses, unexplained, seen = [], 0, []
+    others = iter(pool)
+    pending = next(others, None)
+    for request in ordered:
+        while pending is not None and pending.arrival_time < request.arrival_time:
+            seen.append(pending)
+            pending = next(others, None)
+        try:
+            diagnosis = diagnose(request, seen, evictions, decoder)
+        except WhyError:
+            unexplained += 1
+        else:
+            diagnoses.append(diagnosis)
+            by_cause[diagnosis.cause.value]["requests"] += 1
+            by_cause[diagnosis.cause.value]["missed_tokens"] += diagnosis.missed_tokens
+        seen.append(request)
+    summary = RunSummary(run_id, len(ordered), sum(r.prompt_tokens for r in ordered),
+                         sum(r.cached_tokens for r in ordered), by_cause, unexplained)  # fmt: skip
+    return summary, diagnoses
