@@ -18,7 +18,8 @@ $(STAMP): requirements.txt requirements-interop.txt
 	touch $(STAMP)
 
 # The block pool compiled with mypyc (build_native.py): the same source, imported in its place.
-NATIVE_SOURCES := build_native.py engine/native_guard.py engine/core/block.py engine/core/eviction.py engine/core/block_pool.py
+NATIVE_SOURCES := build_native.py engine/native_guard.py engine/core/block.py engine/core/eviction.py \
+                  engine/core/chain_keys.py engine/core/pool_invariants.py engine/core/block_pool.py
 NATIVE_STAMP   := .build/native/.built
 
 $(NATIVE_STAMP): $(STAMP) $(NATIVE_SOURCES)

@@ -36,7 +36,8 @@ import numpy as np
 
 from analysis.errors import TraceError
 from analysis.trace import Trace
-from engine.core.block_pool import BlockPool, chain_key
+from engine.core.block_pool import BlockPool
+from engine.core.chain_keys import chain_key
 from engine.core.errors import require
 from engine.core.events import EventKind, EventLog
 from engine.core.eviction import EvictionPolicy

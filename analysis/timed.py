@@ -1,8 +1,9 @@
 """The "timed" mode: requests arrive at their timestamps and hold their blocks while they run.
 
-Where the sequential mode serves one request at a time, here the engine's own scheduler, KV cache
-manager and block pool (engine/core/scheduler.py, kv_coordinator.py, kv_cache_manager.py, block_pool.py) run
-the trace without the model. Each step is the engine's three lines with the forward replaced by a clock:
+Where the sequential mode serves one request at a time, here the engine's own scheduler, KV
+coordinator, KV cache manager and block pool run the trace without the model, built as the engine
+builds them (engine/core/assembly.py's `build_core`). Each step is the engine's three lines with the
+forward replaced by a clock:
 
     out = scheduler.schedule()                          # continuous batching, chunked prefill, preemption
     clock += service.step_seconds(prefill, decode)      # what the forward would have taken
@@ -23,7 +24,8 @@ The service model (`ServiceModel`) charges a step `prefill / prefill_tokens_per_
 decode_tokens_per_s`; its defaults were measured on the engine (see `ServiceModel`). Arrival times are
 the trace's; the clock is virtual (the engine's wall-clock stamps on requests are not used).
 
-A request whose prompt and output cannot fit in the whole pool is rejected, as the engine rejects it.
+A request whose prompt and output cannot fit in the whole pool is rejected, by the engine's own rule
+(engine/core/assembly.py's `never_fits`).
 """
 
 from __future__ import annotations
@@ -34,17 +36,15 @@ from dataclasses import dataclass
 import numpy as np
 
 from analysis.trace import MAX_REFERENCES, PartialBlocks, Trace
-from engine.core.block_pool import BlockPool
+from engine.core.arith import ceil_div
+from engine.core.assembly import build_core, never_fits
 from engine.core.config import MAX_NEW_TOKENS, EngineConfig
 from engine.core.errors import require
 from engine.core.events import EventLog
 from engine.core.eviction import EvictionPolicy
-from engine.core.kv_cache_manager import KVCacheManager
-from engine.core.kv_coordinator import KVCoordinator
-from engine.core.kv_groups import FULL, KVGroupSpec, WindowPolicy
+from engine.core.kv_groups import FULL, KVGroupSpec
 from engine.core.namespace import CacheNamespace
 from engine.core.request import Request, RequestStatus, SamplingParams
-from engine.core.scheduler import Scheduler
 
 OUTPUT_TOKEN = 2**32 - 1  # every generated token (no prompt block holds it: dense ids are far smaller)
 TAIL_TOKEN = 2**32 - 2  # an own workload's prompt tokens past its last full block (unknown to the trace)
@@ -161,7 +161,7 @@ def run_timed(
     # A pool that can hold every request's whole context at once never evicts, preempts or keeps a
     # request waiting for blocks, so every larger pool serves the same: the pool is built no larger.
     outputs = np.clip(trace.output_lengths, 1, MAX_NEW_TOKENS)
-    contexts = -(-(trace.input_lengths + outputs) // trace.block_size)
+    contexts = ceil_div(trace.input_lengths + outputs, trace.block_size)  # elementwise
     pool_blocks = min(capacity_blocks, int(contexts.sum()))
     if pool_blocks > MAX_REFERENCES:
         raise ValueError(f"the timed mode builds pools of at most {MAX_REFERENCES:,} blocks, {pool_blocks:,} asked for")
@@ -178,11 +178,11 @@ class _ModelFreeServer:
         self.capacity_blocks = capacity_blocks
         self.clock = VirtualClock()
         log = EventLog(clock=self.clock, recording=False)
-        self.pool = BlockPool(capacity_blocks, trace.block_size, log, eviction=policy)
-        manager = KVCacheManager(self.pool, namespace_for(trace.block_size), log)
-        kv = KVCoordinator((KVGroupSpec(FULL, None, (0,)),), (manager,), WindowPolicy(), log)
         config = EngineConfig(max_num_batched_tokens=service.max_num_batched_tokens, max_num_seqs=service.max_num_seqs)
-        self.scheduler = Scheduler(config, kv, log, eos_token_ids=())
+        groups = (KVGroupSpec(FULL, None, (0,)),)
+        core = build_core(config, groups, namespace_for(trace.block_size), log, capacity_blocks, eviction=policy)
+        self.pool = core.kv.managers[0].pool
+        self.scheduler = core.scheduler
         count = len(trace)
         self.arrivals = trace.arrival_s.tolist()
         self.outputs = np.clip(trace.output_lengths, 1, MAX_NEW_TOKENS).tolist()
@@ -225,8 +225,8 @@ class _ModelFreeServer:
         while self.arrived < len(self.trace) and self.arrivals[self.arrived] <= self.clock.now:
             index, output = self.arrived, self.outputs[self.arrived]
             request = Request(str(index), tuple(prompt_tokens(self.trace, index)), SamplingParams(output))
-            if -(-(request.num_prompt_tokens + output) // size) > self.capacity_blocks:
-                self.rejected[index] = True  # as Engine.submit: it could never fit in the pool
+            if never_fits(request.num_prompt_tokens, output, size, self.capacity_blocks) is not None:
+                self.rejected[index] = True  # as the engine rejects it: it could never fit in the pool
                 self.done += 1
             else:
                 self.scheduler.add(request)

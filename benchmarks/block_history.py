@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from engine.core.block_pool import BlockPool  # noqa: E402
 from engine.core.events import EventLog  # noqa: E402
-from engine.core.kv_cache_manager import KVCacheManager  # noqa: E402
+from engine.core.full_attention_manager import FullAttentionManager  # noqa: E402
 from engine.core.namespace import CacheNamespace  # noqa: E402
 from storage.read import queries  # noqa: E402
 from storage.db import db_engine  # noqa: E402
@@ -39,7 +39,7 @@ def workload(num_events: int, seed: int = 0):
     """Batches of engine events from a random workload, until about `num_events` events."""
     rng = random.Random(seed)
     log = EventLog()
-    m = KVCacheManager(BlockPool(NUM_BLOCKS, BLOCK_SIZE, log), CacheNamespace("m", "r", "float32", BLOCK_SIZE, ("full",)), log)
+    m = FullAttentionManager(BlockPool(NUM_BLOCKS, BLOCK_SIZE, log), CacheNamespace("m", "r", "float32", BLOCK_SIZE, ("full",)), log)
     stems = [[rng.randrange(1000) for _ in range(BLOCK_SIZE * 4)] for _ in range(8)]
     live: list[str] = []
     made = 0

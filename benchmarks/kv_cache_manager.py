@@ -6,7 +6,7 @@ a list of bytes, no cached enum members); the speed that counts is replaying a r
 Four operations per context length, on the same pool size, block size and token ids for both sides:
 
     lookup    hash the prompt block by block and find every block of a fully cached context
-              ours: `KVCacheManager.find_prefix_hit`      theirs: `CacheAllocator.match_prefix_blocks`
+              ours: `FullAttentionManager.find_prefix_hit`      theirs: `CacheAllocator.match_prefix_blocks`
     allocate  give a new context its blocks on a cold cache, then key its full blocks
               ours: `allocate` (which checks `can_allocate` first) + `cache_full_blocks`
               theirs: `needs_new_sectors` + `allocate_cache_to_request` + `mark_complete_blocks`
@@ -50,7 +50,7 @@ from transformers.generation.continuous_batching.cache_allocators import (  # no
 
 from engine.core.block_pool import BlockPool  # noqa: E402
 from engine.core.events import EventLog  # noqa: E402
-from engine.core.kv_cache_manager import KVCacheManager  # noqa: E402
+from engine.core.full_attention_manager import FullAttentionManager  # noqa: E402
 from engine.core.namespace import CacheNamespace  # noqa: E402
 
 BLOCK_SIZE = 16
@@ -102,7 +102,7 @@ class Ours:
 
     def __init__(self, num_blocks: int) -> None:
         self.log = EventLog()
-        self.manager = KVCacheManager(BlockPool(num_blocks, BLOCK_SIZE, self.log), self.namespace, self.log)
+        self.manager = FullAttentionManager(BlockPool(num_blocks, BLOCK_SIZE, self.log), self.namespace, self.log)
 
     def prefill(self, request_id: str, tokens: list[int]) -> None:
         self.manager.allocate(request_id, tokens)

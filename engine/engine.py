@@ -25,21 +25,17 @@ from typing import Callable
 
 import torch
 
-from engine.core.block_pool import BlockPool
+from engine.core.assembly import build_core, never_fits
 from engine.core.config import EngineConfig
 from engine.core.errors import require
 from engine.core.events import Event, EventKind, EventLog
-from engine.core.eviction import make_eviction_policy
-from engine.core.kv_cache_manager import KVCacheManager
-from engine.core.kv_coordinator import KVCoordinator
-from engine.core.kv_groups import WindowPolicy
 from engine.core.kv_memory import pool_num_blocks
 from engine.runner.model_runner import GroupSlots, ModelRunner, SeqChunk
 from engine.runner.model_loading import LoadedModel, load_model
 from engine.core.namespace import CacheNamespace
 from engine.core.request import HitSource, Request, RequestStatus, SamplingParams, can_release
 from engine.runner.sampler import sample
-from engine.core.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
+from engine.core.scheduler import ScheduledChunk, SchedulerOutput
 from engine.core.snapshot import EngineSnapshot, PoolStats, RequestView, block_views, pool_stats
 from engine.runner.verify import ReplayVerifier
 
@@ -87,26 +83,10 @@ class Engine:
             block_size=config.block_size,
             attention_spec=self.loaded.attention_spec,
         )
-        managers = [
-            KVCacheManager(
-                BlockPool(
-                    num_blocks,
-                    config.block_size,
-                    self.log,
-                    group=spec.name,
-                    chained=spec.window is None,
-                    eviction=make_eviction_policy(config.eviction_policy, num_blocks),
-                ),
-                self.namespace,
-                self.log,
-                window=spec.window,
-                retain_tokens=None if spec.window is None else spec.window + config.window_backtrack,
-            )
-            for spec in self.runner.groups
-        ]
-        window_policy = WindowPolicy(config.window_backtrack, config.allow_approximate_replay)
-        self.kv = KVCoordinator(self.runner.groups, managers, window_policy, self.log)
-        self.scheduler = Scheduler(config, self.kv, self.log, self.loaded.eos_token_ids)
+        core = build_core(
+            config, self.runner.groups, self.namespace, self.log, num_blocks, eos_token_ids=self.loaded.eos_token_ids
+        )
+        self.kv, self.scheduler = core.kv, core.scheduler
         # Only when asked for: it keeps logits of approximate replays and recomputes them when they finish.
         self._verifier = ReplayVerifier(self.runner, self.log) if config.verify_replay else None
         self.vocab_size = int(self.loaded.model.config.vocab_size)
@@ -256,7 +236,7 @@ class Engine:
                 )
                 children.append(child)
             for child in children:
-                if self._blocks_for(child.num_prompt_tokens, sampling) > self.num_blocks:
+                if self._never_fits(child) is not None:
                     self._enqueue(child)  # records the rejection and raises
             for child in children:
                 child.seeded_by_fork(self.kv.fork(parent_id, child.request_id), self.kv.ready_mode)
@@ -535,19 +515,20 @@ class Engine:
                 f"maximum of {self.max_model_len} positions"
             )
 
-    def _blocks_for(self, num_context: int, sampling: SamplingParams) -> int:
-        return -(-(num_context + sampling.max_new_tokens) // self.config.block_size)
+    def _never_fits(self, request: Request) -> str | None:
+        """Why the request can never fit in the pool (engine/core/assembly.py's rule), or None."""
+        sampling, size = request.sampling, self.config.block_size
+        return never_fits(request.num_prompt_tokens, sampling.max_new_tokens, size, self.num_blocks)
 
     def _enqueue(self, request: Request) -> None:
         """Record and queue a validated request, or record it as rejected when it can never fit."""
-        needed = self._blocks_for(request.num_prompt_tokens, request.sampling)
-        if request.sampling.temperature > 0 and needed <= self.num_blocks:  # before anything is recorded
+        reason = self._never_fits(request)
+        if request.sampling.temperature > 0 and reason is None:  # before anything is recorded
             seed = request.sampling.seed if request.sampling.seed is not None else self.config.seed
             self._generators[request.request_id] = torch.Generator().manual_seed(seed)
         self._requests[request.request_id] = request
-        if needed > self.num_blocks:
+        if reason is not None:
             request.rejected("too large for the pool")
-            reason = f"needs {needed} blocks for its context and new tokens; the whole pool has {self.num_blocks}"
             detail = {"reason": reason}
             self.log.emit(EventKind.REJECT, detail, request_id=request.request_id, tokens=request.num_prompt_tokens)
             self._publish(self.log.take(), [request])

@@ -21,7 +21,13 @@ from importlib.machinery import EXTENSION_SUFFIXES
 from pathlib import Path
 
 # The modules build_native.py compiles (as one group), as paths relative to the repository root.
-NATIVE_MODULES = ("engine/core/block.py", "engine/core/eviction.py", "engine/core/block_pool.py")
+NATIVE_MODULES = (  # block_pool.py and the modules it imports, compiled as one group
+    "engine/core/block.py",
+    "engine/core/eviction.py",
+    "engine/core/chain_keys.py",
+    "engine/core/pool_invariants.py",
+    "engine/core/block_pool.py",
+)
 REPOSITORY_ROOT = Path(__file__).resolve().parent.parent  # the folder that holds the `engine` package
 
 

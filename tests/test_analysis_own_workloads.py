@@ -18,7 +18,7 @@ from engine.core.block_pool import BlockPool
 from engine.core.config import EngineConfig
 from engine.engine import Engine
 from engine.core.events import EventLog
-from engine.core.kv_cache_manager import KVCacheManager
+from engine.core.full_attention_manager import FullAttentionManager
 from engine.runner.model_loading import smollm2_tokenizer
 from engine.core.namespace import CacheNamespace
 from serving.prompts import encode_chat, encode_text
@@ -45,7 +45,7 @@ def test_block_ids_are_the_chain_keys_the_kv_cache_manager_computes():
     tokens = list(range(10, 23))  # three full blocks of 4 and one token
     trace = run_trace(submit("a", tokens, salt="t"))
     log = EventLog()
-    manager = KVCacheManager(BlockPool(8, 4, log), NAMESPACE, log)
+    manager = FullAttentionManager(BlockPool(8, 4, log), NAMESPACE, log)
     manager.allocate("a", tokens, salt="t")
     manager.cache_full_blocks("a")
     assert trace.block_ids.tolist() == list(key_ids(b"".join(manager.chain_keys("a"))))

@@ -16,7 +16,7 @@ from analysis.stack_distance import lru_curve
 from engine.core.block_pool import BlockPool
 from engine.core.events import EventLog
 from engine.core.eviction import LruPolicy, ReuseLruPolicy
-from engine.core.kv_cache_manager import KVCacheManager
+from engine.core.full_attention_manager import FullAttentionManager
 from tests.analysis_support import BAILIAN_SAMPLE, CONVERSATION_SAMPLE, SYNTHETIC_SAMPLE, trace_of
 from tests.own_workload_support import NAMESPACE, token_prompts, write_run_trace
 
@@ -75,7 +75,7 @@ def test_a_token_trace_hits_what_the_engines_kv_cache_manager_hits(tmp_path):
     size = NAMESPACE.block_size
     for capacity in (3, 6, 12, 40):
         log = EventLog()
-        manager = KVCacheManager(BlockPool(capacity, size, log), NAMESPACE, log)
+        manager = FullAttentionManager(BlockPool(capacity, size, log), NAMESPACE, log)
         engine_hits = []
         for index, (tokens, salt) in enumerate(prompts):
             kept = tokens[: capacity * size]  # the sequential rule: blocks past the capacity are not kept

@@ -17,7 +17,7 @@ from hypothesis.stateful import invariant
 from engine.core.block_pool import BlockPool
 from engine.core.events import EventKind, EventLog
 from engine.core.eviction import EvictionPolicyName
-from engine.core.kv_cache_manager import KVCacheManager
+from engine.core.full_attention_manager import FullAttentionManager
 from engine.core.namespace import CacheNamespace
 from storage.read.block_history import EVICTABLE_FROM_HERE, SAFE_TO_REUSE, StoredEvent, replay, rows_involving
 from tests.test_kv_cache_manager_properties import BlockManagerMachine
@@ -93,7 +93,7 @@ def exercise():
     """Issue 15's exercise on a 4-token-block manager: a parent of one full and one half-full block,
     two forks, each appending a different token, then the parent's release and the children's."""
     log = EventLog()
-    m = KVCacheManager(BlockPool(8, 4, log), CacheNamespace("m", "r", "float32", 4, ("full",)), log)
+    m = FullAttentionManager(BlockPool(8, 4, log), CacheNamespace("m", "r", "float32", 4, ("full",)), log)
     m.allocate("p", [1, 2, 3, 4, 5, 6])
     m.cache_full_blocks("p")
     m.fork("p", "a")
@@ -141,7 +141,7 @@ def test_each_childs_copy_is_its_own_from_the_copy_to_its_release():
 
 def test_a_cached_block_is_shared_by_a_prefix_hit_then_evicted_with_its_reason_and_freed():
     log = EventLog()
-    m = KVCacheManager(BlockPool(2, 4, log), CacheNamespace("m", "r", "float32", 4, ("full",)), log)
+    m = FullAttentionManager(BlockPool(2, 4, log), CacheNamespace("m", "r", "float32", 4, ("full",)), log)
     m.allocate("p", [1, 2, 3, 4, 5])
     m.cache_full_blocks("p")
     m.free("p")
@@ -171,7 +171,7 @@ def test_a_history_that_starts_mid_life_is_shown_from_the_next_allocation_and_fl
 
 def test_lives_are_cut_at_each_allocation_and_a_requests_stretch_is_picked_out():
     log = EventLog()
-    m = KVCacheManager(BlockPool(1, 4, log), CacheNamespace("m", "r", "float32", 4, ("full",)), log)
+    m = FullAttentionManager(BlockPool(1, 4, log), CacheNamespace("m", "r", "float32", 4, ("full",)), log)
     m.allocate("first", [1, 2])
     m.free("first")
     m.allocate("second", [3])
@@ -190,7 +190,7 @@ def test_events_name_every_block_whose_count_they_change():
     """Regression (issue 15): FORK carried only a count and HIT only its last block id, so no history
     could say which blocks a fork or a prefix hit shared."""
     log = EventLog()
-    m = KVCacheManager(BlockPool(8, 4, log), CacheNamespace("m", "r", "float32", 4, ("full",)), log)
+    m = FullAttentionManager(BlockPool(8, 4, log), CacheNamespace("m", "r", "float32", 4, ("full",)), log)
     m.allocate("a", [1, 2, 3, 4, 5, 6, 7, 8, 9])
     m.cache_full_blocks("a")
     m.fork("a", "b")

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from engine.core.block_pool import BlockPool, chain_key
+from engine.core.block_pool import BlockPool
+from engine.core.chain_keys import chain_key
 from engine.core.events import EventLog
 
 BLOCK_SIZE = 2

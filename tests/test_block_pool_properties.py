@@ -15,7 +15,8 @@ from collections import OrderedDict
 from hypothesis import settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from engine.core.block_pool import BlockPool, chain_key
+from engine.core.block_pool import BlockPool
+from engine.core.chain_keys import chain_key
 from engine.core.events import EventLog, EvictReason
 from engine.core.eviction import EvictionPolicyName, LruPolicy, ReuseLruPolicy
 

@@ -7,22 +7,23 @@ import pytest
 from engine.core.block_pool import BlockPool
 from engine.core.errors import InvariantError, NoFreeBlocksError
 from engine.core.events import EventKind, EventLog, EvictReason
-from engine.core.kv_cache_manager import BlockCopy, KVCacheManager
+from engine.core.full_attention_manager import FullAttentionManager
+from engine.core.kv_cache_manager import BlockCopy
 from engine.core.namespace import CacheNamespace
 
 
-def make_manager(num_blocks: int = 8, block_size: int = 4, **ns_overrides) -> KVCacheManager:
+def make_manager(num_blocks: int = 8, block_size: int = 4, **ns_overrides) -> FullAttentionManager:
     log = EventLog(clock=iter(range(10**9)).__next__)
     fields = dict(model_id="m", weights_revision="r1", dtype="float32", block_size=block_size, attention_spec=("full",))
     fields.update(ns_overrides)
-    return KVCacheManager(BlockPool(num_blocks, block_size, log), CacheNamespace(**fields), log)
+    return FullAttentionManager(BlockPool(num_blocks, block_size, log), CacheNamespace(**fields), log)
 
 
-def refs(m: KVCacheManager, *block_ids: int) -> list[int]:
+def refs(m: FullAttentionManager, *block_ids: int) -> list[int]:
     return [m.pool.blocks[b].ref_count for b in block_ids]
 
 
-def prefill(m: KVCacheManager, rid: str, tokens: list[int], salt: str | None = None) -> list:
+def prefill(m: FullAttentionManager, rid: str, tokens: list[int], salt: str | None = None) -> list:
     hits = m.find_prefix_hit(tokens, salt)
     new = tokens[len(hits) * m.block_size :]
     assert m.can_allocate(len(new), hits)
@@ -227,20 +228,23 @@ def test_evicting_a_parent_drops_its_cached_descendants():
     m.check_invariants()
 
 
-def test_allocation_failure_changes_nothing():
+def test_a_check_that_says_no_changes_nothing_and_the_pool_refuses_blocks_it_lacks():
+    # The commits (`allocate`, `append`) trust their check and do not ask the pool again; the pool's own
+    # guard still refuses an allocation it cannot supply, before it changes anything.
     m = make_manager(num_blocks=2)
     prefill(m, "a", [1, 2, 3, 4, 5])
     before = (m.block_ids("a"), refs(m, 0, 1), m.pool.num_allocatable)
     assert not m.can_allocate(9)
-    with pytest.raises(NoFreeBlocksError):
-        m.allocate("b", list(range(100, 109)))
+    assert m.blocks_to_allocate(9) == 3
     assert not m.has_table("b")
     assert not m.can_append("a", 4)
-    with pytest.raises(NoFreeBlocksError):
-        m.append("a", list(range(100, 104)))
+    assert m.blocks_to_append("a", 4) == 1  # the tail has room for 3 of them
     assert (m.block_ids("a"), refs(m, 0, 1), m.pool.num_allocatable) == before
     with pytest.raises(NoFreeBlocksError):
         m.pool.allocate("x", 0)
+    with pytest.raises(NoFreeBlocksError):
+        m.pool.allocate_blocks(3, "b", 0, list(range(100, 109)))
+    assert (m.block_ids("a"), refs(m, 0, 1), m.pool.num_allocatable) == before
     m.check_invariants()
 
 
@@ -278,10 +282,10 @@ def test_same_tokens_under_another_namespace_never_hit(override):
     log = EventLog()
     pool = BlockPool(8, 4, log)
     base = dict(model_id="m", weights_revision="r1", dtype="float32", block_size=4, attention_spec=("full",))
-    first = KVCacheManager(pool, CacheNamespace(**base), log)
+    first = FullAttentionManager(pool, CacheNamespace(**base), log)
     tokens = [1, 2, 3, 4, 5, 6, 7, 8, 9]
     prefill(first, "a", tokens)
-    second = KVCacheManager(pool, CacheNamespace(**{**base, **override}), log)
+    second = FullAttentionManager(pool, CacheNamespace(**{**base, **override}), log)
     assert second.find_prefix_hit(tokens, None) == []
     assert len(first.find_prefix_hit(tokens, None)) == 2
 

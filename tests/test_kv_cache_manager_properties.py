@@ -13,7 +13,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from engine.core.block_pool import BlockPool
 from engine.core.events import EventKind, EventLog, EvictReason
 from engine.core.eviction import EvictionPolicyName, make_eviction_policy
-from engine.core.kv_cache_manager import KVCacheManager
+from engine.core.full_attention_manager import FullAttentionManager
 from engine.core.namespace import CacheNamespace
 
 BLOCK_SIZE = 4
@@ -31,7 +31,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
         self.log = EventLog()
         ns = CacheNamespace("m", "r", "float32", BLOCK_SIZE, ("full",))
         pool = BlockPool(NUM_BLOCKS, BLOCK_SIZE, self.log, eviction=make_eviction_policy(self.policy, NUM_BLOCKS))
-        self.m = KVCacheManager(pool, ns, self.log)
+        self.m = FullAttentionManager(pool, ns, self.log)
         self.context: dict[str, list[int]] = {}  # live tables: expected tokens
         self.retained: set[str] = set()
         self.counter = 0
@@ -133,7 +133,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
     @invariant()
     def evictions_only_touch_unreferenced_blocks(self):
         for event in self.log.take():
-            if event.kind == EventKind.EVICT and event.detail["reason"] in ("lru", "reset"):
+            if event.kind == EventKind.EVICT and event.detail["reason"] in ("lru", "reuse-lru", "reset"):
                 assert self.m.pool.blocks[event.block_id].ref_count in (0, 1)  # 1: re-allocated since
 
 

@@ -12,11 +12,10 @@ from __future__ import annotations
 from hypothesis import settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from engine.core.block_pool import BlockPool
+from engine.core.assembly import build_core
+from engine.core.config import EngineConfig
 from engine.core.events import EventLog
-from engine.core.kv_cache_manager import KVCacheManager
-from engine.core.kv_coordinator import KVCoordinator
-from engine.core.kv_groups import WindowPolicy, kv_groups
+from engine.core.kv_groups import kv_groups
 from engine.core.namespace import CacheNamespace
 from engine.core.kv_groups import ReplayMode
 
@@ -34,18 +33,8 @@ class CoordinatorMachine(RuleBasedStateMachine):
         super().__init__()
         log = EventLog()
         namespace = CacheNamespace("m", "r", "float32", BLOCK_SIZE, SPEC)
-        specs = kv_groups(SPEC)
-        managers = [
-            KVCacheManager(
-                BlockPool(NUM_BLOCKS, BLOCK_SIZE, log, group=spec.name, chained=spec.window is None),
-                namespace,
-                log,
-                window=spec.window,
-                retain_tokens=None if spec.window is None else spec.window + BACKTRACK,
-            )
-            for spec in specs
-        ]
-        self.kv = KVCoordinator(specs, managers, WindowPolicy(BACKTRACK, allow_approximate=True), log)
+        config = EngineConfig(block_size=BLOCK_SIZE, window_backtrack=BACKTRACK, allow_approximate_replay=True)
+        self.kv = build_core(config, kv_groups(SPEC), namespace, log, NUM_BLOCKS).kv
         self.log = log
         self.context: dict[str, list[int]] = {}  # every request with tables: its whole context
         self.computed: dict[str, int] = {}  # tokens of it the groups hold
@@ -71,11 +60,12 @@ class CoordinatorMachine(RuleBasedStateMachine):
         for i, block in enumerate(plan.full_hits):
             assert block.token_ids == prompt[i * BLOCK_SIZE : (i + 1) * BLOCK_SIZE]
         first = prompt[plan.r : plan.r + chunk]
-        if not self.kv.can_admit(plan, len(first)):
+        admission = self.kv.plan_admission(plan, len(first))
+        if admission is None:
             assert not self.kv.has_table(rid)
             self.gone.add(rid)
             return
-        reservation = self.kv.admit(rid, first, plan, salt)
+        reservation = self.kv.admit(rid, first, admission, salt)
         assert reservation.num_copies == 0  # a new table has no shared partial tail to write into
         self.context[rid] = prompt
         self.computed[rid] = plan.r + len(first)
@@ -91,9 +81,10 @@ class CoordinatorMachine(RuleBasedStateMachine):
         if start == len(self.context[rid]):
             self.context[rid] = self.context[rid] + new
         chunk = self.context[rid][start : start + n]
-        if not self.kv.can_append(rid, start, len(chunk)):
+        growth = self.kv.plan_append(rid, start, len(chunk))
+        if growth is None:
             return
-        self.kv.append(rid, start, chunk)
+        self.kv.append(rid, chunk, growth)
         self.computed[rid] = start + len(chunk)
         self._run_chunk(rid)
 

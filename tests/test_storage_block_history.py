@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from engine.core.block_pool import BlockPool
 from engine.core.events import EventLog
-from engine.core.kv_cache_manager import KVCacheManager
+from engine.core.full_attention_manager import FullAttentionManager
 from engine.core.namespace import CacheNamespace
 from storage import migrate
 from storage.read import queries
@@ -22,7 +22,7 @@ from tests.storage_support import BASE_TIME, RUN_INFO, request_view
 def exercise_events(group: str = "full"):
     """The exercise's engine events (block 0 full and shared, block 1 the half-full tail, 2 and 3 the copies)."""
     log = EventLog(clock=iter(BASE_TIME + i for i in range(1000)).__next__)
-    m = KVCacheManager(BlockPool(8, 4, log, group=group), CacheNamespace("m", "r", "float32", 4, ("full",)), log)
+    m = FullAttentionManager(BlockPool(8, 4, log, group=group), CacheNamespace("m", "r", "float32", 4, ("full",)), log)
     m.allocate("p", [1, 2, 3, 4, 5, 6])
     m.cache_full_blocks("p")
     log.step = 1
@@ -55,7 +55,7 @@ def write_exercise(db_url: str, make_writer) -> tuple[str, str]:
     )
     other = writer.start_run(RunInfo(**{**vars(RUN_INFO), "started_at": BASE_TIME + 100}))
     log = EventLog()
-    m = KVCacheManager(BlockPool(8, 4, log), CacheNamespace("m", "r", "float32", 4, ("full",)), log)
+    m = FullAttentionManager(BlockPool(8, 4, log), CacheNamespace("m", "r", "float32", 4, ("full",)), log)
     m.allocate("other", [1, 2, 3, 4, 5])
     writer.submit(log.take())
     assert writer.flush(timeout_s=20)

@@ -38,38 +38,14 @@ Invariants (checked by `check_invariants`):
 
 from __future__ import annotations
 
-import enum
-import struct
 from collections import deque
-from typing import Callable, Iterable, Sequence
-
-import xxhash
+from typing import Iterable, Sequence
 
 from engine.core.block import Block
-from engine.core.errors import NoFreeBlocksError, require
+from engine.core.errors import NoFreeBlocksError
 from engine.core.events import EventKind, EventLog, EvictReason
 from engine.core.eviction import EvictionPolicy, EvictionPolicyName, LruPolicy
-
-
-class BlockState(enum.StrEnum):
-    """Where a block is in its life (see the module docstring)."""
-
-    FREE = "free"  # unreferenced, unkeyed: handed out first
-    EVICTABLE = "evictable"  # unreferenced, cached: kept for prefix hits until evicted
-    REFERENCED = "referenced"  # held by at least one block table
-
-
-# Token ids -> bytes, by block length: a compiled struct packs a block in a third less time than an array.
-_TOKEN_PACKERS: dict[int, Callable[..., bytes]] = {}
-
-
-def chain_key(parent_key: bytes, token_ids: Sequence[int]) -> bytes:
-    """The cache key of a full block: a 128-bit hash over its parent's key and its token ids (each as
-    4 little-endian bytes, so keys are the same on every platform)."""
-    pack = _TOKEN_PACKERS.get(len(token_ids))
-    if pack is None:
-        pack = _TOKEN_PACKERS[len(token_ids)] = struct.Struct(f"<{len(token_ids)}I").pack
-    return xxhash.xxh3_128_digest(parent_key + pack(*token_ids))
+from engine.core.pool_invariants import BlockState, PoolContents, block_state, check_pool
 
 
 class BlockPool:
@@ -102,6 +78,7 @@ class BlockPool:
         self._clock = log.clock  # one time source for block stamps and events
         self._free: deque[Block] = deque(self.blocks)  # the free blocks, handed out from the left
         self._evictable: EvictionPolicy = LruPolicy() if eviction is None else eviction  # the evictable blocks
+        self._victim_reason = EvictReason(self._evictable.name.value)  # its victims' EVICT reason: the policy's name
         self._index: dict[bytes, Block] = {}  # key -> cached block
         self._roots: dict[bytes, str] = {}  # namespace root key -> the namespace text it hashes
         self.num_evictions = 0
@@ -130,7 +107,8 @@ class BlockPool:
         return len(self._index)
 
     def can_allocate(self, num: int) -> bool:
-        """Whether `allocate_blocks(num, ...)` would succeed now."""
+        """Whether `allocate_blocks(num, ...)` would succeed now: the pool's capacity query, which a
+        caller asks once per decision (the KV cache managers' checks) before it commits."""
         return num <= self.num_allocatable
 
     # ------------------------------------------------------------------ namespaces
@@ -158,20 +136,22 @@ class BlockPool:
                 KV); None hands them out empty.
 
         Raises:
-            NoFreeBlocksError: fewer than `num` blocks are free or evictable; nothing changes.
+            NoFreeBlocksError: fewer than `num` blocks are free or evictable (the caller's check was
+                skipped or is stale); nothing changes.
         """
-        if not self.can_allocate(num):
-            raise NoFreeBlocksError(f"{num} blocks asked for, {self.num_allocatable} of {self.num_blocks} available")
+        free = self._free
+        available = len(free) + len(self._evictable)
+        if num > available:
+            raise NoFreeBlocksError(f"{num} blocks asked for, {available} of {self.num_blocks} available")
         bs = self.block_size
         now = self._clock()
-        free = self._free
         blocks: list[Block] = []
         while len(blocks) < num:
             if free:  # first (again after a victim whose descendants were evicted with it)
                 blocks += [free.popleft() for _ in range(min(len(free), num - len(blocks)))]
                 continue
             victims = self._evictable.pop_victims(num - len(blocks))
-            self._drop_keys(victims, EvictReason.LRU, request_id)  # `_uncache` in two steps: victims are usually leaves
+            self._drop_keys(victims, self._victim_reason, request_id)  # `_uncache` in two steps: victims are usually leaves
             blocks += victims
             if victims[-1].first_child is not None:  # only the last victim can still have indexed descendants
                 self._drop_descendants(victims[-1], request_id)
@@ -291,27 +271,23 @@ class BlockPool:
         return parent.key == parent_key and self._index.get(parent_key) is parent
 
     def cache(self, block: Block, key: bytes, parent: Block | None, parent_key: bytes) -> None:
-        """Put a full, referenced block into the index under `key` (the caller emits the CACHE event).
+        """Put one full, referenced block into the index: `cache_chain` of that block alone."""
+        self.cache_chain([block], [key], parent, parent_key)
+
+    def cache_chain(self, blocks: Sequence[Block], keys: Sequence[bytes], parent: Block | None, parent_key: bytes) -> None:
+        """Index consecutive full, referenced blocks of one table as one chain, in one pass (the caller
+        emits the CACHE event): each block under its key, hanging from the block before it.
 
         Args:
-            block: the full block, held by the caller's table.
-            key: `chain_key(parent_key, block.token_ids)`.
+            blocks: the full blocks, held by the caller's table, in table order.
+            keys: their keys: `keys[i]` is `chain_key(keys[i - 1], blocks[i].token_ids)`, `parent_key` first.
             parent: the indexed block the chain hangs from, as returned by `lookup` for the caller's
                 preceding block; None for the first block of a context.
             parent_key: the parent's key, or the namespace root for the first block.
 
         Raises:
-            ValueError: `can_cache` says no; nothing changes.
-        """
-        self.cache_chain([block], [key], parent, parent_key)
-
-    def cache_chain(self, blocks: Sequence[Block], keys: Sequence[bytes], parent: Block | None, parent_key: bytes) -> None:
-        """Index consecutive full blocks of one table as one chain, in one pass: `blocks[0]` under `keys[0]`
-        hanging from `parent` / `parent_key` (as `cache`), and each later block under its key hanging from
-        the block before it. The same as `cache` block by block (the caller emits the CACHE event).
-
-        Raises:
-            ValueError: `cache` would refuse one of them, or two share a key; nothing changes.
+            ValueError: `can_cache` refuses the first block, another is keyed or partial, or a key is
+                given twice or already indexed; nothing changes.
         """
         if len(blocks) != len(keys):
             raise ValueError(f"{len(blocks)} blocks and {len(keys)} keys")
@@ -443,9 +419,7 @@ class BlockPool:
     # ------------------------------------------------------------------ inspection
     @staticmethod
     def state_of(block: Block) -> BlockState:
-        if block.ref_count > 0:
-            return BlockState.REFERENCED
-        return BlockState.EVICTABLE if block.key is not None else BlockState.FREE
+        return block_state(block)
 
     @property
     def eviction_policy(self) -> EvictionPolicyName:
@@ -462,58 +436,5 @@ class BlockPool:
 
     def check_invariants(self) -> None:
         """Raise InvariantError if any pool invariant (module docstring) is broken."""
-        free = self.free_in_order()
-        require(len(free) == len(set(free)), "a block is twice in the free queue")
-        queued = [block.block_id for block in self._evictable.check_invariants(self._index)]
-        evictable = set(queued)
-        require(len(queued) == len(evictable) == len(self._evictable), "the policy miscounts its blocks")
-        by_state: dict[BlockState, set[int]] = {state: set() for state in BlockState}
-        for block in self.blocks:
-            by_state[self.state_of(block)].add(block.block_id)
-            if block.block_id not in evictable:
-                require(block.lru_prev is None and block.lru_next is None, f"block {block.block_id}: stray LRU link")
-        require(set(free) == by_state[BlockState.FREE], "the free queue is not the free blocks")
-        require(evictable == by_state[BlockState.EVICTABLE], "the policy does not hold exactly the evictable blocks")
-        for block in self.blocks:
-            require(block.ref_count >= 0, f"block {block.block_id}: negative reference count")
-            require(len(block.token_ids) <= self.block_size, f"block {block.block_id} overflows")
-            if block.block_id in by_state[BlockState.FREE]:
-                require(not block.token_ids, f"free block {block.block_id} still holds tokens")
-            if block.key is not None:
-                require(self._index.get(block.key) is block, f"block {block.block_id} key not indexed")
-        for key, block in self._index.items():
-            require(block.key == key, f"block {block.block_id} is indexed under another key")
-            require(len(block.token_ids) == self.block_size, "a partial block is indexed")
-            require(block.parent_key is not None, f"indexed block {block.block_id} has no parent key")
-            content_key = chain_key(block.parent_key, block.token_ids)  # type: ignore[arg-type]
-            require(content_key == key, "key is not the hash of its content")
-            if not self.chained:
-                continue
-            if block.parent_key not in self._roots:
-                parent = self._index.get(block.parent_key)  # type: ignore[arg-type]
-                require(parent is not None, f"indexed block {block.block_id} hangs from an unindexed parent")
-                parent_end = parent.start_pos + self.block_size  # type: ignore[union-attr]
-                require(parent_end == block.start_pos, "chain positions disagree")
-                require(block.parent is parent, f"block {block.block_id}: parent link is not its indexed parent")
-            else:
-                require(block.start_pos == 0, "a root block must start at position 0")
-                require(block.parent is None, f"root block {block.block_id} has a parent link")
-        self._check_child_lists()
-
-    def _check_child_lists(self) -> None:
-        """Every block's child list is doubly linked, holds exactly the indexed blocks whose parent it is,
-        and only indexed blocks carry links."""
-        listed = 0
-        for block in self.blocks:
-            if block.key is None:
-                require(block.parent is None and block.first_child is None, f"unindexed block {block.block_id} linked")
-                require(block.prev_sibling is None and block.next_sibling is None, f"block {block.block_id} linked")
-            before, child = None, block.first_child
-            while child is not None:
-                require(child.parent is block, f"block {child.block_id} is listed under a block not its parent")
-                require(child.prev_sibling is before, f"block {child.block_id}: sibling links disagree")
-                before, child = child, child.next_sibling
-                listed += 1
-                require(listed <= self.num_blocks, "a child list loops")
-        indexed_children = sum(1 for b in self._index.values() if b.parent is not None)
-        require(listed == indexed_children, "a child is missing from its list")
+        parts = (self.blocks, self.block_size, self.chained, self._free, self._evictable, self._index, self._roots)
+        check_pool(PoolContents(*parts))

@@ -34,7 +34,10 @@ class EventKind(enum.StrEnum):
 class EvictReason(enum.StrEnum):
     """Why a cached block lost its key."""
 
-    LRU = "lru"  # the allocator needed a block and this was the eviction policy's victim (LRU by default)
+    # The allocator needed a block and this was the eviction policy's victim; the reason is the policy's
+    # name (engine/core/eviction.py's EvictionPolicyName), so every pool policy has one here.
+    LRU = "lru"  # least recently released first
+    REUSE_LRU = "reuse-lru"  # LRU with extra life for reused blocks
     RESET = "reset"  # an operator reset the prefix cache
     PARENT_EVICTED = "parent_evicted"  # its chain parent left the index, so its key can never match
     WINDOW = "window"  # sliding-layer state dropped outside the retained window

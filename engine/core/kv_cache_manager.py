@@ -1,7 +1,11 @@
-"""Block tables: prefix lookup, slot allocation, forks, copy-on-write and release.
+"""Block tables: slot allocation, forks, copy-on-write, caching and release, over one block pool.
 
-Pure Python: no torch. The manager decides which physical block each token's KV lives in; the model
-runner executes the copies it asks for (`take_copies`) before the next forward.
+Pure Python: no torch. A manager decides which physical block each token's KV lives in; the model
+runner executes the copies it asks for (`take_copies`) before the next forward. `KVCacheManager` is
+the part every attention type shares; each type is a subclass (vLLM's design):
+`FullAttentionManager` (engine/core/full_attention_manager.py) looks prefixes up and keeps whole
+tables; `SlidingWindowManager` (engine/core/sliding_window_manager.py) adds the window: it releases
+blocks that left it and retires cached state older than the chain's retained tail.
 
 A table maps a request's logical blocks, in order, to physical blocks. Only its last block can be
 partially filled. In a sliding-window group a table may start at a logical `offset` > 0: the blocks
@@ -21,28 +25,41 @@ Invariants (checked by `check_invariants`, on top of the pool's):
   * `table.block_ids[i]` is `table.blocks[i].block_id` (kept beside the blocks so that the runner reads a
     table's ids every step without a pass over its blocks).
 
-Each change is a check and a commit: `can_allocate` / `allocate` for a new table, `can_append` /
-`append` to grow one. The check answers; the commit raises `NoFreeBlocksError` (nothing changed) when
-called without room.
+Each change is a check and a commit, and the pool is asked once: `can_allocate` / `allocate` for a new
+table, `can_append` / `append` to grow one (the coordinator asks the same question through
+`blocks_to_allocate` / `blocks_to_append`). A commit trusts its check and does not ask the pool again:
+called without room it is a caller's bug, which the pool refuses (`NoFreeBlocksError`) when it runs out.
 """
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import NamedTuple, Sequence
 
+from engine.core.arith import ceil_div
 from engine.core.block import Block
-from engine.core.block_pool import BlockPool, chain_key
-from engine.core.errors import NoFreeBlocksError, require
-from engine.core.events import EventKind, EventLog, EvictReason
+from engine.core.block_pool import BlockPool
+from engine.core.chain_keys import chain_key
+from engine.core.errors import require
+from engine.core.events import EventKind, EventLog
+from engine.core.kv_groups import HitPlan
 from engine.core.namespace import CacheNamespace
 
 
 class TableStart(NamedTuple):
-    """Where a new sliding-group table starts: its first logical block and the chain keys before it."""
+    """Where a new table starts: its first logical block and the chain keys before it."""
 
     offset: int
     chain_keys: Sequence[bytes]  # keys of logical blocks [0, offset + number of hits), from the lookup
+
+
+class HitShare(NamedTuple):
+    """One group's share of a hit plan: what its new table shares and where the group starts writing."""
+
+    hits: Sequence[Block]  # cached blocks the table shares, from its start on
+    start: TableStart | None  # where the table starts; None: at block 0, keyed by the hits' keys
+    write_from: int  # the first position this group writes (its hits end here)
 
 
 class BlockCopy(NamedTuple):
@@ -76,35 +93,20 @@ class BlockTable:
         self.block_ids.extend(block.block_id for block in blocks)
 
 
-class KVCacheManager:
-    """Owns every request's block table over one block pool."""
+class KVCacheManager(ABC):
+    """Owns every request's block table over one block pool: what every attention type shares."""
 
-    def __init__(
-        self,
-        pool: BlockPool,
-        namespace: CacheNamespace,
-        log: EventLog,
-        *,
-        window: int | None = None,
-        retain_tokens: int | None = None,
-    ) -> None:
+    window: int | None = None  # the attention window stats report: None for full attention
+    num_window_released = 0  # blocks released because they left the window (the sliding manager counts)
+
+    def __init__(self, pool: BlockPool, namespace: CacheNamespace, log: EventLog) -> None:
         """Args:
             pool: the group's blocks.
             namespace: the cache namespace (shared by every group of one engine).
             log: where events go.
-            window: None for full attention; W for a sliding-window group, whose tables release blocks
-                wholly outside the window of their newest token.
-            retain_tokens: sliding groups only: how many trailing tokens of a chain keep their cached
-                state (W + backtracking allowance); older cached state of the chain is dropped.
         """
         if namespace.block_size != pool.block_size:
             raise ValueError("namespace and pool disagree on block_size")
-        if (window is None) != (retain_tokens is None) or (window is not None and retain_tokens < window):
-            raise ValueError("a sliding group needs window W and retain_tokens >= W; a full group neither")
-        if (window is None) != pool.chained:
-            raise ValueError("full groups use a chained pool, sliding groups an unchained one")
-        self.window = window
-        self.retain_tokens = retain_tokens
         self.pool = pool
         self.namespace = namespace
         self.block_size = pool.block_size
@@ -113,7 +115,10 @@ class KVCacheManager:
         self._copies: list[BlockCopy] = []
         self._root_keys: dict[str | None, bytes] = {}  # salt -> registered root (the namespace is frozen)
         self.num_cow_copies = 0
-        self.num_window_released = 0  # blocks released because they left the sliding window
+
+    @abstractmethod
+    def hit_share(self, plan: HitPlan) -> HitShare:
+        """This group's share of a new request's hit plan (each attention type has its own)."""
 
     # ------------------------------------------------------------------ reading
     def has_table(self, request_id: str) -> bool:
@@ -146,9 +151,9 @@ class KVCacheManager:
     def num_logical_blocks(self) -> int:
         return sum(len(t.blocks) for t in self._tables.values())
 
-    # ------------------------------------------------------------------ prefix lookup
     def root_key(self, salt: str | None) -> bytes:
-        """The namespace root for `salt`, registered with the pool on first use."""
+        """The namespace root for `salt`. Registers it with the pool on first use (the pool refuses to
+        cache under an unregistered root); a later call changes nothing."""
         root = self._root_keys.get(salt)
         if root is None:
             root = self.namespace.root_key(salt)
@@ -156,31 +161,16 @@ class KVCacheManager:
             self._root_keys[salt] = root
         return root
 
-    def find_prefix_hit(self, token_ids: list[int], salt: str | None) -> list[Block]:
-        """The longest run of leading full blocks of `token_ids` found in the prefix index.
-
-        Capped at `(len(token_ids) - 1) // block_size` blocks so at least one token is always computed
-        to produce logits. Has no side effects; pass the result to `allocate`.
-        """
-        bs = self.block_size
-        max_blocks = (len(token_ids) - 1) // bs
-        parent = self.root_key(salt)
-        hits: list[Block] = []
-        for start in range(0, max_blocks * bs, bs):
-            chunk = token_ids[start : start + bs]
-            block = self.pool.lookup(chain_key(parent, chunk), parent, chunk)
-            if block is None:
-                break
-            hits.append(block)
-            parent = block.key  # type: ignore[assignment]
-        return hits
-
     # ------------------------------------------------------------------ allocation
+    def blocks_to_allocate(self, num_new_tokens: int, hits: Sequence[Block] = ()) -> int:
+        """Blocks `allocate` takes from the allocatable ones: new blocks for the tokens, plus the
+        evictable hits (they stop being allocatable once shared). Asks the pool nothing."""
+        num_evictable_hits = sum(1 for block in hits if block.ref_count == 0)
+        return ceil_div(num_new_tokens, self.block_size) + num_evictable_hits
+
     def can_allocate(self, num_new_tokens: int, hits: Sequence[Block] = ()) -> bool:
         """Whether `allocate` can give a new table these hits and `num_new_tokens` slots after them."""
-        # Evictable hit blocks stop being allocatable once touched.
-        num_evictable_hits = sum(1 for block in hits if block.ref_count == 0)
-        return self.pool.can_allocate(-(-num_new_tokens // self.block_size) + num_evictable_hits)
+        return self.pool.can_allocate(self.blocks_to_allocate(num_new_tokens, hits))
 
     def allocate(
         self,
@@ -192,30 +182,29 @@ class KVCacheManager:
         start: TableStart | None = None,
     ) -> None:
         """Give a new request its table: share `hits`, then reserve slots for `new_token_ids` after them.
+        The caller's check (`can_allocate`, or `blocks_to_allocate` against the pool) said yes: this
+        commit does not ask the pool again.
 
         Args:
             request_id: the request; it must hold no table yet.
             new_token_ids: tokens whose KV the next forward computes, in position order.
             hits: cached blocks to share: logical blocks from the table's start on.
             salt: tenant salt.
-            start: where a new sliding-group table starts; default: logical block 0.
+            start: where the table starts (see `check_start`); default: logical block 0.
 
         Raises:
-            ValueError: the request already has a table, or a full-group table would not start at block 0.
-            NoFreeBlocksError: `can_allocate` says no; nothing changes.
+            ValueError: the request already has a table, or this attention type refuses `start`.
         """
         if request_id in self._tables:
             raise ValueError(f"request {request_id!r} already has a block table")
-        if start is not None and start.offset and self.window is None:
-            raise ValueError("a full-attention table always starts at block 0")
-        if not self.can_allocate(len(new_token_ids), hits):
-            raise NoFreeBlocksError(f"{request_id}: not enough blocks for {len(new_token_ids)} new tokens")
         table = BlockTable(root_key=self.root_key(salt))
         if start is not None:
+            self.check_start(start)
             table.offset = start.offset
             table.keys = list(start.chain_keys[: start.offset + len(hits)])
         else:
-            table.keys = [block.key for block in hits]  # type: ignore[misc]
+            table.keys = [block.key for block in hits if block.key is not None]
+            require(len(table.keys) == len(hits), f"{request_id}: a hit block is not cached")
         table.retired = table.offset + len(hits)  # shared state stays under its own chain's retention
         self._tables[request_id] = table
         if hits:
@@ -227,38 +216,36 @@ class KVCacheManager:
             self._log.emit(EventKind.HIT, detail, request_id=request_id, block_id=ids[-1], tokens=tokens)
         self._fill(table, request_id, new_token_ids)
 
+    def check_start(self, start: TableStart) -> None:
+        """Raise ValueError if a new table of this attention type may not start at `start`."""
+
+    def blocks_to_append(self, request_id: str, num_new_tokens: int) -> int:
+        """Blocks `append` takes from the pool: new blocks past the tail's room, plus a copy of a shared
+        tail. Asks the pool nothing. Raises KeyError when the request has no table."""
+        table = self._tables[request_id]
+        need, tail_room = 0, 0
+        if table.blocks:
+            tail = table.blocks[-1]
+            tail_room = self.block_size - len(tail.token_ids)
+            if tail_room and tail.ref_count > 1 and num_new_tokens:
+                need += 1  # copy-on-write of the shared partial tail
+        return need + max(0, ceil_div(num_new_tokens - tail_room, self.block_size))
+
     def can_append(self, request_id: str, num_new_tokens: int) -> bool:
         """Whether `append` can reserve `num_new_tokens` more slots in the request's table."""
-        return self.pool.can_allocate(self._blocks_to_append(self._tables[request_id], num_new_tokens))
+        return self.pool.can_allocate(self.blocks_to_append(request_id, num_new_tokens))
 
     def append(self, request_id: str, token_ids: list[int]) -> int:
-        """Reserve slots for `token_ids` after the request's current tokens.
+        """Reserve slots for `token_ids` after the request's current tokens. The caller's check
+        (`can_append`, or `blocks_to_append` against the pool) said yes: this commit does not ask again.
 
         Returns:
             Copy-on-write copies made (1 when the first token went into a shared partial tail, else 0).
 
         Raises:
             KeyError: the request has no table.
-            NoFreeBlocksError: `can_append` says no; nothing changes.
         """
-        table = self._tables[request_id]
-        if not self.pool.can_allocate(self._blocks_to_append(table, len(token_ids))):
-            raise NoFreeBlocksError(f"{request_id}: not enough blocks for {len(token_ids)} more tokens")
-        return self._fill(table, request_id, token_ids)
-
-    def _blocks_to_append(self, table: BlockTable, num_new_tokens: int) -> int:
-        """Blocks `append` takes from the pool: new blocks past the tail's room, plus a copy of a shared tail."""
-        bs = self.block_size
-        need, tail_room = 0, 0
-        if table.blocks:
-            tail = table.blocks[-1]
-            tail_room = bs - len(tail.token_ids)
-            if tail_room and tail.ref_count > 1 and num_new_tokens:
-                need += 1  # copy-on-write of the shared partial tail
-        overflow = num_new_tokens - tail_room
-        if overflow > 0:
-            need += -(-overflow // bs)
-        return need
+        return self._fill(self._tables[request_id], request_id, token_ids)
 
     def _fill(self, table: BlockTable, request_id: str, token_ids: list[int]) -> int:
         """Fill the partial tail (copying it first if shared), then whole new blocks, in position order.
@@ -274,7 +261,7 @@ class KVCacheManager:
                 copies = 1
             filled = min(bs - len(tail.token_ids), len(token_ids))
             tail.token_ids.extend(token_ids[:filled])
-        num_new = -(-(len(token_ids) - filled) // bs)
+        num_new = ceil_div(len(token_ids) - filled, bs)
         if num_new > 0:
             table.extend(self.pool.allocate_blocks(num_new, request_id, start + filled, token_ids[filled:]))
         return copies
@@ -303,6 +290,11 @@ class KVCacheManager:
         return copies
 
     # ------------------------------------------------------------------ caching, forks, release
+    def finish_chunk(self, request_id: str, *, cacheable: bool) -> None:
+        """After the forward that computed the request's chunk: key its newly full blocks, offered to
+        the prefix index unless `cacheable` is False (see `cache_full_blocks`)."""
+        self.cache_full_blocks(request_id, offer=cacheable)
+
     def cache_full_blocks(self, request_id: str, *, offer: bool = True) -> None:
         """Key every newly full block of the table and offer it to the prefix index.
 
@@ -338,21 +330,28 @@ class KVCacheManager:
                 self.pool.cache(block, key, parent, parent_key)
                 cached.append(block)
         if cached:
-            root = table.root_key
-            detail = {
-                "block_ids": [b.block_id for b in cached],
-                "keys": [b.key.hex() for b in cached],  # type: ignore[union-attr]
-                # Each block's chain parent (None under the namespace root) and tokens: what a KV-event
-                # BlockStored carries (engine/feeds/kv_events.py), kept here because a block evicted before the
-                # listeners run forgets its tokens.
-                "parent_keys": [None if b.parent_key == root else b.parent_key.hex() for b in cached],  # type: ignore
-                "token_ids": [token for b in cached for token in b.token_ids],
-                "start_pos": cached[0].start_pos,
-                "end_pos": cached[-1].start_pos + bs,
-                "group": self.pool.group,
-            }
-            tokens = len(cached) * bs
-            self._log.emit(EventKind.CACHE, detail, request_id=request_id, block_id=cached[0].block_id, tokens=tokens)
+            self._emit_cache(table, cached, request_id)
+
+    def _emit_cache(self, table: BlockTable, cached: list[Block], request_id: str) -> None:
+        """The CACHE event of blocks that have just entered the index, in table order."""
+        root, bs = table.root_key, self.block_size
+        keys = [b.key for b in cached if b.key is not None]
+        parent_keys = [b.parent_key for b in cached if b.parent_key is not None]
+        require(len(keys) == len(parent_keys) == len(cached), f"{request_id}: a cached block has no key")
+        detail = {
+            "block_ids": [b.block_id for b in cached],
+            "keys": [key.hex() for key in keys],
+            # Each block's chain parent (None under the namespace root) and tokens: what a KV-event
+            # BlockStored carries (engine/feeds/kv_events.py), kept here because a block evicted before the
+            # listeners run forgets its tokens.
+            "parent_keys": [None if key == root else key.hex() for key in parent_keys],
+            "token_ids": [token for b in cached for token in b.token_ids],
+            "start_pos": cached[0].start_pos,
+            "end_pos": cached[-1].start_pos + bs,
+            "group": self.pool.group,
+        }
+        tokens = len(cached) * bs
+        self._log.emit(EventKind.CACHE, detail, request_id=request_id, block_id=cached[0].block_id, tokens=tokens)
 
     def fork(self, parent_id: str, child_id: str) -> int:
         """Give `child_id` a table that shares every block of the parent's. Returns shared tokens.
@@ -389,63 +388,12 @@ class KVCacheManager:
         return shared
 
     def free(self, request_id: str) -> None:
-        """Release every reference the request holds, last block first (so tails are evicted first).
-
-        In a sliding group the chain then keeps cached state only for its last `retain_tokens` tokens.
-        """
+        """Release every reference the request holds, last block first (so tails are evicted first)."""
         table = self._tables.pop(request_id, None)
         if table is None:
             return
-        end_pos = table.num_tokens(self.block_size)
         table.blocks.reverse()  # the table is gone: its list is handed over, last block first
         self.pool.free_blocks(table.blocks, request_id)
-        if self.window is not None:
-            self._retire(table, end_pos, request_id, held=False)
-
-    def release_outside_window(self, request_id: str) -> int:
-        """Release the sliding-group blocks that lie wholly outside the window of the next token.
-
-        The next token sits at position `num_tokens`; it sees positions [num_tokens - W + 1, num_tokens).
-        Released blocks stay cached while they are within the chain's retained tail. Returns how many
-        blocks were released (0 for full groups).
-        """
-        table = self._tables.get(request_id)
-        if self.window is None or table is None:
-            return 0
-        bs = self.block_size
-        next_pos = table.num_tokens(bs)
-        first_needed = max(0, next_pos - self.window + 1) // bs
-        num_drop = min(first_needed - table.offset, len(table.blocks) - 1)
-        if num_drop <= 0:
-            return 0
-        dropped, table.blocks = table.blocks[:num_drop], table.blocks[num_drop:]
-        dropped_ids, table.block_ids = table.block_ids[:num_drop], table.block_ids[num_drop:]
-        table.offset += num_drop
-        self.num_window_released += num_drop
-        self.pool.free_blocks(dropped, request_id)
-        detail = {"num_blocks": num_drop, "block_ids": dropped_ids, "group": self.pool.group}
-        self._log.emit(
-            EventKind.WINDOW_RELEASE, detail, request_id=request_id, block_id=dropped_ids[0], tokens=num_drop * bs
-        )
-        self._retire(table, next_pos, request_id, held=True)
-        return num_drop
-
-    def _retire(self, table: BlockTable, end_pos: int, request_id: str, *, held: bool) -> None:
-        """Drop cached, unreferenced state of the chain older than its last `retain_tokens` tokens.
-
-        Args:
-            table: the chain's table.
-            end_pos: the chain's length now.
-            request_id: for the events.
-            held: True while the table is live: only blocks it already released are considered.
-        """
-        limit = max(0, end_pos - self.retain_tokens) // self.block_size  # type: ignore[operator]
-        limit = min(limit, table.offset if held else len(table.keys))
-        for i in range(table.retired, limit):
-            block = self.pool.cached_block(table.keys[i])
-            if block is not None and block.ref_count == 0:
-                self.pool.evict(block, EvictReason.WINDOW, request_id)
-        table.retired = max(table.retired, limit)
 
     def reset_prefix_cache(self) -> tuple[int, int]:
         """Drop every unreferenced cached block. Returns (dropped, still cached because referenced)."""
@@ -469,7 +417,6 @@ class KVCacheManager:
         refs: dict[int, int] = {}
         bs = self.block_size
         for rid, table in self._tables.items():
-            require(self.window is not None or table.offset == 0, f"{rid}: a full table lost leading blocks")
             for i, block in enumerate(table.blocks):
                 refs[block.block_id] = refs.get(block.block_id, 0) + 1
                 require(block.start_pos == (table.offset + i) * bs, f"{rid}: block {block.block_id} misplaced")

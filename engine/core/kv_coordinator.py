@@ -1,10 +1,11 @@
 """Keeps the KV groups of one engine in step.
 
 Pure Python: no torch. Every request has a table in every group or in none. Allocation is all or
-nothing across groups, as a check and a commit: `can_admit` / `admit` give a new request its tables,
-`can_append` / `append` grow them; the check answers whether every group can supply its blocks, and the
-commit (which raises `NoFreeBlocksError`, nothing changed, when called without room) changes them all.
-A full-attention model has one group and behaves exactly like a single manager.
+nothing across groups, as a check and a commit: `plan_admission` / `admit` give a new request its
+tables, `plan_append` / `append` grow them. The check asks each group's pool once whether it can
+supply that group's blocks and returns what the commit needs (`KVAdmission`, `KVGrowth`); the commit
+takes it and changes every group without asking again. A full-attention model has one group and
+behaves exactly like a single manager.
 
 Per group, a chunk writes K/V only for positions at or after the group's `write_from`: during an
 exact or approximate replay the full group already holds [r, h), so only the sliding group writes there.
@@ -15,14 +16,12 @@ from __future__ import annotations
 from typing import NamedTuple, Sequence
 
 from engine.core.block import Block
-from engine.core.errors import NoFreeBlocksError, require
+from engine.core.chain_keys import ChainKeys
+from engine.core.errors import require
 from engine.core.events import EventKind, EventLog
-from engine.core.kv_cache_manager import BlockCopy, KVCacheManager, TableStart
-from engine.core.namespace import CONTENT_ROOT_KEY
-from engine.core.request import PromptKeys
+from engine.core.full_attention_manager import FullAttentionManager
+from engine.core.kv_cache_manager import BlockCopy, HitShare, KVCacheManager
 from engine.core.kv_groups import (
-    FULL,
-    SLIDING,
     HitPlan,
     KVGroupSpec,
     ReplayMode,
@@ -33,6 +32,9 @@ from engine.core.kv_groups import (
     plan_sliding_only_hit,
     plan_window_hit,
 )
+from engine.core.namespace import CONTENT_ROOT_KEY
+from engine.core.request import PromptKeys
+from engine.core.sliding_window_manager import SlidingWindowManager
 
 
 class Reservation(NamedTuple):
@@ -49,36 +51,56 @@ class GroupTable(NamedTuple):
     first_block: int  # logical index of block_ids[0]
 
 
-class _GroupAdmission(NamedTuple):
+class GroupAdmission(NamedTuple):
     """One group's share of an admission."""
 
     manager: KVCacheManager
+    share: HitShare  # what the group's new table shares, and where the group writes from
     skip: int  # leading tokens of the first chunk this group already holds (hit blocks), so does not write
-    hits: Sequence[Block]
-    start: TableStart | None
-    write_from: int
+
+
+class KVAdmission(NamedTuple):
+    """`plan_admission`'s yes: every group has room for the plan's hits and a first chunk of `num_tokens`
+    tokens from `plan.r`. `admit` commits exactly this."""
+
+    plan: HitPlan
+    num_tokens: int
+    groups: tuple[GroupAdmission, ...]  # in the coordinator's group order
+
+
+class GroupGrowth(NamedTuple):
+    """One group's share of a chunk appended to existing tables."""
+
+    manager: KVCacheManager
+    skip: int  # leading tokens of the chunk this group already holds, so does not write
+    write_from: int  # the first position the group writes
+
+
+class KVGrowth(NamedTuple):
+    """`plan_append`'s yes: every group has room for a chunk of `num_tokens` tokens at `start_pos` of the
+    request's tables. `append` commits exactly this."""
+
+    request_id: str
+    start_pos: int
+    num_tokens: int
+    groups: tuple[GroupGrowth, ...]  # in the coordinator's group order
 
 
 class KVCoordinator:
     def __init__(
         self, specs: Sequence[KVGroupSpec], managers: Sequence[KVCacheManager], policy: WindowPolicy, log: EventLog
     ) -> None:
-        if [s.name for s in specs] != [m.pool.group for m in managers]:
+        if not managers or [s.name for s in specs] != [m.pool.group for m in managers]:
             raise ValueError("one manager per group spec, in the same order")
         self.specs = tuple(specs)
         self.managers = tuple(managers)
         self.policy = policy
         self._log = log
         self.block_size = managers[0].block_size
-        self._by_name = {m.pool.group: m for m in managers}
-
-    @property
-    def full(self) -> KVCacheManager | None:
-        return self._by_name.get(FULL)
-
-    @property
-    def sliding(self) -> KVCacheManager | None:
-        return self._by_name.get(SLIDING)
+        self.full = next((m for m in managers if isinstance(m, FullAttentionManager)), None)
+        self.sliding = next((m for m in managers if isinstance(m, SlidingWindowManager)), None)
+        if len(managers) != (self.full is not None) + (self.sliding is not None):
+            raise ValueError("at most one full-attention and one sliding-window group")
 
     @property
     def ready_mode(self) -> ReplayMode:
@@ -115,83 +137,112 @@ class KVCoordinator:
         """Per group, the request's table as the runner reads it in this step (the lists are not copied)."""
         return tuple(GroupTable(*m.live_block_ids(request_id)) for m in self.managers)
 
-    # ------------------------------------------------------------------ hits
-    def plan_hit(self, token_ids: list[int], salt: str | None) -> HitPlan:
-        """Decide what a new request reuses (no side effects; pass the plan to `admit`)."""
-        bs = self.block_size
-        max_blocks = max_hit_blocks(len(token_ids), bs)
-        full, sliding = self.full, self.sliding
-        if sliding is None:
-            hits = full.find_prefix_hit(token_ids, salt)  # type: ignore[union-attr]
-            h = len(hits) * bs
-            mode = ReplayMode.FULL if h else ReplayMode.NONE
-            keys = [b.key for b in hits]
-            return HitPlan(h=h, s=0, e=0, r=h, mode=mode, chain_keys=keys, full_hits=hits)  # type: ignore[arg-type]
+    def root_key(self, salt: str | None) -> bytes:
+        """The namespace root for `salt` (every group chains the same keys). Registers it with every
+        group's pool on first use; a later call changes nothing."""
         root = self.managers[0].root_key(salt)
         for manager in self.managers[1:]:
             manager.root_key(salt)
+        return root
+
+    # ------------------------------------------------------------------ hits
+    def plan_hit(self, token_ids: list[int], salt: str | None, keys: ChainKeys | None = None) -> HitPlan:
+        """Decide what a new request reuses; pass the plan to `plan_admission`. Registers the salt's
+        namespace root with every pool on first use (`root_key`) and changes nothing else.
+
+        Args:
+            token_ids: the request's context.
+            salt: its tenant salt.
+            keys: the context's chain keys kept from its earlier lookups (`Request.lookup_keys`); None
+                hashes afresh. They are extended as far as this lookup reaches.
+
+        Raises:
+            ValueError: `keys` hang from another root than the salt's.
+        """
+        root = self.root_key(salt)
+        if keys is None:
+            keys = ChainKeys(root, self.block_size)
+        elif keys.root_key != root:
+            raise ValueError("chain keys under another namespace root or salt")
+        if self.sliding is not None:
+            return self._plan_window_hit(self.sliding, token_ids, salt, keys)
+        if self.full is None:
+            raise ValueError("a coordinator needs a group")
+        hits = self.full.find_prefix_hit(token_ids, salt, keys)
+        h = len(hits) * self.block_size
+        mode = ReplayMode.FULL if h else ReplayMode.NONE
+        return HitPlan(h=h, s=0, e=0, r=h, mode=mode, chain_keys=keys.first(len(hits), token_ids), full_hits=hits)
+
+    def _plan_window_hit(
+        self, sliding: SlidingWindowManager, token_ids: list[int], salt: str | None, keys: ChainKeys
+    ) -> HitPlan:
+        """`plan_hit` in a model with a sliding group (hybrid, or sliding only): engine/core/kv_groups.py."""
+        bs, window, full = self.block_size, sliding.window, self.full
+        full_hits: list[Block] = []
         if full is not None:
-            full_hits = full.find_prefix_hit(token_ids, salt)
-            keys = [b.key for b in full_hits]
+            full_hits = full.find_prefix_hit(token_ids, salt, keys)
             h_blocks = len(full_hits)
         else:
-            full_hits = []
-            keys = chain_keys_of(token_ids, root, bs, max_blocks)
-            h_blocks = max_blocks
-        sliding_blocks = self._sliding_blocks(token_ids, keys[:h_blocks], root)  # type: ignore[arg-type]
-        present = [b is not None for b in sliding_blocks]
-        window = sliding.window
+            h_blocks = max_hit_blocks(len(token_ids), bs)
+        chain = keys.first(h_blocks, token_ids)
+        lookup = sliding.pool.lookup
+        found = [
+            lookup(key, chain[i - 1] if i else keys.root_key, token_ids[i * bs : (i + 1) * bs])
+            for i, key in enumerate(chain)
+        ]
+        present = [block is not None for block in found]
         hit: WindowHit
         if full is not None:
-            hit = plan_window_hit(h_blocks, present, window, bs, self.policy)  # type: ignore[arg-type]
+            hit = plan_window_hit(h_blocks, present, window, bs, self.policy)
         else:
-            hit = plan_sliding_only_hit(present, window, bs)  # type: ignore[arg-type]
+            hit = plan_sliding_only_hit(present, window, bs)
         if hit.mode is ReplayMode.APPROXIMATE:
             offset = hit.r // bs
         else:
-            offset = max(0, hit.r - window + 1) // bs  # type: ignore[operator]
+            offset = max(0, hit.r - window + 1) // bs
+        sliding_hits = [block for block in found[offset : hit.r // bs] if block is not None]
+        require(len(sliding_hits) == max(0, hit.r // bs - offset), "a planned sliding hit is not cached")
         return HitPlan(
             h=hit.h,
             s=hit.s,
             e=hit.e,
             r=hit.r,
             mode=hit.mode,
-            chain_keys=keys[: max(h_blocks, hit.r // bs)],  # type: ignore[arg-type]
+            chain_keys=chain[: max(h_blocks, hit.r // bs)],
             full_hits=full_hits[: hit.h // bs],
             sliding_offset=offset,
-            sliding_hits=sliding_blocks[offset : hit.r // bs],  # type: ignore[arg-type]
+            sliding_hits=sliding_hits,
         )
-
-    def _sliding_blocks(self, token_ids: list[int], keys: list[bytes], root: bytes) -> list[Block | None]:
-        bs, lookup = self.block_size, self.sliding.pool.lookup  # type: ignore[union-attr]
-        found: list[Block | None] = []
-        for i, key in enumerate(keys):
-            parent = keys[i - 1] if i else root
-            found.append(lookup(key, parent, token_ids[i * bs : (i + 1) * bs]))
-        return found
 
     # ------------------------------------------------------------------ admission and growth
-    def can_admit(self, plan: HitPlan, num_tokens: int) -> bool:
-        """Whether `admit` can give a new request its tables: the plan's hits and a first chunk of
-        `num_tokens` tokens from position `plan.r`."""
-        return all(
-            group.manager.can_allocate(max(0, num_tokens - group.skip), group.hits) for group in self._admission(plan)
-        )
+    def plan_admission(self, plan: HitPlan, num_tokens: int) -> KVAdmission | None:
+        """Whether every group can give a new request its table: the plan's hits and a first chunk of
+        `num_tokens` tokens from position `plan.r`. Asks each pool once; None when one has no room.
 
-    def admit(self, request_id: str, token_ids: list[int], plan: HitPlan, salt: str | None) -> Reservation:
-        """First allocation of a new request: share the plan's hits, reserve slots for `token_ids`.
+        Per group: the full group shares the hits [0, h) and writes from h; the sliding group shares its
+        window blocks up to r and writes from r (the first chunk starts at r).
+        """
+        groups = []
+        for manager in self.managers:
+            share = manager.hit_share(plan)
+            skip = max(0, share.write_from - plan.r)
+            if not manager.can_allocate(max(0, num_tokens - skip), share.hits):
+                return None
+            groups.append(GroupAdmission(manager, share, skip))
+        return KVAdmission(plan, num_tokens, tuple(groups))
 
-        `token_ids` are the tokens of the first chunk, starting at position `plan.r`.
+    def admit(self, request_id: str, token_ids: list[int], admission: KVAdmission, salt: str | None) -> Reservation:
+        """First allocation of a new request, as `plan_admission` decided: share the plan's hits and
+        reserve slots for `token_ids`, the tokens of the first chunk from position `plan.r`.
 
         Raises:
-            NoFreeBlocksError: `can_admit` says no; no group changes.
+            InvariantError: `token_ids` are not the chunk the admission was planned for; nothing changes.
         """
-        if not self.can_admit(plan, len(token_ids)):
-            raise NoFreeBlocksError(f"{request_id}: not enough blocks to admit {len(token_ids)} tokens")
-        groups = self._admission(plan)
-        for group in groups:
+        require(len(token_ids) == admission.num_tokens, f"{request_id}: a chunk other than the one planned")
+        plan = admission.plan
+        for group in admission.groups:
             new = token_ids[group.skip :]
-            group.manager.allocate(request_id, new, hits=group.hits, salt=salt, start=group.start)
+            group.manager.allocate(request_id, new, hits=group.share.hits, salt=salt, start=group.share.start)
         if plan.mode in (ReplayMode.EXACT, ReplayMode.APPROXIMATE):
             detail = {
                 "h": plan.h,
@@ -202,44 +253,33 @@ class KVCoordinator:
                 "replayed_tokens": plan.replayed_tokens,
             }
             self._log.emit(EventKind.REPLAY, detail, request_id=request_id, tokens=plan.replayed_tokens)
-        return Reservation(tuple(group.write_from for group in groups), 0)
+        write_from = tuple(max(group.share.write_from, plan.r) for group in admission.groups)
+        return Reservation(write_from, 0)
 
-    def _admission(self, plan: HitPlan) -> list[_GroupAdmission]:
-        """Per group: the full group shares the hits [0, h) and writes from h; the sliding group shares
-        its window blocks up to r and writes from r (the first chunk starts at r)."""
+    def plan_append(self, request_id: str, start_pos: int, num_tokens: int) -> KVGrowth | None:
+        """Whether every group can take a chunk of `num_tokens` tokens at `start_pos` of the request's
+        tables. Asks each pool once; None when one has no room."""
         groups = []
         for manager in self.managers:
-            if manager.window is None:
-                hits, start, first = plan.full_hits, None, plan.h
-            else:
-                hits, first = plan.sliding_hits, plan.r
-                start = TableStart(plan.sliding_offset, plan.chain_keys)
-            groups.append(_GroupAdmission(manager, max(0, first - plan.r), hits, start, max(first, plan.r)))
-        return groups
-
-    def can_append(self, request_id: str, start_pos: int, num_tokens: int) -> bool:
-        """Whether `append` can reserve a chunk of `num_tokens` tokens at `start_pos` in every group."""
-        for manager in self.managers:
-            skip = max(0, manager.num_tokens(request_id) - start_pos)
+            held = manager.num_tokens(request_id)
+            skip = max(0, held - start_pos)
             if not manager.can_append(request_id, max(0, num_tokens - skip)):
-                return False
-        return True
+                return None
+            groups.append(GroupGrowth(manager, skip, max(held, start_pos)))
+        return KVGrowth(request_id, start_pos, num_tokens, tuple(groups))
 
-    def append(self, request_id: str, start_pos: int, token_ids: list[int]) -> Reservation:
-        """Reserve slots for a chunk at `start_pos` of a request that already has tables.
+    def append(self, request_id: str, token_ids: list[int], growth: KVGrowth) -> Reservation:
+        """Reserve slots for a chunk of a request that already has tables, as `plan_append` decided.
 
         Raises:
-            NoFreeBlocksError: `can_append` says no; no group changes.
+            InvariantError: a chunk or request other than the one planned; nothing changes.
         """
-        if not self.can_append(request_id, start_pos, len(token_ids)):
-            raise NoFreeBlocksError(f"{request_id}: not enough blocks for {len(token_ids)} more tokens")
-        write_from = []
+        planned = growth.request_id == request_id and len(token_ids) == growth.num_tokens
+        require(planned, f"{request_id}: a chunk other than the one planned")
         num_copies = 0
-        for manager in self.managers:
-            held = manager.num_tokens(request_id)
-            num_copies += manager.append(request_id, token_ids[max(0, held - start_pos) :])
-            write_from.append(max(held, start_pos))
-        return Reservation(tuple(write_from), num_copies)
+        for group in growth.groups:
+            num_copies += group.manager.append(request_id, token_ids[group.skip :])
+        return Reservation(tuple(group.write_from for group in growth.groups), num_copies)
 
     def take_copies(self) -> tuple[list[BlockCopy], ...]:
         return tuple(m.take_copies() for m in self.managers)
@@ -254,8 +294,7 @@ class KVCoordinator:
                 run computes, so it must never be hit (its blocks stay private and are freed, not cached).
         """
         for manager in self.managers:
-            manager.cache_full_blocks(request_id, offer=cacheable)
-            manager.release_outside_window(request_id)
+            manager.finish_chunk(request_id, cacheable=cacheable)
 
     def fork(self, parent_id: str, child_id: str) -> int:
         """Give the child a table sharing the parent's in every group. Returns the tokens every group shares."""

@@ -35,7 +35,7 @@ import enum
 from dataclasses import dataclass, field
 
 from engine.core.block import Block
-from engine.core.block_pool import chain_key
+from engine.core.chain_keys import chain_key
 
 FULL = "full"
 SLIDING = "sliding"

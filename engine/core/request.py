@@ -18,6 +18,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+from engine.core.chain_keys import ChainKeys
 from engine.core.config import MAX_NEW_TOKENS
 from engine.core.kv_groups import HitPlan, ReplayMode
 
@@ -137,6 +138,8 @@ class Request:
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finish_time: float | None = None
+    # Its context's chain keys, kept from one prefix lookup to the next (`lookup_keys`).
+    _lookup_keys: ChainKeys | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         self.prompt_token_ids = tuple(self.prompt_token_ids)  # views share it instead of copying it
@@ -165,6 +168,15 @@ class Request:
     def all_token_ids(self) -> list[int]:
         """A copy of the whole context: for one-off uses (a hit lookup, a fork), never once per step."""
         return [*self.prompt_token_ids, *self.output_token_ids]
+
+    def lookup_keys(self, root_key: bytes, block_size: int) -> ChainKeys:
+        """The chain keys of its context's full blocks under `root_key` (its namespace and salt), made at
+        its first prefix lookup and kept (vLLM keeps block hashes on its Request likewise): a request
+        that waits to start hashes each block once. Its context only grows, so they never go stale."""
+        keys = self._lookup_keys
+        if keys is None or keys.root_key != root_key or keys.block_size != block_size:
+            keys = self._lookup_keys = ChainKeys(root_key, block_size)
+        return keys
 
     # ------------------------------------------------------------------ transitions
     def seeded_by_fork(self, shared_tokens: int, mode: ReplayMode) -> None:

@@ -28,7 +28,7 @@ from typing import Collection, Mapping
 from engine.core.config import EngineConfig
 from engine.core.events import EventKind, EventLog
 from engine.core.kv_cache_manager import BlockCopy
-from engine.core.kv_coordinator import KVCoordinator
+from engine.core.kv_coordinator import KVAdmission, KVCoordinator, KVGrowth
 from engine.core.kv_groups import HitPlan, max_hit_blocks
 from engine.core.request import Request, RequestStatus
 
@@ -87,6 +87,17 @@ class ScheduledChunk:
 
 
 @dataclass(frozen=True, slots=True)
+class Admission:
+    """A waiting request that can start now, with everything its start commits: decided once, when the
+    scheduler asked whether it can start, and committed by `Scheduler._admit` as it stands."""
+
+    request: Request
+    start: int  # where its first chunk starts: the hit plan's replay boundary, or a fork child's shared end
+    num_tokens: int  # the first chunk's length
+    kv: KVAdmission | KVGrowth  # new tables from a hit plan, or (a fork child) growth of its shared ones
+
+
+@dataclass(frozen=True, slots=True)
 class SchedulerOutput:
     chunks: list[ScheduledChunk]
     copies: tuple[list[BlockCopy], ...]  # per KV group: copy-on-write copies to execute before the forward
@@ -124,10 +135,11 @@ class Scheduler:
             request = self.running[i]
             start = request.num_computed_tokens
             n = min(budget, request.num_tokens - start)
-            if not self._make_room(request, n, preempted):
+            growth = self._make_room(request, n, preempted)
+            if growth is None:
                 break  # it preempted itself: it was the newest, nothing runs after it
             tokens = request.tokens(start, start + n)
-            reservation = self.kv.append(request.request_id, start, tokens)
+            reservation = self.kv.append(request.request_id, tokens, growth)
             request.reserved(reservation.num_copies)
             chunks.append(ScheduledChunk(request, tokens, start, reservation.write_from))
             budget -= n
@@ -140,29 +152,29 @@ class Scheduler:
         changed = [chunk.request for chunk in chunks] + preempted
         return SchedulerOutput(chunks, self.kv.take_copies(), preempted, changed)
 
-    def _make_room(self, request: Request, num_tokens: int, preempted: list[Request]) -> bool:
-        """Preempt the newest running requests until the request's next chunk fits. Returns False when
-        the request had to preempt itself."""
-        while not self.kv.can_append(request.request_id, request.num_computed_tokens, num_tokens):
+    def _make_room(self, request: Request, num_tokens: int, preempted: list[Request]) -> KVGrowth | None:
+        """Preempt the newest running requests until the request's next chunk fits. Returns the growth
+        that fits, or None when the request had to preempt itself."""
+        rid, start = request.request_id, request.num_computed_tokens
+        while (growth := self.kv.plan_append(rid, start, num_tokens)) is None:
             victim = self.running[-1]
             self._preempt(victim)
             preempted.append(victim)
             if victim is request:
-                return False
-        return True
+                return None
+        return growth
 
     def _admit_waiting(self, chunks: list[ScheduledChunk], budget: int, preempted: list[Request]) -> int:
         """Start waiting requests while the budget, the running set and the pool allow, adding their first
         chunks to `chunks`; returns the budget left. None starts in a step that preempted."""
         while self.waiting and budget > 0 and not preempted and len(self.running) < self.max_num_seqs:
-            admissible = self._next_admissible(budget)
-            if admissible is None:
+            admission = self._next_admissible(budget)
+            if admission is None:
                 break
-            request, plan = admissible
-            self.waiting.remove(request)
-            self.running.append(request)
-            chunks.append(self._admit(request, plan, budget))
-            budget -= len(chunks[-1].token_ids)
+            self.waiting.remove(admission.request)
+            self.running.append(admission.request)
+            chunks.append(self._admit(admission))
+            budget -= admission.num_tokens
         return budget
 
     def _give_back_a_fork_share(self) -> bool:
@@ -178,48 +190,51 @@ class Scheduler:
                 return True
         return False
 
-    def _next_admissible(self, budget: int) -> tuple[Request, HitPlan | None] | None:
-        """The waiting request to start next, with its hit plan: the oldest if it can start now, else the
-        oldest fork child that can (see the module docstring), else None."""
-        head = self.waiting[0]
-        plan = self._plan(head)
-        if self._can_admit(head, plan, budget):
-            return head, plan
+    def _next_admissible(self, budget: int) -> Admission | None:
+        """The waiting request to start next, with what its start commits: the oldest if it can start
+        now, else the oldest fork child that can (see the module docstring), else None."""
+        head = self._admission(self.waiting[0], budget)
+        if head is not None:
+            return head
         for request in itertools.islice(self.waiting, 1, None):
-            if self.kv.has_table(request.request_id) and self._can_admit(request, None, budget):
-                return request, None
+            if self.kv.has_table(request.request_id):
+                child = self._admission(request, budget)
+                if child is not None:
+                    return child
         return None
 
-    def _plan(self, request: Request) -> HitPlan | None:
-        """A waiting request's hit plan; None for a fork child, whose tables it shares with its parent."""
-        if self.kv.has_table(request.request_id):
-            return None
-        return self.kv.plan_hit(request.all_token_ids, request.salt)
+    def _admission(self, request: Request, budget: int) -> Admission | None:
+        """Whether a waiting request can start now, and if so what its start commits; None if not.
 
-    def _first_chunk_start(self, request: Request, plan: HitPlan | None) -> int:
-        """Where a waiting request's first chunk starts: its replay boundary, or (a fork child) the end of
-        the tokens its shared tables hold."""
-        return self.kv.num_tokens(request.request_id) if plan is None else plan.r
-
-    def _can_admit(self, request: Request, plan: HitPlan | None, budget: int) -> bool:
-        """Whether a waiting request can start now (`plan`: its hit plan; None for a fork child with tables)."""
-        start = self._first_chunk_start(request, plan)
-        n = min(budget, request.num_tokens - start)
-        if plan is None:
-            return self.kv.can_append(request.request_id, start, n)
-        if self._computed_by_another(request, plan.r):
-            return False  # wait: next step this request hits the blocks another one is computing now
-        return self.kv.can_admit(plan, n)
-
-    def _admit(self, request: Request, plan: HitPlan | None, budget: int) -> ScheduledChunk:
-        """Reserve blocks for a waiting request's first chunk (`_can_admit` said yes)."""
+        A fork child grows the tables it shares with its parent from their end. Any other request is
+        looked up in the prefix index (its chain keys are kept on it, so waiting hashes nothing twice)
+        and starts at its hit plan's replay boundary, unless another request is computing its next block.
+        """
         rid = request.request_id
-        start = self._first_chunk_start(request, plan)
-        tokens = request.tokens(start, start + min(budget, request.num_tokens - start))
-        if plan is None:
-            reservation = self.kv.append(rid, start, tokens)
+        if self.kv.has_table(rid):
+            start = self.kv.num_tokens(rid)
+            n = min(budget, request.num_tokens - start)
+            growth = self.kv.plan_append(rid, start, n)
+            return None if growth is None else Admission(request, start, n, growth)
+        keys = request.lookup_keys(self.kv.root_key(request.salt), self.kv.block_size)
+        plan = self.kv.plan_hit(request.all_token_ids, request.salt, keys)
+        if self._computed_by_another(request, plan.r):
+            return None  # wait: next step this request hits the blocks another one is computing now
+        n = min(budget, request.num_tokens - plan.r)
+        tables = self.kv.plan_admission(plan, n)
+        return None if tables is None else Admission(request, plan.r, n, tables)
+
+    def _admit(self, admission: Admission) -> ScheduledChunk:
+        """Start a waiting request as `_admission` decided: reserve its first chunk's blocks."""
+        request, start = admission.request, admission.start
+        rid = request.request_id
+        tokens = request.tokens(start, start + admission.num_tokens)
+        plan: HitPlan | None = None
+        if isinstance(admission.kv, KVAdmission):
+            plan = admission.kv.plan
+            reservation = self.kv.admit(rid, tokens, admission.kv, request.salt)
         else:
-            reservation = self.kv.admit(rid, tokens, plan, request.salt)
+            reservation = self.kv.append(rid, tokens, admission.kv)
         first_time = request.first_scheduled_time is None
         request.admitted(start, plan, time.time())
         request.reserved(reservation.num_copies)

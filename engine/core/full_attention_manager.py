@@ -1,0 +1,73 @@
+"""Block tables of full-attention layers: every table holds its whole context, from block 0.
+
+Pure Python: no torch. On top of what every manager does (engine/core/kv_cache_manager.py), a full
+group answers prefix lookups: its pool's index is a tree of chains from the namespace roots, so the
+longest run of leading blocks found confirms every token before it.
+"""
+
+from __future__ import annotations
+
+from engine.core.block import Block
+from engine.core.block_pool import BlockPool
+from engine.core.chain_keys import ChainKeys
+from engine.core.errors import require
+from engine.core.events import EventLog
+from engine.core.kv_cache_manager import HitShare, KVCacheManager, TableStart
+from engine.core.kv_groups import HitPlan, max_hit_blocks
+from engine.core.namespace import CacheNamespace
+
+
+class FullAttentionManager(KVCacheManager):
+    """The block tables of a full-attention group over a chained pool."""
+
+    def __init__(self, pool: BlockPool, namespace: CacheNamespace, log: EventLog) -> None:
+        if not pool.chained:
+            raise ValueError("a full-attention group uses a chained pool")
+        super().__init__(pool, namespace, log)
+
+    def find_prefix_hit(self, token_ids: list[int], salt: str | None, keys: ChainKeys | None = None) -> list[Block]:
+        """The longest run of leading full blocks of `token_ids` found in the prefix index.
+
+        Capped at `max_hit_blocks` blocks (engine/core/kv_groups.py) so at least one token is always
+        computed to produce logits. Registers the salt's namespace root with the pool on first use
+        (`root_key`) and changes nothing else; pass the result to `allocate`.
+
+        Args:
+            token_ids: the context.
+            salt: tenant salt.
+            keys: the context's chain keys kept from earlier lookups (a waiting request's); None hashes
+                afresh. They are extended as far as this lookup reaches.
+
+        Raises:
+            ValueError: `keys` hang from another root than the salt's.
+        """
+        bs = self.block_size
+        parent = self.root_key(salt)
+        if keys is None:
+            keys = ChainKeys(parent, bs)
+        elif keys.root_key != parent:
+            raise ValueError("chain keys under another namespace root or salt")
+        hits: list[Block] = []
+        for i in range(max_hit_blocks(len(token_ids), bs)):
+            key = keys.key(i, token_ids)
+            block = self.pool.lookup(key, parent, token_ids[i * bs : (i + 1) * bs])
+            if block is None:
+                break
+            hits.append(block)
+            parent = key
+        return hits
+
+    def hit_share(self, plan: HitPlan) -> HitShare:
+        """The full group shares the hits [0, h) and writes from h."""
+        return HitShare(plan.full_hits, None, plan.h)
+
+    def check_start(self, start: TableStart) -> None:
+        """A full-attention table always starts at block 0."""
+        if start.offset:
+            raise ValueError("a full-attention table always starts at block 0")
+
+    def check_invariants(self) -> None:
+        """Raise InvariantError if a pool or table invariant is broken or a table lost leading blocks."""
+        super().check_invariants()
+        for rid in self._tables:
+            require(self.live_block_ids(rid)[1] == 0, f"{rid}: a full table lost leading blocks")
