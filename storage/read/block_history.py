@@ -1,6 +1,6 @@
 """A block's life, rebuilt from its events: every change of its reference count, in order.
 
-Pure Python over stored event rows (no SQL here; `storage.read.queries.block_history` reads the rows). The
+Pure Python over stored event rows (no SQL here; `storage.read.block_timelines` reads the rows). The
 engine's events carry everything a block's count depends on (engine/core/events.py's detail table):
 
     ALLOCATE   block_ids       count := 1, the request is its only holder (a new life starts)

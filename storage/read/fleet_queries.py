@@ -29,7 +29,7 @@ from storage.write.fleet_rows import RemovalReason
 from storage.write.fleet_rows import parse_hash_text  # noqa: F401  (re-exported: readers turn hash texts back into hashes)
 from storage.schema import AGE_EDGES_S, FLEET_BLOCKS, FLEET_EVENTS, FLEET_EVICTIONS, FLEET_SOURCES
 from storage.schema import FLEET_SOURCE_COLUMNS as SOURCE_COLUMNS
-from storage.read.queries import Readable, _connection, _frame  # the query layer's connection and frame helpers
+from storage.read.access import Readable, connect as _connection, frame as _frame  # the read layer's connection and frame helpers
 
 HELD_COLUMNS = (
     "medium", "group_idx", "block_hash", "parent_hash", "block_size", "token_ids", "copies", "stored_at", "n",
