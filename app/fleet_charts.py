@@ -36,13 +36,22 @@ def block_rate_lines(rates: pd.DataFrame, bucket_seconds: float) -> go.Figure:
     return fig
 
 
-def fleet_icicle(frame: pd.DataFrame, hover: list[str]) -> go.Figure:
-    """The cross-pod prefix tree: width is tokens under a node, colour how many pods hold it."""
+TREE_COLOURS = {  # what colours a node of the fleet prefix tree: column of app.fleet_view.tree_frame -> title
+    "replicas": "pods",
+    "copies": "copies",
+    "age_s": "age (s)",
+    "idle_s": "idle (s)",
+    "tokens_below": "tokens below",
+}
+
+
+def fleet_icicle(frame: pd.DataFrame, hover: list[str], labels: list[str], colour_by: str = "replicas") -> go.Figure:
+    """The cross-pod prefix tree: width is tokens under a node, colour the column `colour_by` (TREE_COLOURS)."""
     ids = [f"n{node}" for node in frame["node_id"]]
     parents = ["" if pd.isna(parent) else f"n{int(parent)}" for parent in frame["parent_id"]]
-    labels = [f"{replicas} pod{'s' if replicas != 1 else ''}" for replicas in frame["replicas"]]
     values = [len(tokens) for tokens in frame["token_ids"]]
-    return prefix_icicle(ids, parents, labels, values, frame["replicas"].tolist(), hover, colour_title="pods")
+    colour = [round(value) for value in frame[colour_by]]
+    return prefix_icicle(ids, parents, labels, values, colour, hover, colour_title=TREE_COLOURS[colour_by])
 
 
 def binned_bars(frame: pd.DataFrame, count: str, title: str, colour: str | None = None) -> go.Figure:
@@ -56,4 +65,25 @@ def binned_bars(frame: pd.DataFrame, count: str, title: str, colour: str | None 
         barmode="stack", title=title, height=280, margin={"l": 4, "r": 4, "t": 40, "b": 4}, showlegend=bool(colour)
     )
     fig.update_xaxes(type="category")
+    return fig
+
+
+def pod_metrics_lines(frame: pd.DataFrame, pod: str) -> go.Figure:
+    """A pod's /metrics over time (app.fleet_view.metrics_frame): KV usage and hit rate (left axis,
+    fractions), preemptions per scrape, running and waiting requests (right axis, counts)."""
+    fig = go.Figure()
+    for column, name in (("kv_usage", "KV usage"), ("hit_rate", "hit rate")):
+        fig.add_trace(go.Scatter(x=frame["at"], y=frame[column], mode="lines", name=name))
+    for column, name in (("running", "running"), ("waiting", "waiting"), ("preemptions", "preemptions")):
+        fig.add_trace(
+            go.Scatter(x=frame["at"], y=frame[column], mode="lines", name=name, yaxis="y2", line={"dash": "dot"})
+        )
+    fig.update_layout(
+        title=f"{pod}: KV usage, hit rate, requests",
+        height=300,
+        margin={"l": 4, "r": 4, "t": 40, "b": 56},
+        yaxis={"title": "fraction", "range": [0, 1], "tickformat": ".0%"},
+        yaxis2={"title": "requests", "overlaying": "y", "side": "right", "rangemode": "tozero"},
+        legend={"orientation": "h", "yanchor": "top", "y": -0.25, "x": 0},
+    )
     return fig

@@ -9,8 +9,8 @@ $PREFIX_CONSOLE_FLEET_PODS (pods in `fleet.source.parse_pods` syntax, e.g.
 "pod-a=tcp://10.0.0.5:5557,replay=tcp://10.0.0.5:5558,metrics=http://10.0.0.5:8000/metrics") starts a
 watch with the console. A watch is a `Collector` feeding the live `FleetIndex` and a `FleetStore` (its own
 EventWriter on the console's history database, so consoles and `python -m cli fleet watch` processes
-sharing a PostgreSQL database see each other's pods), plus a `MetricsScraper` for the pods that name a
-/metrics URL. Without a watch the Fleet pages read the database only. Background threads never call
+sharing a PostgreSQL database see each other's pods); the collector scrapes the /metrics URL of the pods
+that name one into both (the index keeps the recent scrapes for the live view). Without a watch the Fleet pages read the database only. Background threads never call
 `st.*`; only the cached constructor at the bottom does.
 """
 
@@ -22,7 +22,6 @@ import os
 import threading
 import time
 import weakref
-from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -31,7 +30,6 @@ import streamlit as st
 from app.hosting import get_host
 from fleet.collector import Collector
 from fleet.index import DEFAULT_STALE_AFTER_S, FleetIndex
-from fleet.metrics import MetricsError, MetricsSample, scrape
 from fleet.source import PodSource, parse_pods
 from storage.write.fleet_sink import FleetStore
 from storage.write.writer import EventWriter
@@ -41,53 +39,6 @@ logger = logging.getLogger(__name__)
 ENV_FLEET_PODS = "PREFIX_CONSOLE_FLEET_PODS"
 ENV_FLEET_STALE_AFTER = "PREFIX_CONSOLE_FLEET_STALE_AFTER_S"  # a pod silent this long is stale (default 60)
 MAX_STALE_AFTER_S = 86_400.0
-SCRAPE_EVERY_S = 5.0  # each pod's /metrics, this often
-SAMPLES_KEPT = 2  # the latest scrapes per pod: a hit rate is the difference of two
-
-
-class MetricsScraper:
-    """Scrapes each pod's /metrics on a thread of its own; keeps the latest samples and errors."""
-
-    def __init__(self, pods: Sequence[PodSource], every_s: float = SCRAPE_EVERY_S) -> None:
-        self._urls = {pod.name: pod.metrics_url for pod in pods if pod.metrics_url is not None}
-        self._every_s = every_s
-        self._lock = threading.Lock()
-        self._samples: dict[str, deque[MetricsSample]] = {name: deque(maxlen=SAMPLES_KEPT) for name in self._urls}
-        self._errors: dict[str, str] = {}
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="fleet-metrics", daemon=True)
-        if self._urls:
-            self._thread.start()
-
-    def samples(self, pod: str) -> list[MetricsSample]:
-        """The latest samples of a pod, oldest first ([] if it has no metrics URL or none came yet)."""
-        with self._lock:
-            return list(self._samples.get(pod, ()))
-
-    def error(self, pod: str) -> str | None:
-        """Why the latest scrape of a pod failed, if it did."""
-        with self._lock:
-            return self._errors.get(pod)
-
-    def close(self) -> None:
-        self._stop.set()
-        if self._thread.is_alive():
-            self._thread.join(5)
-
-    def _run(self) -> None:
-        while True:
-            for name, url in self._urls.items():
-                try:
-                    sample = scrape(url)
-                except MetricsError as error:
-                    with self._lock:
-                        self._errors[name] = str(error)
-                    continue
-                with self._lock:
-                    self._samples[name].append(sample)
-                    self._errors.pop(name, None)
-            if self._stop.wait(self._every_s):
-                return
 
 
 @dataclass
@@ -98,15 +49,13 @@ class FleetWatch:
     index: FleetIndex  # the live index (the pages' "live" view)
     writer: EventWriter  # its own writer on the console's history database
     store: FleetStore  # the storage sink
-    collector: Collector  # the subscribers and the dispatcher
-    scraper: MetricsScraper  # the pods' /metrics
+    collector: Collector  # the subscribers, the metrics poller and the dispatcher
     started_at: float  # epoch seconds
 
     def close(self) -> None:
         """Stop listening, write what is queued, mark the sources closed: within about 30 s, whatever the
         database does (one that takes no rows gets its queued rows dropped, and counted)."""
         delivered = self.collector.stop(timeout_s=10)
-        self.scraper.close()
         if delivered:  # else the dispatcher still calls the store until the writer is closed
             self.store.close()
         self.writer.close(timeout_s=10)
@@ -168,7 +117,7 @@ class FleetHost:
             index = FleetIndex(stale_after_s=self.stale_after_s)
             collector = Collector(pods, [index, store])
             collector.start()
-            self._watch = FleetWatch(tuple(pods), index, writer, store, collector, MetricsScraper(pods), time.time())
+            self._watch = FleetWatch(tuple(pods), index, writer, store, collector, time.time())
             self.start_error = None
             return self._watch
 

@@ -7,8 +7,9 @@ No Streamlit here (the pages lay out what these return). Two views of the fleet:
               the held blocks are loaded into a `FleetIndex` (`index_from_history`), so both views
               answer through the same code
 
-A pod is "stale" when nothing arrived from it for `stale_after_s` (a pod that stops sending is marked,
-never dropped), "closed" when its collector stopped watching it.
+A pod's status is its health (fleet.health: live, idle, down, unreachable, or stale when silent with
+no link known); "closed" when its collector stopped watching it, "collector gone" when that collector
+stopped without closing it. Stale pods are marked, never dropped.
 """
 
 from __future__ import annotations
@@ -23,10 +24,12 @@ import pandas as pd
 
 from app.prompting import parse_token_ids
 from serving.prompts import encode_text
-from fleet.collector import PodStats
-from fleet.events import BatchOrigin, BlockStored, EventBatch, PodBatch
-from fleet.index import DEFAULT_STALE_AFTER_S, FleetIndex, PodSummary, PrefixTree, RouteResult
-from fleet.metrics import KV_CACHE_USAGE, MetricsSample, hit_rate_between
+from fleet.events import BatchOrigin, BlockStored, EventBatch, LinkState, PodBatch, PodMetrics
+from fleet.events import PodStatus as LinkReport
+from fleet.health import PodHealth, pod_health
+from fleet.index import DEFAULT_STALE_AFTER_S, FleetIndex, PodSummary, RouteResult
+from fleet.pod_stats import PodStats
+from fleet.prefix_tree import PrefixTree
 from fleet.source import PodSource
 from storage.read import fleet_queries
 from storage.read.queries import Readable
@@ -37,62 +40,150 @@ MAX_TOKENIZER_BYTES = 64 * 2**20  # a local tokenizer.json
 
 
 class PodStatus(enum.StrEnum):
-    """How a pod's row reads."""
+    """How a pod's row reads: its health (fleet.health), or how the history knows it."""
 
     LIVE = "live"  # heard from within stale_after_s
-    STALE = "stale"  # silent for longer (still shown, its blocks as last seen)
+    IDLE = "idle"  # connected and quiet: its blocks as last seen, not stale
+    DOWN = "down"  # the connection was lost (stale)
+    UNREACHABLE = "unreachable"  # nothing listens at its endpoint (stale)
+    STALE = "stale"  # silent for longer, and no link known (stale)
     NEVER = "never heard"  # watched, but nothing arrived yet
     CLOSED = "closed"  # its collector stopped watching it
+    ORPHANED = "collector gone"  # its collector stopped without closing it (killed): stale
+
+
+_STATUS_OF_HEALTH = {
+    PodHealth.LIVE: PodStatus.LIVE,
+    PodHealth.IDLE: PodStatus.IDLE,
+    PodHealth.DOWN: PodStatus.DOWN,
+    PodHealth.UNREACHABLE: PodStatus.UNREACHABLE,
+    PodHealth.SILENT: PodStatus.STALE,
+}
+STALE_STATUSES = {PodStatus.DOWN, PodStatus.UNREACHABLE, PodStatus.STALE, PodStatus.ORPHANED}
+HIT_RATE_WINDOW_S = 60.0  # the windowed hit rate: between the latest scrape and one about this old
+COLLECTOR_LOST_AFTER_S = 30.0  # a watching source without a status for this long has lost its collector
 
 
 @dataclass(frozen=True)
-class PodMetrics:
-    """What a pod's /metrics said, from this console's scrapes."""
+class MetricsSummary:
+    """What a pod's /metrics said lately: the figures vLLM's Grafana dashboard leads with."""
 
-    kv_usage: float | None  # vllm:kv_cache_usage_perc of the latest scrape
-    hit_rate: float | None  # prefix-cache hit rate in tokens between the two latest scrapes
+    kv_usage: float | None  # fraction of KV blocks in use, latest scrape
+    capacity_blocks: int | None  # the pool's size in blocks (cache_config_info)
+    hit_rate: float | None  # prefix-cache hit rate in tokens over about HIT_RATE_WINDOW_S; None if idle
+    lifetime_hit_rate: float | None  # hits / queries since the server started
     error: str | None  # why the latest scrape failed
 
 
-def pod_metrics(samples: Sequence[MetricsSample], error: str | None) -> PodMetrics:
-    """KV usage from the latest sample, the hit rate between the latest two (None where unknown)."""
-    usage = samples[-1].gauges.get(KV_CACHE_USAGE) if samples else None
-    rate = None
-    if len(samples) >= 2:
-        try:
-            window = hit_rate_between(samples[-2], samples[-1])
-        except ValueError:
-            window = None
-        if window is not None and window.has_queries:
-            rate = window.rate
-    return PodMetrics(usage, rate, error)
+def metrics_summary(scrapes: Sequence[PodMetrics]) -> MetricsSummary:
+    """Summarize a pod's scrapes (oldest first): the latest values, the windowed and the lifetime hit rate."""
+    ok = [scrape for scrape in scrapes if scrape.error is None]
+    error = scrapes[-1].error if scrapes else None
+    if not ok:
+        return MetricsSummary(None, None, None, None, error)
+    latest = ok[-1]
+    lifetime = None
+    if latest.prefix_cache_queries and latest.prefix_cache_hits is not None:
+        lifetime = latest.prefix_cache_hits / latest.prefix_cache_queries
+    window = None
+    earlier = [scrape for scrape in ok[:-1] if scrape.at <= latest.at - HIT_RATE_WINDOW_S] or ok[:1]
+    before = earlier[-1]
+    if before is not latest and None not in (
+        before.prefix_cache_queries, before.prefix_cache_hits, latest.prefix_cache_queries, latest.prefix_cache_hits
+    ):
+        queries = latest.prefix_cache_queries - before.prefix_cache_queries
+        hits = latest.prefix_cache_hits - before.prefix_cache_hits
+        if queries < 0 or hits < 0:  # a restarted server: its counters started again
+            queries, hits = latest.prefix_cache_queries, latest.prefix_cache_hits
+        window = hits / queries if queries > 0 else None
+    return MetricsSummary(latest.kv_usage, latest.num_gpu_blocks, window, lifetime, error)
+
+
+def metrics_frame(scrapes: Sequence[PodMetrics]) -> pd.DataFrame:
+    """A pod's scrapes as rows for the history charts: at, kv_usage, hit_rate (between consecutive
+    scrapes), preemptions (between them), running, waiting."""
+    rows = []
+    previous = None
+    for scrape in scrapes:
+        if scrape.error is not None:
+            continue
+        rate = preempted = None
+        if previous is not None:
+            rate = _delta_rate(previous, scrape)
+            if previous.num_preemptions is not None and scrape.num_preemptions is not None:
+                preempted = max(0.0, scrape.num_preemptions - previous.num_preemptions)
+        rows.append(
+            {
+                "at": pd.Timestamp(scrape.at, unit="s"),
+                "kv_usage": scrape.kv_usage,
+                "hit_rate": rate,
+                "preemptions": preempted,
+                "running": scrape.num_running,
+                "waiting": scrape.num_waiting,
+            }
+        )
+        previous = scrape
+    return pd.DataFrame(rows, columns=["at", "kv_usage", "hit_rate", "preemptions", "running", "waiting"])
+
+
+def _delta_rate(before: PodMetrics, after: PodMetrics) -> float | None:
+    values = (before.prefix_cache_queries, before.prefix_cache_hits, after.prefix_cache_queries, after.prefix_cache_hits)
+    if None in values:
+        return None
+    queries, hits = values[2] - values[0], values[3] - values[1]
+    if queries < 0 or hits < 0:
+        queries, hits = values[2], values[3]
+    return hits / queries if queries > 0 else None
+
+
+def scrapes_from_history(frame: pd.DataFrame, pod: str) -> list[PodMetrics]:
+    """fleet_queries.metrics_history rows of one source as PodMetrics records, oldest first."""
+    return [
+        PodMetrics(
+            pod, float(row.at), _known(row.prefix_cache_queries), _known(row.prefix_cache_hits),
+            _known(row.num_preemptions), _known(row.kv_cache_usage), _known(row.num_running),
+            _known(row.num_waiting), None if _known(row.num_gpu_blocks) is None else int(row.num_gpu_blocks),
+            _text(row.error),
+        )  # fmt: skip
+        for row in frame.itertuples()
+    ]
 
 
 def history_pods(db: Readable, now: float, stale_after_s: float = DEFAULT_STALE_AFTER_S) -> pd.DataFrame:
-    """Every pod the database knows (its newest source): status, blocks held by medium, last heard.
+    """Every pod the database knows (its newest source): status, blocks held by medium, last heard, and
+    its latest /metrics (if scraped).
 
     Returns:
-        One row per pod: pod, status, blocks, hashes, one "<medium> blocks" column per medium,
-        last_batch_s_ago, collector_id, source_id, endpoint, metrics_url.
+        One row per pod: pod, status, stale, blocks, capacity, hashes, kv_usage, hit_rate,
+        lifetime_hit_rate, last_batch_s_ago, lost_batches, restarts, link, collector_id, source_id,
+        endpoint, metrics_url, one "<medium> blocks" column per medium.
     """
     sources = fleet_queries.latest_sources(db)
     summary = fleet_queries.held_summary(db, sources["id"].tolist()) if len(sources) else None
+    since = now - 2 * HIT_RATE_WINDOW_S
+    scraped = fleet_queries.metrics_history(db, sources["id"].tolist(), since) if len(sources) else None
     rows = []
     for source in sources.itertuples():
         held = summary[summary["source_id"] == source.id] if summary is not None else None
         heard = _known(source.last_received_at)
-        if _known(source.closed_at) is not None:
-            status = PodStatus.CLOSED
-        elif heard is None:
-            status = PodStatus.NEVER if now - source.opened_at <= stale_after_s else PodStatus.STALE
-        else:
-            status = PodStatus.LIVE if now - heard <= stale_after_s else PodStatus.STALE
+        status = _history_status(source, heard, now, stale_after_s)
+        measured = metrics_summary(
+            scrapes_from_history(scraped[scraped["source_id"] == source.id], source.pod) if scraped is not None else []
+        )
         row = {
             "pod": source.pod,
             "status": status.value,
+            "stale": status in STALE_STATUSES,
             "blocks": int(held["blocks"].sum()) if held is not None else 0,
+            "capacity": measured.capacity_blocks,
             "hashes": int(held["hashes"].sum()) if held is not None else 0,
+            "kv_usage": measured.kv_usage,
+            "hit_rate": measured.hit_rate,
+            "lifetime_hit_rate": measured.lifetime_hit_rate,
             "last_batch_s_ago": None if heard is None else max(0.0, now - heard),
+            "lost_batches": None if _known(source.num_lost_batches) is None else int(source.num_lost_batches),
+            "restarts": None if _known(source.num_restarts) is None else int(source.num_restarts),
+            "link": _text(source.link),
             "collector_id": source.collector_id,
             "source_id": source.id,
             "endpoint": source.endpoint,
@@ -105,31 +196,47 @@ def history_pods(db: Readable, now: float, stale_after_s: float = DEFAULT_STALE_
     return pd.DataFrame(rows)
 
 
+def _history_status(source, heard: float | None, now: float, stale_after_s: float) -> PodStatus:
+    """A stored source's status: closed, its collector gone, never heard, or its health."""
+    if _known(source.closed_at) is not None:
+        return PodStatus.CLOSED
+    status_at = _known(source.status_at)
+    if status_at is not None and now - status_at > COLLECTOR_LOST_AFTER_S:
+        return PodStatus.ORPHANED
+    link_text = _text(source.link)
+    link = None if link_text is None else LinkState(link_text)
+    if heard is None and link in (None, LinkState.CONNECTED, LinkState.CONNECTING):
+        return PodStatus.NEVER if now - source.opened_at <= stale_after_s or link else PodStatus.STALE
+    return _STATUS_OF_HEALTH[pod_health(link, now - (heard or source.opened_at), stale_after_s)]
+
+
 def live_pods(
-    summaries: Sequence[PodSummary], stats: Mapping[str, PodStats], metrics: Mapping[str, PodMetrics]
+    summaries: Sequence[PodSummary], stats: Mapping[str, PodStats], metrics: Mapping[str, MetricsSummary]
 ) -> pd.DataFrame:
     """This console's collector: one row per pod with the index's blocks, the feed's health and metrics."""
     rows = []
     for pod in summaries:
         feed = stats.get(pod.pod)
         measured = metrics.get(pod.pod)
-        if pod.last_received_at is None:
-            status = PodStatus.STALE if pod.stale else PodStatus.NEVER
-        else:
-            status = PodStatus.STALE if pod.stale else PodStatus.LIVE
+        status = _STATUS_OF_HEALTH[pod.health]
+        if pod.last_received_at is None and not pod.stale:
+            status = PodStatus.NEVER
         row = {
             "pod": pod.pod,
             "status": status.value,
+            "stale": pod.stale,
             "blocks": pod.num_blocks,
+            "capacity": None if measured is None else measured.capacity_blocks,
             "hashes": sum(group.num_hashes for group in pod.groups),
             "kv_usage": None if measured is None else measured.kv_usage,
             "hit_rate": None if measured is None else measured.hit_rate,
+            "lifetime_hit_rate": None if measured is None else measured.lifetime_hit_rate,
             "last_batch_s_ago": None if pod.last_received_at is None else pod.seconds_silent,
             "batches": pod.num_batches,
             "link": None if feed is None else feed.link.value,
             "lag_ms": None if feed is None or feed.last_lag_s is None else feed.last_lag_s * 1e3,
             "lost_batches": None if feed is None else feed.num_lost_batches,
-            "replays": None if feed is None else feed.num_replays,
+            "catch-ups": None if feed is None else feed.num_replays,
             "feed_errors": None if feed is None else feed.num_errors,
             "restarts": pod.num_resets,
             "unknown_removals": pod.num_unknown_removals,
@@ -145,19 +252,25 @@ def live_pods(
 def index_from_history(db: Readable, now: float, stale_after_s: float = DEFAULT_STALE_AFTER_S) -> FleetIndex:
     """A FleetIndex holding what the database says each pod (its newest source) holds now.
 
-    Each held block enters as a one-block BlockStored per copy, under its stored parent and tokens, so
-    the index's prefix tree and routing read the history exactly as they read a live feed. The pods'
-    last-heard times come along, so stale pods stay stale.
+    Each held block enters as a one-block BlockStored per copy, under its stored parent and tokens, in
+    a batch of its store time (so its age comes along), and the index's prefix tree and routing read
+    the history exactly as they read a live feed. The pods' last-heard times come along, so stale pods
+    stay stale.
     """
     index = FleetIndex(stale_after_s=stale_after_s, clock=lambda: now)
     sources = fleet_queries.latest_sources(db)
     for source in sources.itertuples():
         pod = PodSource(source.pod, source.endpoint, _text(source.replay_endpoint), _text(source.topic) or "")
         index.open_pod(pod, source.opened_at)
+        link, status_at = _text(source.link), _known(source.status_at)
+        watched = _known(source.closed_at) is None and status_at is not None and now - status_at <= COLLECTOR_LOST_AFTER_S
+        if link is not None and watched:  # else no link is known: silence alone makes it stale
+            lost, restarts = int(source.num_lost_batches or 0), int(source.num_restarts or 0)
+            index.pod_status(LinkReport(source.pod, status_at, LinkState(link), lost, restarts))
         held = fleet_queries.held_blocks(db, source.id)
         if held.empty:
             continue
-        events = []
+        by_time: dict[float, list[BlockStored]] = {}  # stored_at -> its blocks, so ages survive the trip
         for block in held.itertuples():
             tokens = tuple(block.token_ids) if block.token_ids is not None else ()
             parent_text = _text(block.parent_hash)
@@ -166,10 +279,11 @@ def index_from_history(db: Readable, now: float, stale_after_s: float = DEFAULT_
                 (fleet_queries.parse_hash_text(block.block_hash),), parent, tokens, int(block.block_size),
                 block.medium, int(block.group_idx),
             )  # fmt: skip
-            events.extend([stored] * int(block.copies))
+            by_time.setdefault(float(block.stored_at), []).extend([stored] * int(block.copies))
         heard = _known(source.last_received_at) or source.opened_at
-        ts = _known(source.last_ts) or heard
-        index.apply_batch(PodBatch(source.pod, 0, EventBatch(ts, tuple(events), None), heard, BatchOrigin.REPLAY))
+        for seq, (stored_at, events) in enumerate(sorted(by_time.items())):
+            batch = EventBatch(stored_at, tuple(events), None)
+            index.apply_batch(PodBatch(source.pod, seq, batch, heard, BatchOrigin.REPLAY))
     return index
 
 
@@ -191,8 +305,20 @@ def media_and_groups(summaries: Sequence[PodSummary]) -> list[tuple[str, int]]:
     return sorted(found, key=lambda key: (key != ("GPU", 0), key))
 
 
-def tree_frame(tree: PrefixTree) -> pd.DataFrame:
-    """The prefix tree's nodes as rows: node_id, parent_id, depth, num_tokens, replicas, copies, pods."""
+TREE_COLUMNS = [
+    "node_id", "parent_id", "depth", "num_tokens", "replicas", "copies", "pods", "age_s", "idle_s",
+    "tokens_below", "token_ids",
+]  # fmt: skip
+
+
+def tree_frame(tree: PrefixTree, now: float) -> pd.DataFrame:
+    """The prefix tree's nodes as rows: node_id, parent_id, depth, num_tokens, replicas, copies, pods,
+    age_s (since its oldest block was stored), idle_s (since a copy was last stored), tokens_below (its
+    tokens and all its descendants'), token_ids."""
+    below = [len(node.token_ids) for node in tree.nodes]
+    for node in reversed(tree.nodes):  # parents come before children
+        if node.parent_id is not None:
+            below[node.parent_id] += below[node.node_id]
     return pd.DataFrame(
         [
             {
@@ -203,11 +329,14 @@ def tree_frame(tree: PrefixTree) -> pd.DataFrame:
                 "replicas": node.replicas,
                 "copies": node.copies,
                 "pods": ", ".join(sorted(node.pods)),
+                "age_s": max(0.0, now - node.first_stored),
+                "idle_s": max(0.0, now - node.last_stored),
+                "tokens_below": below[node.node_id],
                 "token_ids": node.token_ids,
             }
             for node in tree.nodes
         ],
-        columns=["node_id", "parent_id", "depth", "num_tokens", "replicas", "copies", "pods", "token_ids"],
+        columns=TREE_COLUMNS,
     )
 
 
@@ -281,3 +410,26 @@ def encode_with(tokenizer, text: str) -> list[int]:
     if len(ids) > MAX_PROMPT_TOKEN_IDS:
         raise ValueError(f"the prompt is {len(ids):,} tokens; at most {MAX_PROMPT_TOKEN_IDS:,}")
     return ids
+
+
+def short_hash(text: str, keep: int = 6) -> str:
+    """A stored hash text shortened for a table: its first and last `keep` characters around an ellipsis."""
+    return text if len(text) <= 2 * keep + 1 else f"{text[:keep]}…{text[-keep:]}"
+
+
+def idle_before_evict_frame(scrapes: Sequence[PodMetrics]) -> pd.DataFrame:
+    """vLLM's idle-before-eviction histogram (kv_block_idle_before_evict_seconds, from `--kv-cache-metrics`)
+    over the scrapes given: the latest minus the earliest, per bucket (the latest alone when a counter
+    went down: a restarted server), as bin_start, bin_end, evictions. Empty when not exposed."""
+    found = [scrape.idle_before_evict for scrape in scrapes if scrape.idle_before_evict]
+    if not found:
+        return pd.DataFrame(columns=["bin_start", "bin_end", "evictions"])
+    latest, earliest = dict(found[-1]), dict(found[0]) if len(found) > 1 else {}
+    if any(latest.get(bound, 0.0) < count for bound, count in earliest.items()):
+        earliest = {}
+    rows, lower, below = [], 0.0, 0.0
+    for bound in sorted(latest):
+        cumulative = latest[bound] - earliest.get(bound, 0.0)
+        rows.append({"bin_start": lower, "bin_end": bound, "evictions": max(0.0, cumulative - below)})
+        lower, below = bound, cumulative
+    return pd.DataFrame(rows, columns=["bin_start", "bin_end", "evictions"])

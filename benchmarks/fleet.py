@@ -56,7 +56,8 @@ os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "0")  # vLLM logs to stdout by d
 import msgspec  # noqa: E402
 
 from cli.fleet import WATCH_GC_THRESHOLDS  # noqa: E402
-from fleet.collector import Collector, CollectorConfig  # noqa: E402
+from fleet.collector import Collector  # noqa: E402
+from fleet.config import CollectorConfig  # noqa: E402
 from fleet.decode import BatchDecoder  # noqa: E402
 from fleet.events import BatchOrigin, PodBatch, PodReset  # noqa: E402
 from fleet.index import FleetIndex  # noqa: E402

@@ -5,7 +5,7 @@
     python -m cli fleet state --db URL [--pod NAME ...] [--json] [--hashes]
 
 `watch` runs the collector headless (fleet.collector) into the fleet index and the history database
-(storage.write.fleet_sink through one EventWriter) until SIGINT or SIGTERM, printing one status line on stderr
+(storage.write.fleet_sink through one WriterProcess) until SIGINT or SIGTERM, printing one status line on stderr
 every `--status-every` seconds; on the signal it stops the collector, writes what is queued, marks its
 sources closed and exits (0; 1 if history rows were lost). A database that takes no rows cannot hold it
 up: after `STOP_TIMEOUT_S` the queued rows are dropped (counted, exit 1). Several watchers (and
@@ -112,10 +112,10 @@ def run_watch(args: argparse.Namespace) -> int:
     from fleet.index import FleetIndex
     from storage.db import DatabaseUrlError, redacted_url
     from storage.write.fleet_sink import FleetStore
-    from storage.write.writer import EventWriter
+    from storage.write.writer_process import WriterProcess
 
     try:
-        writer = EventWriter(args.db)
+        writer = WriterProcess(args.db)
     except DatabaseUrlError as exc:
         return _error(str(exc))
     stop = threading.Event()

@@ -6,19 +6,26 @@ order, and hands them to sinks. Data flows one way:
     server PUB/ROUTER ──> collector (one subscriber per pod) ──> sinks: FleetIndex, ... ──> pages, commands
 
 Modules, one job each:
-  * `events`     the decoded feed: BlockStored / BlockRemoved / AllBlocksCleared, EventBatch, and the
-                 collector's PodBatch (pod, seq, arrival time, live or replayed) and PodReset.
-  * `decode`     the wire format (vLLM's map-tagged and older array-tagged events, SGLang's batches),
-                 every size bounded (`DecodeLimits`), each refusal a `FeedError` of a counted kind.
-  * `source`     `PodSource`: a pod's endpoints (PUB, replay ROUTER, /metrics), validated.
-  * `sinks`      the `BatchSink` protocol the collector feeds.
-  * `collector`  `Collector`: per pod a SUB socket, gap detection, replay recovery, restart detection,
-                 reconnection; one dispatcher thread calls the sinks; `PodStats` counts everything.
-  * `index`      `FleetIndex`, a sink: per pod, medium and KV group the held blocks with their copies;
-                 the cross-pod prefix tree; `route` (each pod's longest cached prefix of a prompt);
-                 stale pods.
-  * `metrics`    scraping a server's /metrics (prefix-cache counters, KV usage, residency histograms)
-                 and the hit rate between two scrapes.
+  * `events`       the decoded feed: BlockStored / BlockRemoved / AllBlocksCleared, EventBatch, and the
+                   collector's records: PodBatch (pod, seq, arrival time, live or replayed), PodReset,
+                   PodStatus (the link, as a heartbeat) and PodMetrics (a /metrics scrape).
+  * `decode`       the wire format (vLLM's map-tagged and older array-tagged events, SGLang's batches),
+                   every size bounded (`DecodeLimits`), each refusal a `FeedError` of a counted kind.
+  * `source`       `PodSource`: a pod's endpoints (PUB, replay ROUTER, /metrics), validated.
+  * `sinks`        the `BatchSink` protocol the collector feeds.
+  * `config`       `CollectorConfig`: how the collector listens.
+  * `link`         a pod's sockets: the SUB socket and its connection monitor, one replay request.
+  * `subscriber`   one pod's thread: sequence order, gaps, catch-ups, duplicates, restart detection.
+  * `pod_stats`    `PodStats`, what a subscriber counts.
+  * `scraper`      the collector's metrics thread.
+  * `collector`    `Collector`: the subscribers, the scraper and one dispatcher thread calling the sinks.
+  * `health`       `PodHealth`: live, idle, down, unreachable, silent; which of them are stale.
+  * `held_blocks`  one pod's held blocks in one (medium, KV group), with copies, and the prompt walk.
+  * `prefix_tree`  the cross-pod prefix tree, merged by token content.
+  * `index`        `FleetIndex`, a sink: per pod the held blocks, its link and recent scrapes; `route`
+                   (each pod's longest cached prefix of a prompt, capped as vLLM caps a prefix hit).
+  * `metrics`      parsing a server's /metrics (prefix-cache counters, KV usage, requests, capacity,
+                   residency histograms) and the hit rate between two scrapes.
 
 Seams for what comes next (phase B), so it plugs in without changing what is here:
   * Persistence is another `BatchSink`, next to the index: `Collector(sources, [index, writer])`. The
@@ -26,7 +33,7 @@ Seams for what comes next (phase B), so it plugs in without changing what is her
     (stored / removed events with pod, seq, publisher ts and arrival time; `batch.origin` says live or
     replayed) and `PodReset` (a restarted server: close its open block lifetimes). A block's lifetime
     opens at a BlockStored and closes at the BlockRemoved that takes its last copy; the index's copy
-    counting (`fleet.index._Group.store/remove`) is the rule to follow, and `HeldBlock.first_stored` is
+    counting (`fleet.held_blocks.BlockGroup.store/remove`) is the rule to follow, and `HeldBlock.first_stored` is
     the age a removal evicts. Sinks are called from one thread, so a writer batches and commits at its
     own pace; a slow writer back-pressures the pod threads (bounded queue), and what the servers drop
     meanwhile comes back by replay.
@@ -34,8 +41,8 @@ Seams for what comes next (phase B), so it plugs in without changing what is her
     [,metrics=...]`, runs a `Collector` with the writer, and prints `Collector.stats()` (`PodStats`:
     `ready` once a pod's start-up replay is over); `fleet state` reads the database, not this package.
   * Pages read `FleetIndex.pods()` / `blocks()` / `prefix_tree()` / `route(token_ids)` (thread-safe
-    snapshots) for live views, `fleet.metrics.scrape` + `hit_rate_between` for each pod's metrics URL,
-    and the database for history. Tokenizing a pasted prompt happens in the page; `route` takes ids.
+    snapshots) and `FleetIndex.metrics(pod)` (the recent scrapes) for live views, and the database for
+    history. Tokenizing a pasted prompt happens in the page; `route` takes ids.
   * The embedded engine publishing the same feed needs only the wire format in `fleet.decode`'s
     docstring (encoded with msgspec, as vLLM does); this package's decoder and tests then read it too.
 """

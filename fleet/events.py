@@ -146,3 +146,43 @@ class PodReset:
     at: float  # collector's wall clock (seconds since the epoch)
     last_seq: int | None  # the last sequence number applied before the reset
     new_seq: int  # the sequence number that revealed it
+
+
+class LinkState(enum.Enum):
+    """A pod's SUB connection, as the collector's socket monitor reports it."""
+
+    CONNECTING = "connecting"  # no connection yet, and no attempt refused
+    CONNECTED = "connected"  # connected: the server's live batches arrive
+    DISCONNECTED = "disconnected"  # was connected and lost it (the server went away); reconnecting
+    REFUSED = "refused"  # every attempt refused: nothing listens at the endpoint (a server that is down,
+    # or one whose PUB socket connects instead of binding); retrying
+
+
+@dataclass(frozen=True, slots=True)
+class PodStatus:
+    """How the collector's link to a pod stands; sent when it changes, and every few seconds as a heartbeat."""
+
+    pod: str  # the pod's name
+    at: float  # collector's wall clock (seconds since the epoch)
+    link: LinkState  # the SUB connection
+    num_lost_batches: int  # sequence numbers neither live nor replay delivered, since the watch began
+    num_restarts: int  # restarted servers detected since the watch began
+
+
+@dataclass(frozen=True, slots=True)
+class PodMetrics:
+    """One scrape of a pod's /metrics, reduced to the values the console keeps (None: not exposed)."""
+
+    pod: str  # the pod's name
+    at: float  # wall clock of the scrape
+    prefix_cache_queries: float | None  # tokens looked up in the prefix cache since the server started
+    prefix_cache_hits: float | None  # of which found cached
+    num_preemptions: float | None  # requests preempted since the server started
+    kv_cache_usage: float | None  # fraction of KV blocks in use, 0..1
+    num_running: float | None  # requests running now
+    num_waiting: float | None  # requests waiting now
+    num_gpu_blocks: int | None  # the KV cache's capacity in blocks (vLLM's cache_config_info)
+    error: str | None = None  # why the scrape failed (then every value is None)
+    # vLLM's kv_block_idle_before_evict_seconds (with --kv-cache-metrics): cumulative (upper bound,
+    # evictions) buckets, the last +Inf; None when not exposed. Kept by the live index only.
+    idle_before_evict: tuple[tuple[float, float], ...] | None = None

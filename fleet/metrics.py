@@ -3,13 +3,17 @@
 vLLM exposes them at `/metrics` (Prometheus text), one series per engine (labels `model_name`,
 `engine`). `scrape` reads at most `max_bytes` within `timeout_s` and parses with prometheus_client's
 parser; `MetricsSample` keeps the values this console uses, summed over the series (KV usage is the
-mean over engines, each engine's usage being a fraction of its own pool). The counters are
+mean over engines, each engine's usage being a fraction of its own pool); `pod_metrics` reduces one
+to the `fleet.events.PodMetrics` record the sinks keep. The counters are
 cumulative, so a hit rate is a difference of two samples: `hit_rate_between`.
 
     vllm:prefix_cache_queries   tokens looked up in the prefix cache      counter
     vllm:prefix_cache_hits      of which found cached                      counter
     vllm:num_preemptions        requests preempted                         counter
     vllm:kv_cache_usage_perc    fraction of KV blocks in use, 0..1         gauge
+    vllm:num_requests_running   requests running now                       gauge
+    vllm:num_requests_waiting   requests waiting now                       gauge
+    vllm:cache_config_info      label num_gpu_blocks: the pool's capacity  info (a gauge at 1)
     vllm:kv_block_lifetime_seconds           allocation -> eviction        histogram
     vllm:kv_block_idle_before_evict_seconds  last access -> eviction       histogram
     vllm:kv_block_reuse_gap_seconds          between accesses of a block   histogram
@@ -31,16 +35,21 @@ from urllib.parse import urlsplit
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from fleet.events import PodMetrics
+
 PREFIX_CACHE_QUERIES = "vllm:prefix_cache_queries"
 PREFIX_CACHE_HITS = "vllm:prefix_cache_hits"
 NUM_PREEMPTIONS = "vllm:num_preemptions"
 KV_CACHE_USAGE = "vllm:kv_cache_usage_perc"
+NUM_RUNNING = "vllm:num_requests_running"
+NUM_WAITING = "vllm:num_requests_waiting"
+CACHE_CONFIG_INFO = "vllm:cache_config_info"
 BLOCK_LIFETIME = "vllm:kv_block_lifetime_seconds"
 BLOCK_IDLE_BEFORE_EVICT = "vllm:kv_block_idle_before_evict_seconds"
 BLOCK_REUSE_GAP = "vllm:kv_block_reuse_gap_seconds"
 
 COUNTERS = (PREFIX_CACHE_QUERIES, PREFIX_CACHE_HITS, NUM_PREEMPTIONS)
-GAUGES = (KV_CACHE_USAGE,)
+GAUGES = (KV_CACHE_USAGE, NUM_RUNNING, NUM_WAITING)
 HISTOGRAMS = (BLOCK_LIFETIME, BLOCK_IDLE_BEFORE_EVICT, BLOCK_REUSE_GAP)
 
 
@@ -99,6 +108,7 @@ class MetricsSample:
     counters: Mapping[str, float]  # COUNTERS present, summed over series
     gauges: Mapping[str, float]  # GAUGES present, mean over series
     histograms: Mapping[str, Histogram]  # HISTOGRAMS present, summed over series
+    num_gpu_blocks: int | None = None  # the KV pool's capacity in blocks, summed over engines (cache_config_info)
 
 
 @dataclass(frozen=True)
@@ -138,9 +148,13 @@ def parse_metrics(text: str, taken_at: float) -> MetricsSample:
     buckets: dict[str, dict[float, float]] = {}
     counts: dict[str, float] = {}
     sums: dict[str, float] = {}
+    capacity: int | None = None
     try:
         for family in text_string_to_metric_families(text):
             for sample in family.samples:  # matched by sample name: text without TYPE lines works too
+                if sample.name == CACHE_CONFIG_INFO and sample.labels.get("num_gpu_blocks", "").isdigit():
+                    capacity = (capacity or 0) + int(sample.labels["num_gpu_blocks"])
+                    continue
                 found = _SAMPLE_PARTS.get(sample.name)
                 if found is None:
                     continue
@@ -159,12 +173,16 @@ def parse_metrics(text: str, taken_at: float) -> MetricsSample:
                     sums[name] = sums.get(name, 0.0) + sample.value
     except (ValueError, KeyError, IndexError, TypeError) as error:
         raise MetricsError(f"not Prometheus text: {error}") from None
-    gauges = {name: sum(values) / len(values) for name, values in gauge_values.items()}
     histograms = {
         name: Histogram(tuple(sorted(by_bound.items())), counts.get(name, 0.0), sums.get(name, 0.0))
         for name, by_bound in buckets.items()
     }
-    return MetricsSample(taken_at, counters, gauges, histograms)
+    # Gauges sum over engines but for KV usage, each engine's usage being a fraction of its own pool.
+    gauges = {
+        name: sum(values) / len(values) if name == KV_CACHE_USAGE else sum(values)
+        for name, values in gauge_values.items()
+    }
+    return MetricsSample(taken_at, counters, gauges, histograms, capacity)
 
 
 def scrape(url: str, timeout_s: float = DEFAULT_TIMEOUT_S, max_bytes: int = DEFAULT_MAX_BYTES) -> MetricsSample:
@@ -229,3 +247,24 @@ def hit_rate_between(before: MetricsSample, after: MetricsSample) -> HitRateWind
     if reset:
         queries, hits = after.counters[PREFIX_CACHE_QUERIES], after.counters[PREFIX_CACHE_HITS]
     return HitRateWindow(after.taken_at - before.taken_at, queries, hits, reset)
+
+
+def pod_metrics(pod: str, sample: MetricsSample) -> PodMetrics:
+    """The record the collector hands its sinks for one scrape."""
+    return PodMetrics(
+        pod=pod,
+        at=sample.taken_at,
+        prefix_cache_queries=sample.counters.get(PREFIX_CACHE_QUERIES),
+        prefix_cache_hits=sample.counters.get(PREFIX_CACHE_HITS),
+        num_preemptions=sample.counters.get(NUM_PREEMPTIONS),
+        kv_cache_usage=sample.gauges.get(KV_CACHE_USAGE),
+        num_running=sample.gauges.get(NUM_RUNNING),
+        num_waiting=sample.gauges.get(NUM_WAITING),
+        num_gpu_blocks=sample.num_gpu_blocks,
+        idle_before_evict=idle.buckets if (idle := sample.histograms.get(BLOCK_IDLE_BEFORE_EVICT)) else None,
+    )
+
+
+def failed_scrape(pod: str, at: float, error: str) -> PodMetrics:
+    """The record of a scrape that failed."""
+    return PodMetrics(pod, at, None, None, None, None, None, None, None, error)

@@ -9,7 +9,7 @@ import streamlit as st
 
 from app import fleet_charts
 from app.fleet_hosting import ENV_FLEET_PODS, get_fleet_host
-from app.fleet_view import history_pods, live_pods, pod_metrics
+from app.fleet_view import history_pods, live_pods, metrics_frame, metrics_summary, scrapes_from_history
 from app.hosting import get_host
 from app.ui import LIVE, SLOW_REFRESH_S, fleet_source, fmt_duration, kept, read_history
 from fleet.source import parse_pods
@@ -47,8 +47,8 @@ def pods() -> None:
             f"Collector `{watch.store.collector_id}` running for {fmt_duration(now - watch.started_at)}, "
             f"writing to the history database: {writer.written_other:,} rows written, {writer.dropped:,} dropped."
         )
-        scraper = watch.scraper
-        metrics = {pod.name: pod_metrics(scraper.samples(pod.name), scraper.error(pod.name)) for pod in watch.pods}
+        scrapes = {pod.name: watch.index.metrics(pod.name) for pod in watch.pods}
+        metrics = {name: metrics_summary(found) for name, found in scrapes.items()}
         frame = live_pods(watch.index.pods(now), watch.collector.stats(), metrics)
         source_ids = watch.store.source_ids()
     else:
@@ -56,29 +56,55 @@ def pods() -> None:
         if frame is None:
             return
         source_ids = dict(zip(frame["pod"], frame["source_id"])) if len(frame) else {}
+        scrapes = {}
     if frame.empty:
         st.info(
             f"No pods yet. Start a collector below, set ${ENV_FLEET_PODS}, or run "
             "`python -m cli fleet watch --pod NAME=tcp://HOST:PORT,replay=tcp://HOST:PORT --db URL` on this database."
         )
         return
-    stale = frame[frame["status"] == "stale"]["pod"].tolist()
+    stale = frame[frame["stale"]]["pod"].tolist()
+    held, capacity = int(frame["blocks"].sum()), frame["capacity"].dropna()
     c = st.columns(4)
     c[0].metric("Pods", len(frame))
-    c[1].metric("Live", int((frame["status"] == "live").sum()))
-    c[2].metric("Stale", len(stale), help=f"Silent for over {fleet.stale_after_s:g} s: shown with the blocks last seen")
-    c[3].metric("Blocks held", f"{int(frame['blocks'].sum()):,}", help="Physical blocks, every pod, medium and group")
+    c[1].metric("Live or idle", int(frame["status"].isin(["live", "idle"]).sum()))
+    c[2].metric("Stale", len(stale), help="Down, unreachable, or silent with no link known: blocks as last seen")
+    c[3].metric(
+        "Blocks held / capacity",
+        f"{held:,} / {int(capacity.sum()):,}" if len(capacity) == len(frame) else f"{held:,}",
+        help="Physical blocks held, every pod, medium and group; capacity from each pod's cache_config_info",
+    )
     if stale:
-        st.warning(
-            f"Stale (nothing received for over {fleet.stale_after_s:g} s; blocks as last seen): {', '.join(stale)}"
-        )
+        statuses = ", ".join(f"{pod} ({status})" for pod, status in zip(frame["pod"], frame["status"]) if pod in stale)
+        st.warning(f"Stale (blocks as last seen): {statuses}")
     columns = {
         "kv_usage": st.column_config.ProgressColumn("KV usage", format="percent", min_value=0.0, max_value=1.0),
-        "hit_rate": st.column_config.NumberColumn("hit rate", format="percent", help="Between the last two scrapes"),
+        "hit_rate": st.column_config.NumberColumn(
+            "hit rate (1 min)", format="percent", help="Prefix-cache hits / queries in tokens over the last minute"
+        ),
+        "lifetime_hit_rate": st.column_config.NumberColumn(
+            "hit rate (lifetime)", format="percent", help="Since the server started"
+        ),
         "last_batch_s_ago": st.column_config.NumberColumn("last batch (s ago)", format="%.1f"),
         "lag_ms": st.column_config.NumberColumn("lag (ms)", format="%.1f"),
+        "catch-ups": st.column_config.NumberColumn(
+            "catch-ups", help="Replay requests (at start, on each new connection, after a quiet spell, for a gap)"
+        ),
     }
-    st.dataframe(frame, hide_index=True, column_config=columns, key="fleet_pods_table")
+    st.dataframe(frame, hide_index=True, column_config=columns, key="fleet_pods_table", width="stretch")
+    if view == LIVE and watch is not None:
+        with_metrics = [name for name, found in scrapes.items() if found]
+    else:
+        with_metrics = [pod for pod, url in zip(frame["pod"], frame["metrics_url"]) if isinstance(url, str)]
+    if with_metrics:
+        chosen = st.selectbox("Metrics of", with_metrics, key="fleet_metrics_pod")
+        if view == LIVE and watch is not None:
+            found = scrapes[chosen]
+        else:
+            stored = read_history(fleet_queries.metrics_history, host.db, [source_ids[chosen]], now - RATE_WINDOWS[window])
+            found = [] if stored is None else scrapes_from_history(stored, chosen)
+        if found:
+            st.plotly_chart(fleet_charts.pod_metrics_lines(metrics_frame(found), chosen), key="fleet_metrics_chart")
 
     since = now - RATE_WINDOWS[window]
     bucket = 10.0 if RATE_WINDOWS[window] <= 900 else 60.0
@@ -117,6 +143,7 @@ with st.expander("Collector in this console", expanded=watch is None):
         except ValueError as exc:
             st.error(f"Not started: {exc}")
         else:
+            st.session_state["fleet_view"] = LIVE  # what was just started is seen live, not in the history
             st.rerun()
     if stop:
         fleet.stop()
@@ -130,7 +157,8 @@ if watch is not None:
                 "link": s.link.value,
                 "connects": s.num_connects,
                 "batches": s.num_batches,
-                "replayed": s.num_replayed_batches,
+                "catch-ups": s.num_replays,
+                "batches replayed": s.num_replayed_batches,
                 "gaps": s.num_gaps,
                 "lost": s.num_lost_batches,
                 "replay timeouts": s.num_replay_timeouts,

@@ -15,6 +15,8 @@ from app.prompting import decode
 from app.ui import LIVE, fleet_source, kept, read_history
 
 
+BIG_CHAINS = 8  # the first blocks of this many of the longest chains are labelled with their text
+
 host = get_host()
 fleet = get_fleet_host()
 tokenizer = host.console.tokenizer
@@ -23,14 +25,19 @@ state = st.session_state
 st.title("Fleet prefix tree")
 st.caption(
     "Blocks at the same place (parent hash) with the same tokens are one prefix across pods; a node's "
-    "colour is how many pods hold it, its width its tokens. Prefixes only one pod holds are where a "
-    "router's choice matters."
+    "width is its tokens, its colour what you choose (pods holding it, copies, age, idle time, tokens "
+    "below it). The longest chains are labelled with their first words. Prefixes only one pod holds are "
+    "where a router's choice matters."
 )
 watch = fleet.watch
-c = st.columns([3, 1, 1])
+c = st.columns([3, 1, 1, 1])
 view = fleet_source(c[0], "fleet_tree_view", live=watch is not None)
 limit = c[1].number_input("Most nodes", 100, 20_000, step=100, **kept("fleet_tree_limit", 2_000))
-decoded = c[2].toggle("Decode tokens", **kept("fleet_tree_decode", True), help="With this console's tokenizer")
+colour_by = c[2].selectbox(
+    "Colour by", list(fleet_charts.TREE_COLOURS), format_func=fleet_charts.TREE_COLOURS.get,
+    **kept("fleet_tree_colour", "age_s"),
+)  # fmt: skip
+decoded = c[3].toggle("Decode tokens", **kept("fleet_tree_decode", True), help="With this console's tokenizer")
 st.button("Refresh", key="fleet_tree_refresh")
 
 now = time.time()
@@ -48,7 +55,7 @@ if state.get("fleet_tree_place") not in places:
 medium, group_idx = st.selectbox("Medium and KV group", places, format_func=labels.get, **kept("fleet_tree_place", places[0]))
 
 tree = index.prefix_tree(medium, group_idx, max_nodes=int(limit))
-frame = tree_frame(tree)
+frame = tree_frame(tree, now)
 if frame.empty:
     st.info("No prefix is reachable from a first block in this medium and group.")
 else:
@@ -56,11 +63,22 @@ else:
     def hover(row) -> str:
         text = decode(tokenizer, row.token_ids) if decoded else " ".join(map(str, row.token_ids))
         return (
-            f"depth {row.depth} · tokens up to {row.num_tokens}<br>pods: {html.escape(row.pods)}"
-            f" · copies {row.copies}<br>{html.escape(text).replace(chr(10), '↵<br>')}"
+            f"depth {row.depth} · tokens up to {row.num_tokens} · {row.tokens_below:,} tokens below"
+            f"<br>pods: {html.escape(row.pods)} · copies {row.copies} · age {row.age_s:,.0f} s"
+            f" · idle {row.idle_s:,.0f} s<br>{html.escape(text).replace(chr(10), '↵<br>')}"
         )
 
-    st.plotly_chart(fleet_charts.fleet_icicle(frame, [hover(row) for row in frame.itertuples()]), key="fleet_icicle")
+    def label(row, big: set[int]) -> str:
+        if row.node_id not in big:
+            return f"{row.replicas} pod{'s' if row.replicas != 1 else ''}"
+        text = decode(tokenizer, row.token_ids) if decoded else " ".join(map(str, row.token_ids[:8]))
+        return f"{html.escape(' '.join(text.split())[:40])} · {row.tokens_below:,} tokens"
+
+    roots = frame[frame["parent_id"].isna()]
+    big = set(roots.nlargest(BIG_CHAINS, "tokens_below")["node_id"])  # the longest chains, where they start
+    rows = list(frame.itertuples())
+    figure = fleet_charts.fleet_icicle(frame, [hover(row) for row in rows], [label(row, big) for row in rows], colour_by)
+    st.plotly_chart(figure, key="fleet_icicle")
     shared = frame[frame["replicas"] > 1]
     c = st.columns(4)
     c[0].metric("Prefix blocks", f"{len(frame):,}")

@@ -9,7 +9,8 @@ Tables:
     eviction_rollups  per (run, minute, reason): eviction count and age / hit histograms, so the
                eviction charts read thousands of rows instead of millions.
     fleet_sources, fleet_events, fleet_blocks, fleet_evictions  what KV-event collectors saw of vLLM /
-               SGLang servers (revision 0006; see "Fleet" below).
+               SGLang servers (revision 0006; see "Fleet" below); fleet_metrics their /metrics scrapes,
+               and fleet_sources' link state and heartbeat (revision 0007).
     writer_progress  per writer process: the rows it has committed so far, updated in every one of its
                transactions, so a writer started after a crash knows exactly what its predecessor wrote.
 
@@ -268,6 +269,11 @@ class FleetSource(Base):
     metrics_url: Mapped[str | None] = mapped_column(String)  # its Prometheus endpoint, if any
     opened_at: Mapped[float] = mapped_column(Double)  # when the collector started watching it
     closed_at: Mapped[float | None] = mapped_column(Double)  # when it stopped; None while watching or after a crash
+    # Revision 0007: the collector's latest PodStatus (None before its first, and in older rows).
+    link: Mapped[str | None] = mapped_column(String)  # fleet.events.LinkState value
+    status_at: Mapped[float | None] = mapped_column(Double)  # its time: the collector's heartbeat
+    num_lost_batches: Mapped[int | None] = mapped_column(BigInteger)  # batches neither live nor replay delivered
+    num_restarts: Mapped[int | None] = mapped_column(Integer)  # restarted servers detected
 
     __table_args__ = (Index("ix_fleet_sources_pod_opened", "pod", "opened_at"),)
 
@@ -330,10 +336,31 @@ class FleetEviction(Base):
     __table_args__ = (Index("ix_fleet_evictions_source_time", "source_id", "time"),)
 
 
+class FleetMetrics(Base):
+    """One scrape of a pod's /metrics (revision 0007); None where the server exposes no such metric."""
+
+    __tablename__ = "fleet_metrics"
+
+    id: Mapped[int] = mapped_column(RowId, primary_key=True, autoincrement=True)
+    source_id: Mapped[str] = mapped_column(String)  # fleet_sources.id (no FOREIGN KEY: see FleetSource)
+    at: Mapped[float] = mapped_column(Double)  # wall clock of the scrape
+    prefix_cache_queries: Mapped[float | None] = mapped_column(Double)  # counter: tokens looked up
+    prefix_cache_hits: Mapped[float | None] = mapped_column(Double)  # counter: of which cached
+    num_preemptions: Mapped[float | None] = mapped_column(Double)  # counter: requests preempted
+    kv_cache_usage: Mapped[float | None] = mapped_column(Double)  # gauge: fraction of KV blocks in use
+    num_running: Mapped[float | None] = mapped_column(Double)  # gauge: requests running
+    num_waiting: Mapped[float | None] = mapped_column(Double)  # gauge: requests waiting
+    num_gpu_blocks: Mapped[int | None] = mapped_column(Integer)  # the pool's capacity in blocks
+    error: Mapped[str | None] = mapped_column(String)  # why the scrape failed (then every value is None)
+
+    __table_args__ = (Index("ix_fleet_metrics_source_at", "source_id", "at"),)
+
+
 FLEET_SOURCES = FleetSource.__table__
 FLEET_EVENTS = FleetEvent.__table__
 FLEET_BLOCKS = FleetBlock.__table__
 FLEET_EVICTIONS = FleetEviction.__table__
+FLEET_METRICS = FleetMetrics.__table__
 
 # The columns the fleet sink fills, in the order of its row tuples (storage.write.fleet_rows).
 FLEET_SOURCE_COLUMNS = (
@@ -346,6 +373,11 @@ FLEET_EVENT_COLUMNS = (
 FLEET_BLOCK_COLUMNS = (
     "source_id", "n", "medium", "group_idx", "block_hash", "parent_hash", "block_size", "token_ids", "copies",
     "stored_at",
+)  # fmt: skip
+FLEET_SOURCE_STATUS_COLUMNS = ("link", "status_at", "num_lost_batches", "num_restarts")  # updated, not inserted
+FLEET_METRICS_COLUMNS = (
+    "source_id", "at", "prefix_cache_queries", "prefix_cache_hits", "num_preemptions", "kv_cache_usage",
+    "num_running", "num_waiting", "num_gpu_blocks", "error",
 )  # fmt: skip
 FLEET_EVICTION_COLUMNS = (
     "source_id", "time", "reason", "medium", "group_idx", "block_hash", "age_s", "copies_left",

@@ -73,6 +73,12 @@ class StallingSink:
     def reset_pod(self, reset: object) -> None:
         pass
 
+    def pod_status(self, status: object) -> None:
+        pass
+
+    def apply_metrics(self, metrics: object) -> None:
+        pass
+
 
 def pod_batch(events: Iterable[KVEvent], seq: int = 0, pod: str = "a", ts: float = 1.0) -> PodBatch:
     """A decoded batch as the collector would hand it on (for index tests)."""
@@ -400,11 +406,17 @@ class LegacyAllBlocksCleared(LegacyEvent, tag="AllBlocksCleared"):
 
 
 def vllm_metrics_text(
-    queries: float, hits: float, usage: tuple[float, ...] = (0.25, 0.75), lifetimes=(3.0, 40.0)
+    queries: float,
+    hits: float,
+    usage: tuple[float, ...] = (0.25, 0.75),
+    lifetimes=(3.0, 40.0),
+    scheduler: bool = False,
 ) -> str:
     """Prometheus text with vLLM's metric names, labels and help, made by prometheus_client as vLLM does.
 
     One series per engine; the histograms carry `lifetimes` (engine 0) with vLLM's residency shape.
+    With `scheduler`, also engine i's running (i + 1) and waiting (i) requests, and its
+    cache_config_info with num_gpu_blocks 1000.
     """
     from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
@@ -445,6 +457,15 @@ def vllm_metrics_text(
     for histogram in histograms:
         for value in lifetimes:
             histogram.labels("m", "0").observe(value)
+    if scheduler:
+        running = Gauge("vllm:num_requests_running", "Running requests.", labels, registry=registry)
+        waiting = Gauge("vllm:num_requests_waiting", "Waiting requests.", labels, registry=registry)
+        info = Gauge("vllm:cache_config_info", "CacheConfig.", ["block_size", "num_gpu_blocks", "engine"],
+                     registry=registry)  # fmt: skip
+        for engine in range(len(usage)):
+            running.labels("m", str(engine)).set(engine + 1)
+            waiting.labels("m", str(engine)).set(engine)
+            info.labels("16", "1000", str(engine)).set(1)
     return generate_latest(registry).decode()
 
 

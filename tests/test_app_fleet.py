@@ -66,7 +66,7 @@ def test_the_pods_page_shows_each_pods_blocks_live_and_from_the_history(two_pods
     no_exceptions(at)
     live = at.dataframe[0].value.set_index("pod")
     assert live.loc["vllm-a", "blocks"] == 5 and live.loc["vllm-b", "blocks"] == 3
-    assert set(live["status"]) == {"live"}
+    assert set(live["status"]) <= {"live", "idle"} and not live["stale"].any()  # idle once quiet for 1 s
     at.radio(key="fleet_view").set_value("History database (every collector)").run()
     stored = at.dataframe[0].value.set_index("pod")
     assert stored.loc["vllm-a", "blocks"] == 5 and stored.loc["vllm-b", "blocks"] == 3
@@ -74,14 +74,21 @@ def test_the_pods_page_shows_each_pods_blocks_live_and_from_the_history(two_pods
 
 
 def test_a_pod_that_stops_sending_is_marked_stale_not_dropped(two_pods) -> None:
+    """Its server went away (bug 6 of issue 31: a connected pod that is merely quiet is idle, not stale)."""
     at = open_page("fleet_pods")
     publish_prompts(two_pods)
     wait_for_pods(two_pods)
-    wait_until(lambda: all(p.stale for p in fleet_host().watch.index.pods()), "both pods to go quiet", 10)
+    wait_until(lambda: all(p.health.value == "idle" for p in fleet_host().watch.index.pods()), "both pods idle", 10)
+    at.run()
+    assert set(at.dataframe[0].value["status"]) == {"idle"} and not at.warning
+    for pod in two_pods:
+        pod.close()
+    wait_until(lambda: all(p.stale for p in fleet_host().watch.index.pods()), "both pods to go down", 10)
 
     at.run()
     live = at.dataframe[0].value.set_index("pod")
-    assert set(live["status"]) == {"stale"} and live.loc["vllm-a", "blocks"] == 5
+    assert live["stale"].all() and live.loc["vllm-a", "blocks"] == 5
+    assert set(live["status"]) <= {"down", "unreachable"}
     assert any("Stale" in text and "vllm-a" in text for text in (w.value for w in at.warning))
 
 

@@ -210,3 +210,86 @@ def test_a_watch_raises_the_garbage_collectors_thresholds_while_it_runs_and_rest
     assert code == 0
     assert seen == [WATCH_GC_THRESHOLDS]
     assert gc.get_threshold() == before
+
+
+def state_of(capsys, db_url: str, *extra: str) -> dict:
+    """The first pod of `fleet state --json` ({} while there is none, or the schema is not there yet)."""
+    try:
+        code = main(["fleet", "state", "--db", db_url, "--json", *extra])
+    except SystemExit:
+        return {}
+    out = capsys.readouterr().out
+    if code != 0:
+        return {}
+    pods = json.loads(out)["pods"]
+    return pods[0] if pods else {}
+
+
+def test_watch_scrapes_a_pods_metrics_url_into_the_history(capsys, db_url: str) -> None:
+    """Bug 4 of issue 31: `metrics=URL` was accepted and never scraped."""
+    pytest.importorskip("vllm.v1.core.kv_cache_manager", reason="vLLM is installed by requirements-interop.txt")
+    from storage.read import fleet_queries
+    from tests.fleet_support import MetricsServer, VllmPod, vllm_metrics_text, wait_until
+
+    pod = VllmPod()
+    server = MetricsServer(vllm_metrics_text(queries=200, hits=150, scheduler=True))
+    pods = f"{pod.name}={pod.endpoint},replay=tcp://127.0.0.1:{pod.replay_port},topic=kv-events,metrics={server.url}"
+    process = watch(db_url, pods)
+    engine = db_engine(db_url)
+    try:
+        wait_until(lambda: state_of(capsys, db_url).get("source_id") is not None, "the source row", 60)
+        source_id = state_of(capsys, db_url)["source_id"]
+        wait_until(lambda: len(fleet_queries.metrics_history(engine, [source_id])) > 0, "a scrape in the history", 60)
+        code, err = stop(process, signal.SIGTERM)
+    finally:
+        if process.poll() is None:
+            process.kill()
+        pod.close()
+        server.close()
+    assert code == 0, err
+    scraped = fleet_queries.metrics_history(engine, [source_id]).iloc[-1]
+    assert (scraped["prefix_cache_queries"], scraped["prefix_cache_hits"], scraped["kv_cache_usage"]) == (200, 150, 0.5)
+    assert (scraped["num_running"], scraped["num_waiting"], scraped["num_gpu_blocks"]) == (3, 1, 2000)
+    engine.dispose()
+
+
+def test_state_tells_a_down_pod_and_a_killed_collector_from_a_watched_live_one(capsys, db_url: str) -> None:
+    """Bug 5 of issue 31: with vLLM down, `state` printed "... blocks held ... watching", and a killed
+    collector's source read "watching" for ever."""
+    pytest.importorskip("vllm.v1.core.kv_cache_manager", reason="vLLM is installed by requirements-interop.txt")
+    from tests.fleet_support import VllmPod, wait_until
+
+    pod = VllmPod()
+    process = watch(db_url, f"{pod.name}={pod.endpoint},replay=tcp://127.0.0.1:{pod.replay_port},topic=kv-events")
+    try:
+        request = pod.request(list(range(9)))
+        pod.allocate(request)
+        pod.publish()
+        wait_until(lambda: state_of(capsys, db_url).get("num_blocks") == 2, "the watcher's rows", 60)
+        wait_until(lambda: state_of(capsys, db_url).get("health") == "live", "a live pod", 30)
+        live = state_of(capsys, db_url)
+        assert live["watching"] and not live["stale"] and live["link"] == "connected"
+        assert (live["num_lost_batches"], live["num_restarts"]) == (0, 0)
+
+        pod.close()  # the server goes down
+        wait_until(lambda: state_of(capsys, db_url).get("stale") is True, "the down pod to be stale", 30)
+        down = state_of(capsys, db_url)
+        assert down["watching"] and down["health"] in ("down", "unreachable") and down["num_blocks"] == 2
+        main(["fleet", "state", "--db", db_url])
+        text = capsys.readouterr().out
+        assert "STALE" in text and f"link {down['link']}" in text
+
+        process.kill()  # SIGKILL: the collector cannot close its source
+        process.wait(30)
+        wait_until(
+            lambda: state_of(capsys, db_url, "--collector-lost-after", "1").get("watching") is False,
+            "the killed collector to be seen",
+            30,
+        )
+        main(["fleet", "state", "--db", db_url, "--collector-lost-after", "1"])
+        text = capsys.readouterr().out
+        assert "its collector is silent since" in text and "watching" not in text and "STALE" in text
+    finally:
+        if process.poll() is None:
+            process.kill()
+        pod.close()

@@ -20,7 +20,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from sqlalchemy import insert, inspect, select
 
-from fleet.collector import Collector, CollectorConfig
+from fleet.collector import Collector
+from fleet.config import CollectorConfig
 from fleet.events import AllBlocksCleared, PodReset, ResetReason
 from fleet.index import FleetIndex
 from storage.read import fleet_queries

@@ -114,7 +114,7 @@ def test_routing_follows_every_branch_with_the_same_tokens():
     """Two hashes for the same tokens at the root (different cache salts): the deeper one counts."""
     index = FleetIndex()
     index.apply_batch(pod_batch([stored([1], [1] * 4), stored([2, 3], [1] * 4 + [2] * 4)]))
-    assert index.route([1] * 4 + [2] * 4).matches[0].matched_blocks == 2
+    assert index.route([1] * 4 + [2] * 4 + [0]).matches[0].matched_blocks == 2
 
 
 def test_routing_chunks_the_prompt_by_each_pods_block_size():
@@ -128,9 +128,9 @@ def test_routing_chunks_the_prompt_by_each_pods_block_size():
 def test_a_child_whose_parent_was_evicted_is_unreachable_until_the_parent_is_back():
     index = FleetIndex()
     index.apply_batch(pod_batch([stored([1, 2], list(range(8))), removed([1])]))
-    assert index.route(list(range(8))).matches[0].matched_blocks == 0
+    assert index.route(list(range(9))).matches[0].matched_blocks == 0
     index.apply_batch(pod_batch([stored([1], list(range(4)))], seq=1))
-    assert index.route(list(range(8))).matches[0].matched_blocks == 2
+    assert index.route(list(range(9))).matches[0].matched_blocks == 2
 
 
 def test_the_prefix_tree_merges_pods_by_token_content():
@@ -162,6 +162,16 @@ def test_a_pod_that_stops_sending_is_stale_and_still_listed():
     ]
     assert index.copies("busy") == {("GPU", 0, 1): 1}, "stale is a mark, not a drop"
     assert all(match.stale for match in index.route([1] * 4).matches)
+
+
+def test_a_fully_cached_prompt_of_whole_blocks_is_predicted_one_block_short_as_vllm_recomputes_its_last_token():
+    """Bug 3 of issue 31: vLLM caps a prefix hit at num_tokens - 1, so 8 of 8 cached comes back as 4."""
+    index = FleetIndex()
+    index.apply_batch(pod_batch([stored([1, 2], list(range(8)))]))
+    whole = index.route(list(range(8)))
+    assert (whole.max_cached_tokens, whole.matches[0].matched_blocks, whole.matches[0].matched_tokens) == (7, 1, 4)
+    assert index.route(list(range(9))).matches[0].matched_tokens == 8, "one token more: both blocks reused"
+    assert index.route([0]).matches[0].matched_tokens == 0 and index.route([]).max_cached_tokens == 0
 
 
 def test_stale_after_must_be_positive():

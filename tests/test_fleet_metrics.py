@@ -8,12 +8,15 @@ from fleet.metrics import (
     BLOCK_LIFETIME,
     KV_CACHE_USAGE,
     NUM_PREEMPTIONS,
+    NUM_RUNNING,
+    NUM_WAITING,
     PREFIX_CACHE_HITS,
     PREFIX_CACHE_QUERIES,
     MetricsError,
     MetricsSample,
     hit_rate_between,
     parse_metrics,
+    pod_metrics,
     scrape,
 )
 from tests.fleet_support import MetricsServer, vllm_metrics_text
@@ -93,3 +96,13 @@ def test_an_unreachable_server_and_text_that_is_not_prometheus_are_refused(serve
 def test_only_http_urls_are_scraped():
     with pytest.raises(ValueError):
         scrape("file:///etc/passwd")
+
+
+def test_running_and_waiting_requests_are_summed_over_engines_and_the_capacity_read_from_cache_config_info():
+    sample = parse_metrics(vllm_metrics_text(queries=10, hits=5, scheduler=True), taken_at=1.0)
+    assert sample.gauges[NUM_RUNNING] == 3 and sample.gauges[NUM_WAITING] == 1
+    assert sample.gauges[KV_CACHE_USAGE] == 0.5, "usage stays the mean: each engine's share of its own pool"
+    assert sample.num_gpu_blocks == 2000
+    record = pod_metrics("a", sample)
+    assert (record.num_running, record.num_waiting, record.num_gpu_blocks, record.kv_cache_usage) == (3, 1, 2000, 0.5)
+    assert (record.prefix_cache_queries, record.prefix_cache_hits, record.error) == (10, 5, None)

@@ -12,7 +12,8 @@ from collections.abc import Callable
 
 import pytest
 
-from fleet.collector import Collector, CollectorConfig
+from fleet.collector import Collector
+from fleet.config import CollectorConfig
 from fleet.index import FleetIndex
 from fleet.source import PodSource
 from tests.fleet_support import TOPIC, StallingSink, VllmPod, wait_port_free, wait_until

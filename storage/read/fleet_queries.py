@@ -6,6 +6,8 @@ sources, and these read all of them: a pod watched by several collectors (or wat
 restart) has one source per watch, and `latest_sources` picks the newest for each pod name.
 
     latest_sources(db, pods=None)                   newest source per pod, with when it was last heard
+                                                    and its collector's latest status (link, heartbeat)
+    metrics_history(db, source_ids, since)          the sources' /metrics scrapes, oldest first
     held_summary(db, source_ids)                    per source, medium and group: hashes and blocks held
     held_blocks(db, source_id)                      the blocks a source holds (hash, parent, tokens, copies)
     block_rates(db, source_ids, since, bucket_s)    blocks stored / removed per bucket
@@ -27,8 +29,11 @@ from sqlalchemy import ColumnElement, case, func, select
 from storage.buckets import bucket_index
 from storage.write.fleet_rows import RemovalReason
 from storage.write.fleet_rows import parse_hash_text  # noqa: F401  (re-exported: readers turn hash texts back into hashes)
-from storage.schema import AGE_EDGES_S, FLEET_BLOCKS, FLEET_EVENTS, FLEET_EVICTIONS, FLEET_SOURCES
-from storage.schema import FLEET_SOURCE_COLUMNS as SOURCE_COLUMNS
+from storage.schema import AGE_EDGES_S, FLEET_BLOCKS, FLEET_EVENTS, FLEET_EVICTIONS, FLEET_METRICS, FLEET_SOURCES
+from storage.schema import FLEET_METRICS_COLUMNS as METRICS_COLUMNS
+from storage.schema import FLEET_SOURCE_COLUMNS, FLEET_SOURCE_STATUS_COLUMNS
+
+SOURCE_COLUMNS = FLEET_SOURCE_COLUMNS + FLEET_SOURCE_STATUS_COLUMNS
 from storage.read.access import Readable, connect as _connection, frame as _frame  # the read layer's connection and frame helpers
 
 HELD_COLUMNS = (
@@ -43,8 +48,9 @@ def latest_sources(db: Readable, pods: Iterable[str] | None = None) -> pd.DataFr
     """The newest source of each pod (by opened_at), with when it was last heard, sorted by pod.
 
     Returns:
-        SOURCE_COLUMNS plus last_ts (publisher time of its newest event, NaN if none) and
-        last_received_at (collector time that event arrived, NaN if none).
+        SOURCE_COLUMNS (the status columns None until the collector's first PodStatus) plus last_ts
+        (publisher time of its newest event, NaN if none) and last_received_at (collector time that
+        event arrived, NaN if none).
     """
     statement = select(*(FLEET_SOURCES.c[name] for name in SOURCE_COLUMNS))
     wanted = None if pods is None else list(pods)
@@ -65,6 +71,16 @@ def latest_sources(db: Readable, pods: Iterable[str] | None = None) -> pd.DataFr
     sources["last_ts"] = pd.Series([ts for ts, _ in heard], dtype="float64")
     sources["last_received_at"] = pd.Series([at for _, at in heard], dtype="float64")
     return sources
+
+
+def metrics_history(db: Readable, source_ids: Sequence[str], since: float | None = None) -> pd.DataFrame:
+    """The sources' /metrics scrapes (METRICS_COLUMNS), oldest first; failed scrapes included (`error`)."""
+    metrics = FLEET_METRICS.c
+    statement = select(*(metrics[name] for name in METRICS_COLUMNS)).where(metrics.source_id.in_(list(source_ids)))
+    if since is not None:
+        statement = statement.where(metrics.at >= since)
+    with _connection(db) as connection:
+        return _frame(connection, statement.order_by(metrics.at, metrics.id), METRICS_COLUMNS)
 
 
 def held_summary(db: Readable, source_ids: Sequence[str]) -> pd.DataFrame:

@@ -16,7 +16,8 @@ json_each of (source, n) pairs scanned the whole source instead). Row by row, ex
 took back the GIL for every row, and each time waited behind the collector's threads: 4.2 s of the
 writer thread's wall time for 1.6 s of its CPU on the fleet benchmark's SQLite runs. Other dialects
 delete row by row (executemany, SQLAlchemy's per-row parameter processing skipped, as storage.write.bulk
-does). Copies changes (duplicated blocks only) and source closes are executemany.
+does). Copies changes (duplicated blocks only), source closes and source statuses (the latest of each
+source in the batch) are executemany.
 
 Order inside the transaction: the sources a unit needs (inserted unless present, as the writer does for
 runs, so a unit never waits on an earlier one that was lost), the inserts, the copies changes, then the
@@ -56,7 +57,10 @@ from storage.schema import (
     FLEET_EVENTS,
     FLEET_EVICTION_COLUMNS,
     FLEET_EVICTIONS,
+    FLEET_METRICS,
+    FLEET_METRICS_COLUMNS,
     FLEET_SOURCE_COLUMNS,
+    FLEET_SOURCE_STATUS_COLUMNS,
     FLEET_SOURCES,
 )
 
@@ -68,6 +72,7 @@ def write_fleet_rows(connection: Connection, units: Sequence[FleetRows]) -> None
         (FLEET_BLOCKS, FLEET_BLOCK_COLUMNS, [row for unit in units for row in unit.opened.values()]),
         (FLEET_EVENTS, FLEET_EVENT_COLUMNS, [row for unit in units for row in unit.events]),
         (FLEET_EVICTIONS, FLEET_EVICTION_COLUMNS, [row for unit in units for row in unit.evictions]),
+        (FLEET_METRICS, FLEET_METRICS_COLUMNS, [row for unit in units for row in unit.metrics]),
     ):
         if not rows:
             continue
@@ -86,6 +91,10 @@ def write_fleet_rows(connection: Connection, units: Sequence[FleetRows]) -> None
     if closes:
         statement = update(FLEET_SOURCES).where(FLEET_SOURCES.c.id == bindparam("key_source"))
         connection.execute(statement.values(closed_at=bindparam("closed")), closes)
+    statuses = {row[0]: row for unit in units for row in unit.statuses}  # the latest per source
+    if statuses:
+        names = ("key_source", *FLEET_SOURCE_STATUS_COLUMNS)
+        connection.execute(_status_statement(), [dict(zip(names, row)) for row in statuses.values()])
 
 
 def _json_encoded(table: Table, columns: Sequence[str], rows: list[list]) -> list[list]:
@@ -177,3 +186,10 @@ def _delete_below_statement() -> Delete:
     """Every held row of a source numbered below n (a clear or a reset)."""
     blocks = FLEET_BLOCKS.c
     return delete(FLEET_BLOCKS).where(blocks.source_id == bindparam("key_source"), blocks.n < bindparam("key_n"))
+
+
+@functools.cache
+def _status_statement() -> Update:
+    """A source's latest PodStatus: its link, heartbeat, lost batches and restarts."""
+    values = {name: bindparam(name) for name in FLEET_SOURCE_STATUS_COLUMNS}
+    return update(FLEET_SOURCES).where(FLEET_SOURCES.c.id == bindparam("key_source")).values(**values)

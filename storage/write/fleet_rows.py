@@ -155,11 +155,6 @@ class FleetRowBuilder:
         """Each opened pod's fleet_sources id, by pod name."""
         return {pod: source.id for pod, source in self._sources.items()}
 
-    def num_held(self, pod: str) -> int:
-        """Hashes a pod holds (every medium and group); 0 for an unknown pod."""
-        source = self._sources.get(pod)
-        return 0 if source is None else len(source.held)
-
     def num_lifetimes(self, pod: str) -> int:
         """Lifetimes a pod's hashes have opened so far (held ones included); 0 for an unknown pod."""
         source = self._sources.get(pod)

@@ -1,6 +1,6 @@
 """The collector's storage sink: every pod's batches into the fleet tables, through the history writer.
 
-    writer = EventWriter(url)                                   # the one writer of this process
+    writer = WriterProcess(url)                                 # the history writer (storage.write.writer_process)
     store = FleetStore(writer)                                  # a fleet.sinks.BatchSink
     with Collector(sources, [index, store]):                    # the dispatcher calls the store
         ...
@@ -9,7 +9,7 @@
 
 The store turns each call into one `FleetRows` (storage.write.fleet_rows) and hands it to the writer with
 `submit_rows(..., wait=True)`: one atomic item per batch, batched into transactions, retried and counted
-like the engine's rows. When the writer's queue is full the dispatcher waits (the collector's bounded
+like the engine's rows. When the writer has `queue_items` items in flight the dispatcher waits (the collector's bounded
 queue then stalls the pod threads, and what the servers drop meanwhile comes back by replay), so no
 batch is dropped for lack of room; what the writer gives up after its retries is counted in its
 `dropped` (and in `FleetStoreStats.rows_dropped`).
@@ -29,6 +29,7 @@ from fleet.source import PodSource
 from storage.write.fleet_bulk import write_fleet_rows
 from storage.write.fleet_rows import FleetRowBuilder, FleetRows
 from storage.write.writer import EventWriter, new_run_id
+from storage.write.writer_process import WriterProcess
 
 
 @dataclass(frozen=True)
@@ -45,9 +46,9 @@ class FleetStoreStats:
 class FleetStore:
     """A `fleet.sinks.BatchSink` that persists what the collector sees. Called from one thread."""
 
-    def __init__(self, writer: EventWriter, collector_id: str | None = None) -> None:
+    def __init__(self, writer: WriterProcess | EventWriter, collector_id: str | None = None) -> None:
         """Args:
-        writer: the history writer (an EventWriter; the store waits on its queue, so not a WriterProcess).
+        writer: the history writer (a WriterProcess; an in-process EventWriter in tests and tools).
         collector_id: this collector's id; a new one (storage.write.writer.new_run_id) if None.
         """
         self.writer = writer  # where the rows go
