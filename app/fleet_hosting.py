@@ -8,7 +8,7 @@
 $PREFIX_CONSOLE_FLEET_PODS (pods in `fleet.source.parse_pods` syntax, e.g.
 "pod-a=tcp://10.0.0.5:5557,replay=tcp://10.0.0.5:5558,metrics=http://10.0.0.5:8000/metrics") starts a
 watch with the console. A watch is a `Collector` feeding the live `FleetIndex` and a `FleetStore` (its own
-EventWriter on the console's history database, so consoles and `python -m cli fleet watch` processes
+WriterProcess on the console's history database, the writer the engine's history uses too, so consoles and `python -m cli fleet watch` processes
 sharing a PostgreSQL database see each other's pods); the collector scrapes the /metrics URL of the pods
 that name one into both (the index keeps the recent scrapes for the live view). Without a watch the Fleet pages read the database only. Background threads never call
 `st.*`; only the cached constructor at the bottom does.
@@ -32,7 +32,7 @@ from fleet.collector import Collector
 from fleet.index import DEFAULT_STALE_AFTER_S, FleetIndex
 from fleet.source import PodSource, parse_pods
 from storage.write.fleet_sink import FleetStore
-from storage.write.writer import EventWriter
+from storage.write.writer_process import WriterProcess
 
 logger = logging.getLogger(__name__)
 
@@ -47,7 +47,7 @@ class FleetWatch:
 
     pods: tuple[PodSource, ...]  # what it watches
     index: FleetIndex  # the live index (the pages' "live" view)
-    writer: EventWriter  # its own writer on the console's history database
+    writer: WriterProcess  # its own writer on the console's history database
     store: FleetStore  # the storage sink
     collector: Collector  # the subscribers, the metrics poller and the dispatcher
     started_at: float  # epoch seconds
@@ -112,7 +112,7 @@ class FleetHost:
             if self._watch is not None:
                 self._watch.close()
                 self._watch = None
-            writer = EventWriter(self.db_url)
+            writer = WriterProcess(self.db_url)
             store = FleetStore(writer)
             index = FleetIndex(stale_after_s=self.stale_after_s)
             collector = Collector(pods, [index, store])

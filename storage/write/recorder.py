@@ -33,8 +33,8 @@ def run_info(engine: Any, started_at: float | None = None) -> RunInfo:
 def record_engine(engine: Any, writer: EventWriter | WriterProcess) -> str:
     """Start a run for `engine` and persist everything it does from now on. Returns the run id.
 
-    The listener only queues (the writer thread does the I/O), so the engine's step time does not
-    depend on the database.
+    The listener only checks, encodes and queues on the engine's thread; the database work happens in
+    the writer (a WriterProcess: in another process), so the engine's step time does not depend on it.
     """
     run_id = writer.start_run(run_info(engine))
     engine.add_listener(persistence_listener(writer))

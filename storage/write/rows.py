@@ -145,7 +145,7 @@ class EncodedEvents(NamedTuple):
 def encode_events(events: Sequence[Event]) -> EncodedEvents:
     """Encode events as the writer stores them (one orjson call, in C); only EVICT events stay objects.
 
-    A WriterProcess sends events this way: its child neither rebuilds nor re-encodes the others.
+    A WriterProcess sends events this way: its child neither rebuilds nor re-encodes the non-EVICT ones.
     """
     evictions = tuple(event for event in events if event.kind is EventKind.EVICT)
     return EncodedEvents(encode_json(list(map(tuple, events))), len(events), evictions)

@@ -1,11 +1,15 @@
-"""The single writer: the engine hands it events and request views, a background thread stores them.
+"""The history writer's database side: a thread that batches, writes, retries, counts and prunes.
+
+The console, the CLI and the fleet collector run it in a process of its own, behind a `WriterProcess`
+(storage.write.writer_process: same interface, same contract); tests and tools may run it in-process.
 
 Contract with the engine thread:
     * `start_run`, `submit`, `record_requests` and `close` never wait on the database. They check what
       they are given (engine `Event`s and `RequestView`s only: anything else raises TypeError at the
       call, see storage.write.rows), encode events (one orjson call, in C) and queue; views are immutable and
-      queued as given. The queue is a bounded `queue.Queue`; when it is full the newest data is dropped
-      and counted in `stats().dropped`.
+      queued as given. The queue is a bounded `queue.Queue` (`queue_items`; 0: unbounded, as in a writer
+      process, whose engine side bounds it); when it is full the newest data is dropped and counted in
+      `stats().dropped`.
     * The writer thread gathers a batch for up to `batch_interval_s` after its first item (or until
       `batch_rows`), so a request updated on every step is upserted once per batch, its latest view
       winning. `flush` and `wait` cut the wait short.
@@ -32,128 +36,38 @@ Contract with the engine thread:
       written by their own bulk function `write(connection, [rows, ...])` in the batch's transaction.
       Unlike the engine, such a producer may wait for room in the queue (`wait=True`) instead of
       dropping: it can be slowed down, and what its sources send meanwhile is theirs to buffer.
-    * With a `progress_key` (a WriterProcess's child), every transaction also saves the writer's running
+    * With a `progress_key` (in a writer process), every transaction also saves the writer's running
       totals (storage.write.progress), and the counters start from the totals saved under that key: the
       `written_*` counts are then those of every writer that ran under the key.
 
 Only the writer thread touches the database; it also applies the retention policy every
-`prune_interval_s` seconds. The rows of a batch go in through storage.write.bulk, which picks each dialect's
-bulk path (on SQLite one statement per table over a JSON array, so the writer holds the GIL for little
-work per row). Engines sharing one PostgreSQL database each run their own writer: every writer only adds
-rows of its own runs.
+`prune_interval_s` seconds. A batch's rows go in through storage.write.batch and storage.write.bulk,
+which picks each dialect's bulk path (on SQLite one statement per table over a JSON array, so the writer
+holds the GIL for little work per row). Engines sharing one PostgreSQL database each run their own
+writer: every writer only adds rows of its own runs.
 """
 
 from __future__ import annotations
 
-import operator
 import queue
-import secrets
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import asdict, dataclass, field, replace
-from datetime import UTC, datetime
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import asdict, dataclass
 from typing import Any
-
-from sqlalchemy import Connection, update
-from sqlalchemy.exc import DBAPIError, OperationalError
 
 from engine.core.events import Event
 from engine.core.snapshot import RequestView
-from storage.write import bulk, progress, rollups
 from storage import migrate
-from storage.db import DEFAULT_BUSY_TIMEOUT_MS, db_engine
-from storage.schema import EVICTION_ROW_COLUMNS, EVICTIONS, RUN_COLUMNS, RUNS
-from storage.write.retention import RetentionPolicy, prune
-from storage.write.rows import EncodedEvents, checked_events, checked_views, encode_events, eviction_values
+from storage.db import db_engine
+from storage.write import progress
+from storage.write.batch import Item, is_transient, write_batch
+from storage.write.retention import prune
+from storage.write.rows import EncodedEvents, checked_events, checked_views, encode_events
+from storage.write.writer_types import RowWriter, RunInfo, WriterOptions, WriterStats, new_run_id
 
-# A producer's bulk function: writes the row sets of its items (in submission order) on the batch's connection.
-RowWriter = Callable[[Connection, list[Any]], None]
-
-# (run_id, time, reason, age_s, hit_count) of an eviction row, as rollups.eviction_deltas takes them.
-_ROLLUP_FIELDS = operator.itemgetter(
-    *(EVICTION_ROW_COLUMNS.index(name) for name in ("run_id", "time", "reason", "age_s", "hit_count"))
-)
-
-
-@dataclass(frozen=True)
-class RunInfo:
-    """What identifies one engine start."""
-
-    model: str  # preset name or model directory
-    num_blocks: int  # KV pool size
-    block_size: int  # token slots per block
-    dtype: str
-    device: str
-    weights_revision: str | None = None  # hash or revision of the loaded weights
-    namespace: str | None = None  # prefix-cache namespace (hex)
-    started_at: float = field(default_factory=time.time)  # epoch seconds
-
-
-@dataclass(frozen=True)
-class WriterOptions:
-    """How the writer buffers, batches, retries and prunes."""
-
-    queue_items: int = 2048  # queue bound, in items (one item = one submit chunk or one request call)
-    item_rows: int = 512  # most events per item; a submit() of at most this many is atomic
-    batch_rows: int = 5000  # rows gathered into one transaction (whole items; may exceed by one item)
-    batch_interval_s: float = 0.5  # a batch waits this long after its first item for more (wait cuts it)
-    retry_for_s: float = 120.0  # a batch failing with transient errors is retried this long, then dropped
-    first_backoff_s: float = 0.05  # wait after the first failure; doubles per failure
-    max_backoff_s: float = 2.0  # cap on that wait
-    busy_timeout_ms: int = DEFAULT_BUSY_TIMEOUT_MS  # per statement wait for another writer's lock
-    prune_interval_s: float = 60.0  # retention runs this often (and once right after start)
-    retention: RetentionPolicy = field(default_factory=RetentionPolicy)
-    poll_s: float = 0.2  # idle wake-up period of the writer thread
-    child_niceness: int = 0  # a WriterProcess's child runs at this nice value (see storage.write.writer_process)
-
-
-@dataclass(frozen=True)
-class WriterStats:
-    """A snapshot of the writer's counters (rows are events or request records)."""
-
-    queued: int  # rows waiting in the queue
-    written_events: int
-    written_requests: int
-    written_batches: int  # committed transactions
-    dropped: int  # rows that will never be written: queue full, batch given up, writer closed
-    failed_batches: int  # batches with rows given up after retries (their rows are in `dropped`)
-    retries: int  # failed attempts that were tried again
-    retrying: bool  # the thread is waiting to try a failed write (or schema upgrade) again
-    last_error: str | None  # the most recent database error, kept after recovery
-    schema_ready: bool  # migrations applied; nothing is written before
-    pruned_rows: int  # rows deleted by retention
-    written_other: int = 0  # rows handed in through `submit_rows` (the fleet's), as their producers count them
-    lag_s: float = 0.0  # age of the oldest row handed over and not yet written or dropped (0: none)
-    done_mark: int = 0  # every row handed over before `mark()` returned at most this is written or dropped
-    restarts: int = 0  # writer processes started again after one exited unexpectedly (WriterProcess)
-
-
-@dataclass(frozen=True)
-class _Item:
-    """One unit of the queue, written whole or not at all. An empty item only wakes the thread."""
-
-    seq: int  # order of submission; `mark` and `wait` name it
-    run_id: str | None = None  # the run its rows belong to
-    events: EncodedEvents | None = None  # at most `item_rows` events, written in one transaction
-    requests: tuple[RequestView, ...] = ()
-    rows: Any = None  # another producer's row set (`submit_rows`), written by `write_rows`
-    write_rows: RowWriter | None = None  # its bulk function
-    num_other: int = 0  # rows in `rows`, as its producer counts them
-    superseded: int = 0  # earlier records of these requests that `requests` replaced (counted with them)
-
-    @property
-    def num_events(self) -> int:
-        return 0 if self.events is None else self.events.count
-
-    @property
-    def num_requests(self) -> int:
-        return len(self.requests) + self.superseded
-
-    @property
-    def num_rows(self) -> int:
-        return self.num_events + self.num_requests + self.num_other
+__all__ = ["EventWriter", "RowWriter", "RunInfo", "WriterOptions", "WriterStats", "new_run_id"]  # the types, for callers
 
 
 @dataclass
@@ -174,11 +88,6 @@ class _Counters:
     written_other: int = 0
 
 
-def new_run_id(started_at: float) -> str:
-    """A readable, sortable, unique-enough run id: UTC start time plus 24 random bits."""
-    stamp = datetime.fromtimestamp(started_at, tz=UTC).strftime("%Y%m%dT%H%M%S")
-    return f"{stamp}-{secrets.token_hex(3)}"
-
 
 class EventWriter:
     """The one writer of the history database. See the module docstring for its contract."""
@@ -196,7 +105,7 @@ class EventWriter:
         self._options = options or WriterOptions()
         self._progress_key = progress_key
         self._engine = db_engine(url, busy_timeout_ms=self._options.busy_timeout_ms)
-        self._queue: queue.Queue[_Item] = queue.Queue(maxsize=self._options.queue_items)
+        self._queue: queue.Queue[Item] = queue.Queue(maxsize=self._options.queue_items)
         self._lock = threading.Lock()
         self._progress = threading.Condition(self._lock)
         self._counters = _Counters()
@@ -225,7 +134,7 @@ class EventWriter:
                 self._pending_stops[self._current_run] = info.started_at
             self._pending_runs[run_id] = row
             self._current_run = run_id
-        self._enqueue(lambda seq: _Item(seq))
+        self._enqueue(lambda seq: Item(seq))
         return run_id
 
     def restore_runs(self, runs: Mapping[str, tuple[RunInfo, float | None]]) -> None:
@@ -240,7 +149,7 @@ class EventWriter:
                 if stopped_at is not None:
                     self._pending_stops[run_id] = stopped_at
                 self._current_run = run_id
-        self._enqueue(lambda seq: _Item(seq))
+        self._enqueue(lambda seq: Item(seq))
 
     def submit(self, events: Sequence[Event]) -> None:
         """Queue events of the current run; EVICT events also become eviction-log rows.
@@ -254,22 +163,18 @@ class EventWriter:
         size = self._options.item_rows
         for start in range(0, len(events), size):
             encoded = encode_events(events[start : start + size])
-            self._enqueue(lambda seq, part=encoded: _Item(seq, run_id, events=part), encoded.count)
+            self._enqueue(lambda seq, part=encoded: Item(seq, run_id, events=part), encoded.count)
 
-    def submit_frame(self, events: EncodedEvents, views: tuple[RequestView, ...], superseded: int) -> bool:
-        """Queue rows of the current run as one atomic item: encoded events (`encode_events`), request
-        views (at most one per request) and the number of earlier records of those requests that the
-        views replaced (counted as written, or dropped, with them). A WriterProcess's child calls it.
-
-        Returns:
-            False if the rows were dropped at once (the queue was full, or the writer closed).
+    def submit_encoded(self, events: EncodedEvents) -> None:
+        """Queue events of the current run that `encode_events` encoded (a writer process receives them
+        so), as one atomic item.
 
         Raises:
             RuntimeError: no run was started.
         """
         run_id = self._require_run()
-        item = _Item(0, run_id, events if events.count else None, views, superseded=superseded)
-        return self._enqueue(lambda seq: replace(item, seq=seq), item.num_rows)
+        if events.count:
+            self._enqueue(lambda seq: Item(seq, run_id, events=events), events.count)
 
     def record_requests(self, views: Iterable[RequestView]) -> None:
         """Queue request views of the current run (upserted by (run_id, request_id), the latest wins).
@@ -282,7 +187,7 @@ class EventWriter:
         run_id = self._require_run()
         views = checked_views(views)
         if views:
-            self._enqueue(lambda seq: _Item(seq, run_id, requests=views), len(views))
+            self._enqueue(lambda seq: Item(seq, run_id, requests=views), len(views))
 
     def submit_rows(self, rows: Any, num_rows: int, write: RowWriter, *, wait: bool = False) -> bool:
         """Queue another producer's rows as one atomic item, written by `write(connection, [rows, ...])`.
@@ -306,7 +211,7 @@ class EventWriter:
                 with self._lock:
                     self._counters.dropped += num_rows
                 return False
-            make = lambda seq: _Item(seq, rows=rows, write_rows=write, num_other=num_rows)  # noqa: E731
+            make = lambda seq: Item(seq, rows=rows, write_rows=write, num_other=num_rows)  # noqa: E731
             if self._enqueue(make, num_rows, count_drop=not wait):
                 return True
             if not wait:
@@ -341,7 +246,7 @@ class EventWriter:
             if self._done_seq >= mark:
                 return
             self._hurry_seq = max(self._hurry_seq, mark)
-        self._enqueue(lambda seq: _Item(seq))  # wakes a batch that is waiting for more items
+        self._enqueue(lambda seq: Item(seq))  # wakes a batch that is waiting for more items
 
     def flush(self, timeout_s: float | None = None) -> bool:
         """Wait until everything queued before this call was written or dropped (`wait(mark())`)."""
@@ -369,7 +274,7 @@ class EventWriter:
             if not self._closing.is_set() and timeout_s is not None:
                 self._close_deadline = time.monotonic() + timeout_s
         self._closing.set()
-        self._enqueue(lambda seq: _Item(seq))
+        self._enqueue(lambda seq: Item(seq))
         self._thread.join(timeout_s)
         finished = not self._thread.is_alive()
         if finished:
@@ -455,7 +360,7 @@ class EventWriter:
                     self._counters.retrying = False
                 return True
 
-    def _next_batch(self) -> list[_Item]:
+    def _next_batch(self) -> list[Item]:
         """Items for one transaction: what arrives within `batch_interval_s` of the first, up to
         `batch_rows` rows; only what is queued already while a waiter or close is waiting."""
         try:
@@ -479,7 +384,7 @@ class EventWriter:
         with self._lock:
             return self._closing.is_set() or self._hurry_seq > self._done_seq
 
-    def _write(self, items: list[_Item]) -> bool:
+    def _write(self, items: list[Item]) -> bool:
         """Write one batch, retrying transient failures for up to `retry_for_s`. Returns False if it was
         given up."""
         with self._lock:
@@ -494,14 +399,12 @@ class EventWriter:
         while True:
             try:
                 with self._engine.begin() as connection:
-                    _insert_runs(connection, runs)
-                    _insert_rows(connection, items)
-                    _stop_runs(connection, stops)
+                    write_batch(connection, items, runs, stops)
                     if self._progress_key is not None and items:
                         progress.save(connection, self._progress_key, written)
             except Exception as error:  # the thread must outlive any failure; report it instead
                 give_up_at = give_up_at or time.monotonic() + self._options.retry_for_s
-                retry = _is_transient(error) and time.monotonic() + backoff < min(give_up_at, self._close_deadline)
+                retry = is_transient(error) and time.monotonic() + backoff < min(give_up_at, self._close_deadline)
                 self._note_failure(error, retrying=retry)
                 if not retry:
                     self._finish(items, runs, stops, written=False)
@@ -512,7 +415,7 @@ class EventWriter:
                 self._finish(items, runs, stops, written=True)
                 return True
 
-    def _finish(self, items: list[_Item], runs: dict, stops: dict, written: bool) -> None:
+    def _finish(self, items: list[Item], runs: dict, stops: dict, written: bool) -> None:
         num_events = sum(item.num_events for item in items)
         num_requests = sum(item.num_requests for item in items)
         num_other = sum(item.num_other for item in items)
@@ -574,48 +477,3 @@ class EventWriter:
             if retrying:
                 self._counters.retries += 1
 
-
-def _is_transient(error: Exception) -> bool:
-    """Locked, busy, read-only, unreachable: worth another try. Bad data is not."""
-    if isinstance(error, OperationalError):
-        return True
-    return isinstance(error, DBAPIError) and error.connection_invalidated
-
-
-def _insert_runs(connection: Connection, runs: dict[str, dict[str, Any]]) -> None:
-    """Insert the pending runs that are not in the table yet (a commit may have been lost)."""
-    if runs:
-        rows = [tuple(row[name] for name in RUN_COLUMNS) for row in runs.values()]
-        bulk.insert_new_rows(connection, RUNS, RUN_COLUMNS, rows)
-
-
-def _insert_rows(connection: Connection, items: list[_Item]) -> None:
-    """The rows of a batch: each run's events and evictions (with their rollups), then the latest view of
-    every request."""
-    parts_by_run: dict[str, list[EncodedEvents]] = {}  # each run's events, in item order
-    for item in items:
-        if item.events is not None:
-            parts_by_run.setdefault(item.run_id, []).append(item.events)
-    for run_id, parts in parts_by_run.items():
-        bulk.insert_events(connection, run_id, parts)
-        evictions = [eviction_values(run_id, event) for part in parts for event in part.evictions]
-        if evictions:
-            bulk.insert_rows(connection, EVICTIONS, EVICTION_ROW_COLUMNS, evictions)
-            rollups.add_evictions(connection, rollups.eviction_deltas(map(_ROLLUP_FIELDS, evictions)))
-    latest = {(item.run_id, view.request_id): view for item in items for view in item.requests}
-    views_by_run: dict[str, list[RequestView]] = {}
-    for (run_id, _), view in latest.items():
-        views_by_run.setdefault(run_id, []).append(view)
-    for run_id, views in views_by_run.items():
-        bulk.upsert_views(connection, run_id, views)
-    row_sets: dict[RowWriter, list[Any]] = {}  # other producers' rows, by bulk function, in item order
-    for item in items:
-        if item.write_rows is not None:
-            row_sets.setdefault(item.write_rows, []).append(item.rows)
-    for write, sets in row_sets.items():
-        write(connection, sets)
-
-
-def _stop_runs(connection: Connection, stops: dict[str, float]) -> None:
-    for run_id, stopped_at in stops.items():
-        connection.execute(update(RUNS).where(RUNS.c.id == run_id).values(stopped_at=stopped_at))

@@ -1,93 +1,87 @@
 """The writer process itself (`python -m storage.write.writer_child READ_FD WRITE_FD`), started by
-storage.write.writer_process.WriterProcess: an `EventWriter` fed from a pipe, reporting its progress back.
+storage.write.writer_process.WriterProcess: an `EventWriter` fed from a multiprocessing connection,
+reporting its progress on another.
 
-Messages in (pickled tuples, one per frame, in order):
-    ("open", url, options, writer_id)          first; the writer's progress key is writer_id (storage.write.progress)
-    ("runs", {run_id: (info, stopped_at)})     a replacement child: every run its parent started
-    ("run", frame, run_id, info)               a new run (frame: its number, done once the run row commits)
-    ("rows", frame, json, count, evictions, views, superseded)   one frame of rows, one atomic item
-    ("hurry",)                                 write what has arrived without waiting for more
-    ("close", timeout_s)                       stop the run, write the rest (give up failing batches after
-                                               timeout_s), report and exit
-Reports out: ("stats", stats, done_frame, dropped_frames) after every transaction (at most every poll_s
-while nothing is done), and ("closed", stats, done_frame, dropped_frames) last. Every frame up to
-done_frame, and the ones in dropped_frames, is written or dropped.
+Messages in, in order, each `(number, kind, *arguments)`; numbered from 1 by the parent (0: unnumbered):
+    (0, "open", url, options, writer_id)     first; the writer's progress key is writer_id (storage.write.progress)
+    (0, "runs", {run_id: (info, stopped_at)})  a replacement child: every run its parent started
+    (n, "run", run_id, info)                 a new run
+    (n, "events", json, count, evictions)    one chunk of encoded events (storage.write.rows.encode_events),
+                                             its EVICT events as plain tuples
+    (n, "views", views)                      request views as plain tuples, without their prompts
+    (n, "rows", rows, num_rows, write)       another producer's row set and its bulk function
+    (n, "hurry")                             write what has arrived without waiting for more
+    (n, "close", timeout_s)                  stop the run, write the rest (give up failing batches after
+                                             timeout_s), report and exit
+Each numbered message is one item of the writer's queue (or none). Reports out: ("stats", stats, done)
+after every transaction (at most every poll_s while nothing is done), and ("closed", stats, done) last:
+every message up to number `done` is written or dropped, and `stats` counts it so.
 
-If the parent dies, the pipe ends: the child writes everything it received, stops the run and exits.
+If the parent dies, the connection ends: the child writes everything it received, stops the run and exits.
 """
 
 from __future__ import annotations
 
 import os
-import pickle
 import signal
 import sys
 import threading
 from collections import deque
 from dataclasses import replace
+from multiprocessing.connection import Connection
 
 from engine.core.events import Event
 from engine.core.snapshot import RequestView
-from storage.write.frame_pipe import read_frames, write_frame
 from storage.write.rows import EncodedEvents
 from storage.write.writer import EventWriter, WriterStats
 
-PICKLE_PROTOCOL = pickle.HIGHEST_PROTOCOL
-CLOSE_FRAME = pickle.dumps(("close", None), PICKLE_PROTOCOL)  # what the child does when its parent is gone
+PARENT_GONE = (0, "close", None)  # what the child does when its parent's connection ends
 
 
-class _FrameLedger:
-    """The child's map from the parent's frame numbers to its writer's marks."""
+class _Done:
+    """Which of the parent's messages are done: each message's number, next to the writer's mark after it."""
 
     def __init__(self, writer: EventWriter) -> None:
         self._writer = writer
         self._lock = threading.Lock()
-        self._marks: deque[tuple[int, int]] = deque()  # (frame number, the writer's mark after it), queued frames
-        self._dropped: list[int] = []  # frames dropped at once (a full queue), not reported yet
-        self._done_frame = 0
+        self._marks: deque[tuple[int, int]] = deque()  # (message number, the writer's mark after it)
+        self._done = 0
 
-    def received(self, frame: int, queued: bool) -> None:
-        """`frame` was handed to the writer, which queued it (or dropped it at once)."""
+    def received(self, number: int) -> None:
+        """Message `number` was handed to the writer."""
         with self._lock:
-            if queued:
-                self._marks.append((frame, self._writer.mark()))
-            else:
-                self._dropped.append(frame)
+            self._marks.append((number, self._writer.mark()))
 
-    def report(self) -> tuple[WriterStats, int, tuple[int, ...]]:
-        """The writer's stats, the newest frame up to which every frame is written or dropped, and the
-        later frames dropped at once; all three consistent."""
+    def report(self) -> tuple[WriterStats, int]:
+        """The writer's stats and the newest message number up to which every message is done, consistent."""
         stats = self._writer.stats()
         with self._lock:
             while self._marks and self._marks[0][1] <= stats.done_mark:
-                self._done_frame = self._marks.popleft()[0]
-            dropped, self._dropped = tuple(self._dropped), []
-            return stats, self._done_frame, dropped
+                self._done = self._marks.popleft()[0]
+            return stats, self._done
 
 
-def serve(read_fd: int, write_fd: int) -> None:
+def serve(inbox: Connection, outbox: Connection) -> None:
     """The child's main loop: run an EventWriter on what arrives, report its progress, answer close."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C in a terminal reaches the parent; it closes us
-    outbox = os.fdopen(write_fd, "wb")
     send_lock = threading.Lock()
 
-    def send(message: tuple) -> None:
+    def send(report: tuple) -> None:
         with send_lock:
             try:
-                write_frame(outbox, pickle.dumps(message, PICKLE_PROTOCOL))
+                outbox.send(report)
             except OSError:  # the parent is gone; the writer still finishes what it has
                 pass
 
-    frames = read_frames(os.fdopen(read_fd, "rb"))
-    opening = next(frames, None)  # the first frame: ("open", url, options, writer id)
-    if opening is None:  # the parent died before it asked for anything
+    try:
+        _, _, url, options, writer_id = inbox.recv()
+    except EOFError:  # the parent died before it asked for anything
         return
-    _, url, options, writer_id = pickle.loads(opening)
     if options.child_niceness:
         os.nice(options.child_niceness)  # after the imports: starting up is not slowed
-    # Rows reach the child once they have waited batch_interval_s on the engine side: write them now.
-    writer = EventWriter(url, replace(options, batch_interval_s=0.0), progress_key=writer_id)
-    ledger = _FrameLedger(writer)
+    # The parent bounds what is in flight, so the child's queue needs no bound of its own.
+    writer = EventWriter(url, replace(options, queue_items=0), progress_key=writer_id)
+    done = _Done(writer)
     closing = threading.Event()
 
     def report() -> None:
@@ -96,39 +90,43 @@ def serve(read_fd: int, write_fd: int) -> None:
         done_mark = 0
         while not closing.is_set():
             writer.wait_for_progress(done_mark, options.poll_s)
-            stats, done_frame, dropped = ledger.report()
-            key = (replace(stats, lag_s=0.0), done_frame)
-            if key != last or dropped:
-                send(("stats", stats, done_frame, dropped))
+            stats, done_number = done.report()
+            key = (replace(stats, lag_s=0.0), done_number)
+            if key != last:
+                send(("stats", stats, done_number))
                 last = key
             done_mark = stats.done_mark
 
     threading.Thread(target=report, name="writer-stats", daemon=True).start()
     while True:
-        # The parent died without closing when its pipe ends first: write what we have.
-        message = pickle.loads(next(frames, CLOSE_FRAME))
-        kind = message[0]
-        if kind == "rows":
-            _, frame, json, count, evictions, requests, superseded = message
-            encoded = EncodedEvents(json, count, tuple(map(Event._make, evictions)))
-            ledger.received(frame, writer.submit_frame(encoded, tuple(map(RequestView._make, requests)), superseded))
+        try:
+            number, kind, *arguments = inbox.recv()
+        except EOFError:  # the parent died without closing: write what we have
+            number, kind, *arguments = PARENT_GONE
+        if kind == "events":
+            json, count, evictions = arguments
+            writer.submit_encoded(EncodedEvents(json, count, tuple(map(Event._make, evictions))))
+        elif kind == "views":
+            writer.record_requests(map(RequestView._make, arguments[0]))
+        elif kind == "rows":
+            writer.submit_rows(*arguments)
         elif kind == "run":
-            _, frame, run_id, info = message
-            writer.start_run(info, run_id=run_id)
-            ledger.received(frame, queued=True)
+            writer.start_run(arguments[1], run_id=arguments[0])
         elif kind == "runs":
-            writer.restore_runs(message[1])
+            writer.restore_runs(arguments[0])
         elif kind == "hurry":
             writer.hurry(writer.mark())
         elif kind == "close":  # failing batches are given up after the parent's timeout; then wait for the end
-            if not writer.close(message[1]):
+            if not writer.close(arguments[0]):
                 writer.close(None)
             closing.set()
-            send(("closed", *ledger.report()))
+            send(("closed", *done.report()))
             return
         else:
             raise ValueError(f"unknown message {kind!r}")
+        if number:
+            done.received(number)
 
 
 if __name__ == "__main__":
-    serve(int(sys.argv[1]), int(sys.argv[2]))
+    serve(Connection(int(sys.argv[1]), writable=False), Connection(int(sys.argv[2]), readable=False))

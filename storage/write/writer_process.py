@@ -1,94 +1,73 @@
-"""The history writer in a process of its own: the engine's process only encodes rows and writes bytes.
+"""The history writer: an `EventWriter` in a process of its own; the caller's process only encodes and sends.
 
-`WriterProcess` has `EventWriter`'s interface and contract (see storage.write.writer) and runs an
-`EventWriter` in a child process (storage.write.writer_child), so the database work (SQLite's inserts, the
-writer's Python and its hold on the GIL) never runs in the engine's interpreter: a writer thread's
-batches lengthened the engine steps they overlapped while the GIL went back and forth. The child still
-needs CPU time, so on a machine with fewer free cores than the engine can use, steps still feel it (see
-benchmarks/storage.py for the numbers).
+`WriterProcess` has `EventWriter`'s interface and contract (see storage.write.writer) and runs the
+`EventWriter` in a child process (storage.write.writer_child), so the database work (the inserts, the
+writer's Python and its hold on the GIL) never runs in the engine's interpreter. The console's engine
+history, `python -m cli run-trace` and the fleet collector (the console's and `python -m cli fleet watch`)
+all write through it.
 
 Data flow, one way:
-    engine thread: encode, hold --(one frame per batch_interval_s)--> pipe --> child: EventWriter
-    child: stats and "written up to frame F" --> pipe --> receiver thread --> `stats()`, `wait()`, `close()`
+    caller: check, encode --> outbox --(sender thread)--> multiprocessing connection --> child: EventWriter
+    child: its stats and "every message up to N is done" --> connection --> receiver thread --> `stats()`
 
-    * `submit` encodes events on the calling thread as the writer stores them (`encode_events`: one
-      orjson call, ~0.3 us an event; EVICT events also travel as tuples, for the eviction log) and holds
-      the encoded bytes (not the events: held rows are no work for the garbage collector).
-      `record_requests` holds only the latest view of each request (the engine republishes every
-      running request every step, and a view carries its whole prompt).
-    * What is held goes out as one frame once its oldest row is `batch_interval_s` old (checked on every
-      call and by the pipe's thread every `batch_interval_s / 5`), when the held events would pass
-      `item_rows`, before a new run starts, on `wait`/`flush` and on `close`. The frame is written
-      straight into the pipe (storage.write.frame_pipe: one non-blocking write on the calling thread, no
-      hand-off); only when the child lags does it wait in the pipe's backlog, of at most `queue_items`
-      frames. A frame refused there is dropped and its rows counted in `stats().dropped`. A frame is
-      one atomic item in the child (its events, its views and the views they superseded), written in
-      one transaction; the child neither rebuilds nor re-encodes its events, and writes what arrives
-      without waiting for more (its own `batch_interval_s` is 0: rows already waited here).
-    * Frames of rows and of new runs are numbered. The child reports after every transaction which are
-      done (written or dropped); `mark()` is the number of the frame that will carry the rows handed
-      over so far (or of the newest, when nothing is held), and `wait(mark, timeout_s)` sends them at
-      once, tells the child to hurry and waits for that report: the console's read-your-writes.
-      `stats().lag_s` is the age of the oldest row not done.
-    * Control frames (`start_run`, hurry, `close`) are never dropped; frames reach the child in order,
-      so a run's rows always follow its run.
-    * Counting: `written_*` are the child's (saved in the database inside every transaction, see
-      storage.write.progress), `queued` is every row held or in a frame not done, and `dropped` is the rest of
-      what was handed over. So written + queued + dropped == handed over, always, and exactly.
+    * Every call becomes one numbered message (`submit` one per `item_rows` chunk, encoded on the calling
+      thread: one orjson call; `record_requests` one, the views without their prompts; `submit_rows`
+      one). The call appends it to the outbox and returns; the sender thread pickles and sends it, and
+      only the sender ever waits on the pipe. The child queues each message as one item of its
+      EventWriter, which is the only batching layer: it gathers items for `batch_interval_s`, coalesces
+      request views, writes a batch in one transaction.
+    * The bound: at most `queue_items` messages are in flight (in the outbox, the pipe or the child's
+      queue, not yet written or dropped). A message with rows beyond it is refused at the call and its
+      rows counted as dropped (`submit_rows(..., wait=True)` waits for room instead); control messages
+      (a run, hurry, close) always go. The child's own queue is unbounded: it never holds more.
+    * `mark()` is the number of the newest message; the child reports after every transaction which
+      messages are done, and `wait(mark)` hurries them and waits for that report: read-your-writes.
+      `stats().lag_s` is the age of the oldest message with rows not done.
+    * Counting, derived: `written_*` are the child's (saved in the database inside every transaction,
+      storage.write.progress, so a replacement starts from them), `queued` is the rows of the messages
+      in flight, and `dropped` is the rest of what was handed over. So written + queued + dropped ==
+      handed over, always, and exactly for the engine's events and request records.
 
-Visibility latency (the documented bound; benchmarks/storage.py section 4 measures it, and
-tests/test_under_load.py holds it): a row is committed within `batch_interval_s` + 1/5 of it + the
-child's transaction times, at most ~0.7 s when the child keeps up. The child runs at `child_niceness`
-(default 0, the engine's own priority), so two CPU-bound processes beside the engine slow it by their
-fair share instead of starving it: at nice 19 it got ~1.5% of a busy core, and rows waited up to 17 s.
-The bound: p99 under 2 s and every row under 5 s, with two busy processes on this 2-core machine. The
-price: when the machine is oversubscribed, the child takes its CPU time when it needs it, from the
-engine too, instead of falling behind.
+Visibility latency (benchmarks/storage.py section 4 measures it, tests/test_under_load.py holds it): a row
+is committed within `batch_interval_s` plus the child's transaction times once it is sent. The child
+runs at `child_niceness` (default 0, the engine's own priority), so busy processes beside the engine slow
+it by their fair share instead of starving it (at nice 19 rows waited up to 17 s behind two busy loops).
+The bound: p99 under 2 s and every row under 5 s, with two busy processes on a 2-core machine.
 
 Faults:
-    * The child killed or crashed: the receiver thread sees its pipe close and starts a new child (at
-      once; after the second child in a row that lived under `QUICK_EXIT_S`, with a backoff doubling
-      up to `MAX_RESTART_DELAY_S`), which first reads what its predecessors committed (storage.write.progress):
-      the rows they had not committed count as dropped, exactly. The run rows and stop times are sent
-      again; history goes on. `stats().restarts` counts restarts, `last_error` says why.
-    * This process dies: the child sees the pipe close, writes everything it received and exits. A
-      killed engine loses what it held (at most `batch_interval_s` of rows).
-    * Database faults (locked, full, read-only, unreachable) are the child writer's (storage.write.writer):
-      retried for up to `retry_for_s`, rows waiting in bounded queues meanwhile.
+    * The child killed or crashed: the receiver thread sees its connection end and starts a new child
+      (at once; after the second child in a row that lived under `QUICK_EXIT_S`, with a backoff doubling
+      up to `MAX_RESTART_DELAY_S`), which first reads what its predecessors committed: the messages they
+      were sent are then done, their uncommitted rows counted as dropped, exactly. The runs are sent
+      again; history goes on. `stats().restarts` counts restarts, `last_error` says why. (The fleet's
+      rows, `written_other`, are not in the saved totals: those in flight at a crash count as dropped.)
+    * This process dies: the child sees its connection end, writes everything it received and exits.
+    * Database faults (locked, full, read-only, unreachable) are the child writer's: retried for up to
+      `retry_for_s`, rows waiting in the child's queue meanwhile.
 """
 
 from __future__ import annotations
 
+import multiprocessing
 import os
-import pickle
 import secrets
 import subprocess
 import sys
 import threading
 import time
+from collections import deque
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 from engine.core.events import Event
 from engine.core.snapshot import RequestView
 from storage.db import db_engine
-from storage.write.frame_pipe import FramePipe, read_frames
-from storage.write.rows import (
-    EncodedEvents,
-    checked_events,
-    checked_views,
-    encode_events,
-    join_encoded,
-    view_without_prompt,
-)
-from storage.write.writer import RunInfo, WriterOptions, WriterStats, new_run_id
+from storage.write.rows import checked_events, checked_views, encode_events, view_without_prompt
+from storage.write.writer_types import RowWriter, RunInfo, WriterOptions, WriterStats, new_run_id
 
 ROOT = Path(__file__).resolve().parents[2]
-PICKLE_PROTOCOL = pickle.HIGHEST_PROTOCOL
-EMPTY_EVENTS = EncodedEvents("[]", 0, ())
-HURRY_FRAME = pickle.dumps(("hurry",), PICKLE_PROTOCOL)
-TICKS_PER_INTERVAL = 5  # the pipe's thread checks for held rows that are due this often per batch_interval_s
 QUICK_EXIT_S = 5.0  # a child that exits sooner than this after its start counts as a quick exit
 FIRST_RESTART_DELAY_S = 0.5  # the wait before a restart after two quick exits in a row; doubles with each more
 MAX_RESTART_DELAY_S = 30.0
@@ -99,75 +78,51 @@ NO_STATS = WriterStats(
 
 
 @dataclass
-class _Held:
-    """Rows accepted on the engine side and not sent yet."""
+class _Message:
+    """A call on its way to the child: in the outbox, or sent and not yet reported done."""
 
-    events: list[EncodedEvents] = field(default_factory=list)  # one per submit chunk, in order
-    num_events: int = 0
-    requests: dict[str, RequestView] = field(default_factory=dict)  # request id -> its latest view
-    superseded: int = 0  # request views replaced in `requests` by a later one of the same request
-    since: float = 0.0  # monotonic time the oldest of these rows was handed over
-
-    @property
-    def num_rows(self) -> int:
-        return self.num_events + len(self.requests) + self.superseded
-
-
-@dataclass(frozen=True)
-class _Frame:
-    """A frame of rows (or a new run) on its way: sent (or being sent) to a child, not yet reported done."""
-
-    seq: int  # frame number, in sending order; `mark()` and `wait()` name frames
-    num_rows: int  # events, views and the views they superseded (0 for a run's frame)
-    since: float  # monotonic time its oldest row was handed over
-    generation: int  # the child it went to
+    seq: int  # message number, in calling order; `mark()` and `wait()` name messages
+    body: tuple  # what the child receives after the number: (kind, *arguments)
+    num_rows: int  # rows it carries (0 for a control message)
+    since: float  # monotonic time it was handed over
+    generation: int | None = None  # the child it was sent to (None while in the outbox)
 
 
 class _Child:
-    """One writer process: its pipe, the thread that reads its reports, and when it started."""
+    """One writer process and the two ends of its connections."""
 
-    def __init__(self, generation: int, writer: WriterProcess) -> None:
+    def __init__(self, generation: int) -> None:
         self.generation = generation
         self.started = time.monotonic()
         self.answered_close = False  # it reported "closed" (and exits)
-        to_child_read, to_child_write = os.pipe()
-        from_child_read, from_child_write = os.pipe()
+        child_in, self.outbox = multiprocessing.Pipe(duplex=False)
+        self.inbox, child_out = multiprocessing.Pipe(duplex=False)
         python_path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
         try:
             self.process = subprocess.Popen(
-                [sys.executable, "-m", "storage.write.writer_child", str(to_child_read), str(from_child_write)],
-                pass_fds=(to_child_read, from_child_write),
+                [sys.executable, "-m", "storage.write.writer_child", str(child_in.fileno()), str(child_out.fileno())],
+                pass_fds=(child_in.fileno(), child_out.fileno()),
                 stdin=subprocess.DEVNULL,
                 env={**os.environ, "PYTHONPATH": python_path},
             )
         finally:
-            os.close(to_child_read)
-            os.close(from_child_write)
-        tick_s = writer.options.batch_interval_s / TICKS_PER_INTERVAL
-        self.pipe = FramePipe(to_child_write, writer.options.queue_items, writer.send_due_rows, tick_s)
-        self._from_child = os.fdopen(from_child_read, "rb")
-        self._writer = writer
+            child_in.close()
+            child_out.close()
 
-    def listen(self) -> None:
-        """Start handing its reports to the writer (once the writer knows it as its running child)."""
-        threading.Thread(target=self._receive, name="writer-process-receiver", daemon=True).start()
-
-    def send_control(self, message: tuple) -> None:
-        self.pipe.send(pickle.dumps(message, PICKLE_PROTOCOL), droppable=False)
-
-    def _receive(self) -> None:
-        """Hand the child's reports to the writer until its pipe closes, then say that it exited."""
-        for payload in read_frames(self._from_child):
-            self._writer.child_reported(self, *pickle.loads(payload))
-        self._from_child.close()
-        self._writer.child_exited(self, self.process.wait())
+    def send(self, message: tuple) -> bool:
+        """Send one message (blocking while the pipe is full). False if the child is gone."""
+        try:
+            self.outbox.send(message)
+        except (OSError, EOFError):
+            return False
+        return True
 
 
 class WriterProcess:
-    """`EventWriter`'s interface, with the writer in a child process. See the module docstring."""
+    """The history writer, its database work in a child process. See the module docstring."""
 
     def __init__(self, url: str, options: WriterOptions | None = None) -> None:
-        """Start the child for `url` (any SQLAlchemy URL; see `storage.db.default_db_url`).
+        """Start the writer process for `url` (any SQLAlchemy URL; see `storage.db.default_db_url`).
 
         Raises:
             storage.db.DatabaseUrlError: `url` cannot name a database this process can use, as
@@ -176,30 +131,30 @@ class WriterProcess:
         self.options = options or WriterOptions()
         db_engine(url).dispose()  # a malformed URL or a missing driver fails here, not in the child
         self._url = url
-        self._writer_id = secrets.token_hex(8)  # its progress row in the database (storage.write.progress)
+        self._writer_id = secrets.token_hex(8)  # the key of its committed totals (storage.write.progress)
         self._lock = threading.Lock()
-        self._changed = threading.Condition(self._lock)
-        self._sending = threading.Lock()  # one sender at a time, so frames leave in the order of their numbers
-        self._accepted_rows = 0  # every event and request view handed in
-        self._held = _Held()
-        self._next_frame = 1
-        self._frames: dict[int, _Frame] = {}  # frames not reported done, by number (in sending order)
-        self._frame_rows = 0  # rows in them
-        self._written = (0, 0)  # (events, requests) committed, as the newest child that knows reported it
+        self._changed = threading.Condition(self._lock)  # a report arrived, a message went, or the child changed
+        self._sending = threading.Lock()  # held while a message goes into the current child's pipe
+        self._outbox: deque[_Message] = deque()  # messages not sent yet, in order
+        self._in_flight: dict[int, _Message] = {}  # every message not reported done, by number (in order)
+        self._queued_rows = 0  # rows of the messages in flight
+        self._next_seq = 1
+        self._accepted_rows = 0  # every row handed over, refused ones included
+        self._runs: dict[str, tuple[RunInfo, float | None]] = {}  # every run started: (info, stopped_at)
+        self._current_run: str | None = None
         self._child_stats = NO_STATS  # the running child's latest report
-        self._past = NO_STATS  # counters of children that exited (batches, failures, retries, pruned rows)
+        self._written = (0, 0)  # events, request records: every child's, once one has read them back
+        self._past = NO_STATS  # the counters of the children that exited
         self._last_error: str | None = None
         self._restarts = 0
         self._quick_exits = 0  # children in a row that exited soon after their start
-        self._resolving = False  # a new child has not yet said what its predecessors committed
-        self._runs: dict[str, tuple[RunInfo, float | None]] = {}  # every run started: info, stopped_at
-        self._current_run: str | None = None
-        self._closed = False  # close() started: rows from now on are dropped
+        self._closed = False
         self._close_timeout_s: float | None = None  # how long the first close() call waits
         self._gone = False  # the child answered close and exited
         with self._sending:
             self._child = self._start_child(0)
-        self._child.listen()
+        self._listen(self._child)
+        threading.Thread(target=self._send_outbox, name="writer-process-sender", daemon=True).start()
 
     @property
     def pid(self) -> int:
@@ -207,23 +162,17 @@ class WriterProcess:
         with self._lock:
             return self._child.process.pid
 
-    # ---- engine side: never waits on the database --------------------------------------------
+    # ---- the caller's side: never waits on the database ------------------------------------
 
     def start_run(self, info: RunInfo) -> str:
         """Record a new engine start (stopping the previous run) and return its id."""
         run_id = new_run_id(info.started_at)
-        with self._sending:
-            with self._lock:
-                taken = self._take_held()  # they belong to the run before
-                if self._current_run is not None:
-                    self._runs[self._current_run] = (self._runs[self._current_run][0], info.started_at)
-                self._runs[run_id] = (info, None)
-                self._current_run = run_id
-                run_frame = self._number_frame(0, time.monotonic())  # done once the run row is committed
-                child = self._child
-            if taken is not None:
-                self._send_frame(child, *taken)
-            child.send_control(("run", run_frame.seq, run_id, info))
+        with self._lock:
+            if self._current_run is not None:
+                self._runs[self._current_run] = (self._runs[self._current_run][0], info.started_at)
+            self._runs[run_id] = (info, None)
+            self._current_run = run_id
+            self._hand_over(("run", run_id, info), 0)
         return run_id
 
     def submit(self, events: Sequence[Event]) -> None:
@@ -237,23 +186,11 @@ class WriterProcess:
         checked_events(events)
         size = self.options.item_rows
         for start in range(0, len(events), size):  # each chunk one atomic item, as EventWriter.submit does
-            chunk = encode_events(events[start : start + size])
-            with self._lock:
-                if self._closed or self._held.num_events + chunk.count <= size or not self._held.num_events:
-                    self._accepted_rows += chunk.count
-                    if not self._closed:  # after close: dropped, as neither written nor queued
-                        self._hold_events(chunk)
-                    continue
-            with self._sending:  # the held frame is full: send it, then hold the chunk
-                with self._lock:
-                    self._accepted_rows += chunk.count
-                    if self._closed:
-                        continue
-                    taken, child = self._take_held(), self._child
-                    self._hold_events(chunk)
-                if taken is not None:
-                    self._send_frame(child, *taken)
-        self.send_due_rows()
+            encoded = encode_events(events[start : start + size])
+            # Plain tuples: the pickle module handles them in C, NamedTuples and enums in Python.
+            body = ("events", encoded.json, encoded.count, list(map(tuple, encoded.evictions)))
+            with self._changed:
+                self._hand_over(body, encoded.count)
 
     def record_requests(self, views: Iterable[RequestView]) -> None:
         """Queue request views of the current run (see `EventWriter.record_requests`).
@@ -265,72 +202,65 @@ class WriterProcess:
         """
         self._require_run()
         views = checked_views(views)
-        with self._lock:
-            self._accepted_rows += len(views)
-            if self._closed or not views:
-                return
-            held = self._held
-            if not held.num_rows:
-                held.since = time.monotonic()
-            num_before = len(held.requests)
-            for view in views:
-                held.requests[view.request_id] = view
-            held.superseded += len(views) - (len(held.requests) - num_before)
-        self.send_due_rows()
+        if views:
+            with self._changed:
+                self._hand_over(("views", list(map(view_without_prompt, views))), len(views))
+
+    def submit_rows(self, rows: Any, num_rows: int, write: RowWriter, *, wait: bool = False) -> bool:
+        """Queue another producer's rows as one atomic item (see `EventWriter.submit_rows`); `rows` must
+        pickle and `write` be a module-level function.
+
+        Args:
+            wait: while `queue_items` messages are in flight, wait for room (until close) instead of dropping.
+
+        Returns:
+            False if the rows were dropped (and counted).
+        """
+        with self._changed:
+            return self._hand_over(("rows", rows, num_rows, write), num_rows, wait=wait)
 
     def stats(self) -> WriterStats:
         with self._lock:
             child, past = self._child_stats, self._past
             written_events, written_requests = self._written
-            queued = self._held.num_rows + self._frame_rows
-            first_frame = next(iter(self._frames.values()), None)
-            oldest = [self._held.since] if self._held.num_rows else []
-            oldest += [] if first_frame is None else [first_frame.since]
+            written_other = past.written_other + child.written_other
+            oldest = next((message.since for message in self._in_flight.values() if message.num_rows), None)
             return WriterStats(
-                queued=queued,
+                queued=self._queued_rows,
                 written_events=written_events,
                 written_requests=written_requests,
                 written_batches=past.written_batches + child.written_batches,
-                dropped=self._accepted_rows - written_events - written_requests - queued,
+                dropped=self._accepted_rows - written_events - written_requests - written_other - self._queued_rows,
                 failed_batches=past.failed_batches + child.failed_batches,
                 retries=past.retries + child.retries,
                 retrying=child.retrying,
                 last_error=self._last_error,
                 schema_ready=child.schema_ready,
                 pruned_rows=past.pruned_rows + child.pruned_rows,
-                lag_s=time.monotonic() - min(oldest) if oldest else 0.0,
+                written_other=written_other,
+                lag_s=0.0 if oldest is None else time.monotonic() - oldest,
                 done_mark=self._done_through(),
                 restarts=self._restarts,
             )
 
     def mark(self) -> int:
-        """A mark for every row (and run) handed over so far: the number of the frame that carries the newest."""
+        """A mark for every row (and run) handed over so far: the number of the newest message."""
         with self._lock:
-            return self._next_frame if self._held.num_rows else self._next_frame - 1
+            return self._next_seq - 1
 
     def wait(self, mark: int, timeout_s: float | None = None) -> bool:
-        """Send the rows up to `mark`, have the child write them without waiting for more, and wait until
-        they are written or dropped.
+        """Have the child write the rows up to `mark` without waiting for more, and wait until they are
+        written or dropped.
 
         Returns:
             False if `timeout_s` passed first. Check `stats()` for what was dropped.
         """
-        with self._lock:
+        with self._changed:
             if self._done_through() >= mark:
                 return True
-        self.hurry(mark)
-        with self._changed:
+            if not self._closed:  # close hurries by itself
+                self._hand_over(("hurry",), 0)
             return self._changed.wait_for(lambda: self._done_through() >= mark or self._gone, timeout_s)
-
-    def hurry(self, mark: int) -> None:
-        """Send the rows up to `mark` now and have the child write them without waiting for more."""
-        with self._sending:
-            with self._lock:
-                taken = self._take_held() if mark >= self._next_frame else None
-                child = self._child
-            if taken is not None:
-                self._send_frame(child, *taken)
-            child.pipe.send(HURRY_FRAME, droppable=False)
 
     def flush(self, timeout_s: float | None = None) -> bool:
         """Wait until everything queued before this call was written or dropped (`wait(mark())`)."""
@@ -344,136 +274,118 @@ class WriterProcess:
         Returns:
             False if the child was still working after `timeout_s` (it finishes on its own).
         """
-        with self._sending:
-            with self._lock:
-                first_call, self._closed = not self._closed, True
-                taken = self._take_held() if first_call else None
-                child = self._child
-            if taken is not None:
-                self._send_frame(child, *taken)
-            if first_call:
-                self._close_timeout_s = timeout_s
-                child.send_control(("close", timeout_s))
-                child.pipe.close()
         with self._changed:
+            if not self._closed:
+                self._hand_over(("close", timeout_s), 0)
+                self._closed, self._close_timeout_s = True, timeout_s
             return self._changed.wait_for(lambda: self._gone, timeout_s)
-
-    def send_due_rows(self) -> None:
-        """Send the held rows if the oldest has waited `batch_interval_s` (the pipe's thread calls it too)."""
-        held = self._held
-        if held.num_rows and time.monotonic() >= held.since + self.options.batch_interval_s:
-            self._send_held()
 
     def _require_run(self) -> None:
         if self._current_run is None:
             raise RuntimeError("start_run() before submitting rows")
 
-    def _hold_events(self, chunk: EncodedEvents) -> None:
-        """Hold an encoded submit chunk (the lock held)."""
-        held = self._held
-        if not held.num_rows:
-            held.since = time.monotonic()
-        held.events.append(chunk)
-        held.num_events += chunk.count
+    def _hand_over(self, body: tuple, num_rows: int, wait: bool = False) -> bool:
+        """Number a message and put it in the outbox (the lock held). A message with rows is refused after
+        close, and while `queue_items` messages are in flight unless `wait`; its rows then count as dropped."""
+        self._accepted_rows += num_rows
+        if num_rows:
+            while not self._closed and len(self._in_flight) >= self.options.queue_items:
+                if not wait:
+                    return False
+                self._changed.wait()
+            if self._closed:
+                return False
+        message = _Message(self._next_seq, body, num_rows, time.monotonic())
+        self._next_seq += 1
+        self._in_flight[message.seq] = message
+        self._queued_rows += num_rows
+        self._outbox.append(message)
+        self._changed.notify_all()
+        return True
 
-    def _take_held(self) -> tuple[_Frame, _Held] | None:
-        """Number the held rows as the next frame, on its way to the running child (the lock and
-        `_sending` held; the caller sends it)."""
-        held = self._held
-        if not held.num_rows:
-            return None
-        self._held = _Held()
-        return self._number_frame(held.num_rows, held.since), held
-
-    def _number_frame(self, num_rows: int, since: float) -> _Frame:
-        """The next frame, on its way to the running child (the lock and `_sending` held)."""
-        frame = _Frame(self._next_frame, num_rows, since, self._child.generation)
-        self._next_frame += 1
-        self._frames[frame.seq] = frame
-        self._frame_rows += num_rows
-        return frame
-
-    def _send_held(self) -> None:
-        with self._sending:
-            with self._lock:
-                taken, child = self._take_held(), self._child
-            if taken is not None:
-                self._send_frame(child, *taken)
-
-    def _send_frame(self, child: _Child, frame: _Frame, held: _Held) -> None:
-        """Write a frame to `child` (`_sending` held). One that cannot be sent is dropped: counted, and why
-        is kept in `last_error`."""
-        # Plain tuples: the pickle module handles them in C, NamedTuples and enums in Python.
-        events = join_encoded(held.events) if held.events else EMPTY_EVENTS
-        evictions = list(map(tuple, events.evictions))
-        requests = list(map(view_without_prompt, held.requests.values()))
-        message = ("rows", frame.seq, events.json, events.count, evictions, requests, held.superseded)
-        try:
-            payload = pickle.dumps(message, PICKLE_PROTOCOL)
-        except Exception as error:  # a view holding what cannot cross (a lock, a lambda): counted, shown
-            reason = f"rows could not be sent to the writer process: {type(error).__name__}: {error}"
-        else:
-            if child.pipe.send(payload):
-                return
-            # Refused: the child lags by queue_items frames, or it exited (and `last_error` says so).
-            exited = child.process.poll() is not None
-            reason = None if exited else f"the writer process lags {self.options.queue_items} frames behind"
-        with self._changed:
-            self._forget_frame(frame)
-            self._last_error = reason or self._last_error
-            self._changed.notify_all()
-
-    def _forget_frame(self, frame: _Frame) -> None:
-        """The frame is done: written or dropped (the lock held)."""
-        del self._frames[frame.seq]
-        self._frame_rows -= frame.num_rows
+    def _forget(self, message: _Message) -> None:
+        """The message is done: written or dropped (the lock held)."""
+        del self._in_flight[message.seq]
+        self._queued_rows -= message.num_rows
 
     def _done_through(self) -> int:
-        """Every frame up to this number is written or dropped (the lock held)."""
-        return next(iter(self._frames), self._next_frame) - 1
+        """Every message up to this number is written or dropped (the lock held)."""
+        return next(iter(self._in_flight), self._next_seq) - 1
+
+    # ---- the sender thread -------------------------------------------------------------------
+
+    def _send_outbox(self) -> None:
+        """Send the outbox's messages in order, each to the child running when it goes (only this thread
+        takes from the outbox)."""
+        while True:
+            with self._changed:
+                self._changed.wait_for(lambda: self._outbox or self._gone)
+                if self._gone:
+                    return
+            with self._sending:
+                with self._lock:
+                    message, child = self._outbox.popleft(), self._child
+                    message.generation = child.generation
+                try:
+                    child.send((message.seq, *message.body))  # to a child that is gone: its successor settles it
+                    continue
+                except Exception as error:  # what cannot be pickled (a lock, a lambda in a view): counted, shown
+                    reason = f"rows could not be sent to the writer process: {type(error).__name__}: {error}"
+            with self._changed:
+                self._forget(message)
+                self._last_error = reason
+                self._changed.notify_all()
 
     # ---- the children ------------------------------------------------------------------------
 
     def _start_child(self, generation: int) -> _Child:
         """Start a child and tell it the database, and the runs when it replaces one (`_sending` held)."""
-        child = _Child(generation, self)
-        child.send_control(("open", self._url, self.options, self._writer_id))
+        child = _Child(generation)
+        child.send((0, "open", self._url, self.options, self._writer_id))
         with self._lock:
             runs = dict(self._runs)
         if runs:
-            child.send_control(("runs", runs))
+            child.send((0, "runs", runs))
         return child
 
-    def child_reported(
-        self, child: _Child, kind: str, stats: WriterStats, done_frame: int, dropped: tuple[int, ...]
-    ) -> None:
-        """A report of `child` (its receiver thread): its stats, that every frame it got up to `done_frame`
-        is done, and the later frames it dropped at once."""
+    def _listen(self, child: _Child) -> None:
+        """Start taking `child`'s reports (once it is the running child: the reports of others are ignored)."""
+        threading.Thread(target=self._receive, args=(child,), name="writer-process-receiver", daemon=True).start()
+
+    def _receive(self, child: _Child) -> None:
+        """The receiver thread of `child`: its reports, until its connection ends; then its exit."""
+        while True:
+            try:
+                kind, stats, done_seq = child.inbox.recv()
+            except (EOFError, OSError):
+                break
+            self._child_reported(child, kind, stats, done_seq)
+        child.inbox.close()
+        self._child_exited(child, child.process.wait())
+
+    def _child_reported(self, child: _Child, kind: str, stats: WriterStats, done_seq: int) -> None:
+        """`child`'s stats, and that every message it got up to `done_seq` is done."""
         with self._changed:
             if child is not self._child:
                 return
             if stats.last_error is not None and stats.last_error != self._child_stats.last_error:
                 self._last_error = stats.last_error
             self._child_stats = stats
+            settled = [m for m in self._in_flight.values() if m.generation == child.generation and m.seq <= done_seq]
             if stats.schema_ready:  # it has read what every child before it committed
-                if self._resolving:
-                    for frame in [f for f in self._frames.values() if f.generation < child.generation]:
-                        self._forget_frame(frame)
-                    self._resolving = False
                 self._written = (stats.written_events, stats.written_requests)
-            done = set(dropped)
-            for frame in [f for f in self._frames.values() if f.seq <= done_frame or f.seq in done]:
-                if frame.generation == child.generation:
-                    self._forget_frame(frame)
-            if kind == "closed":  # it got every frame before close: what is still open belongs to a
-                child.answered_close = True  # killed predecessor the database could not tell about: dropped
-                for frame in list(self._frames.values()):
-                    self._forget_frame(frame)
+                settled += [m for m in self._in_flight.values() if m.generation is not None and m.generation < child.generation]
+            if kind == "closed":  # it got every message before close: what is still open went to a killed
+                child.answered_close = True  # predecessor the database could not tell about: dropped
+                settled = list(self._in_flight.values())
+            for message in settled:
+                self._forget(message)
             self._changed.notify_all()
 
-    def child_exited(self, child: _Child, returncode: int) -> None:
-        """`child` exited (its receiver thread): done if it answered close, else replace it."""
-        child.pipe.close()  # its thread stops; frames still sent to it until it is replaced are lost
+    def _child_exited(self, child: _Child, returncode: int) -> None:
+        """`child` exited: done if it answered close, else replace it."""
+        with self._sending:
+            child.outbox.close()
         with self._changed:
             stats = self._child_stats
             self._past = replace(
@@ -482,6 +394,7 @@ class WriterProcess:
                 failed_batches=self._past.failed_batches + stats.failed_batches,
                 retries=self._past.retries + stats.retries,
                 pruned_rows=self._past.pruned_rows + stats.pruned_rows,
+                written_other=self._past.written_other + stats.written_other,
             )
             self._child_stats = NO_STATS
             if child.answered_close:
@@ -498,10 +411,7 @@ class WriterProcess:
             with self._changed:
                 self._child = new
                 self._restarts += 1
-                self._resolving = True
-                closed = self._closed
+                if self._closed and not any(message.body[0] == "close" for message in self._outbox):
+                    self._hand_over(("close", self._close_timeout_s), 0)  # the dead child took the first
                 self._changed.notify_all()
-            new.listen()
-            if closed:  # close went to the child that died: the new one still says what was committed
-                new.send_control(("close", self._close_timeout_s))
-                new.pipe.close()
+        self._listen(new)
