@@ -262,6 +262,28 @@ class Engine:
             else:
                 request.release_when_finished()
 
+    def abort(self, request_id: str, reason: str) -> bool:
+        """End a waiting or running request unfinished: it becomes aborted, `reason` its finish reason, and
+        its blocks are freed (the full blocks it cached stay in the prefix index). The API calls it for a
+        client that went away and for a stop sequence, which the engine does not know.
+
+        Returns:
+            True when it was aborted; False when it had already ended (nothing changes).
+
+        Raises:
+            ValueError: unknown request.
+        """
+        with self._lock:
+            request = self._requests.get(request_id)
+            if request is None:
+                raise ValueError(f"unknown request {request_id!r}")
+            if request.status not in (RequestStatus.WAITING, RequestStatus.RUNNING):
+                return False
+            self.scheduler.stop_request(request, RequestStatus.ABORTED, reason)
+            self._let_go(request)
+            self._publish(self.log.take(), [request])
+            return True
+
     def reset_cache(self) -> ResetResult:
         """Evict every unreferenced cached block; says honestly whether the cache is now empty."""
         with self._lock:
@@ -534,7 +556,8 @@ class Engine:
             self._publish(self.log.take(), [request])
             raise RequestRejected(f"request {request.request_id!r} rejected: {reason}")
         self.scheduler.add(request)
-        detail = {"parent_id": request.parent_id}
+        # The prompt and the salt let the history explain later misses (analysis/why.py reads them).
+        detail = {"parent_id": request.parent_id, "salt": request.salt, "prompt_token_ids": request.prompt_token_ids}
         self.log.emit(EventKind.SUBMIT, detail, request_id=request.request_id, tokens=request.num_prompt_tokens)
         self._publish(self.log.take(), [request])
         self._work.notify_all()

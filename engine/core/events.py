@@ -80,6 +80,7 @@ class Event(NamedTuple):
 #   SCHEDULE: cached_tokens, computed_tokens, hit_source.   PREEMPT: num_computed_tokens (and waiting: true for
 #   a waiting fork child that gave its parent's blocks back).
 #   REJECT: reason.   FINISH: reason ("length" | "eos" | "stop"), output_tokens.
+#   SUBMIT: parent_id, salt, prompt_token_ids (the context before generation, a fork's inherited part too).
 #   REPLAY: h, s, e, r, mode (ReplayMode value), replayed_tokens; a verification adds verified and the
 #           Divergence fields (engine/runner/verify.py).
 #   WINDOW_RELEASE: num_blocks, block_ids, group.

@@ -33,7 +33,7 @@ class RequestStatus(enum.StrEnum):
     RELEASED = "released"  # a retained request that an operator released
     REJECTED = "rejected"  # refused (too large for the pool, ...); never held blocks
     FAILED = "failed"  # stopped by an error of its own (non-finite logits); its blocks were freed
-    ABORTED = "aborted"  # stopped unfinished because its engine was shut down (a restart); blocks freed
+    ABORTED = "aborted"  # stopped unfinished: its engine shut down (a restart) or it was aborted; blocks freed
 
     @property
     def holds_blocks(self) -> bool:
