@@ -39,7 +39,10 @@ navigation = st.navigation(
             st.Page(PAGES / "prefix_tree.py", title="Prefix tree", icon=":material/account_tree:"),
             st.Page(PAGES / "replay.py", title="Replay", icon=":material/replay:"),
         ],
-        "History": [st.Page(PAGES / "evictions.py", title="Evictions", icon=":material/delete_sweep:")],
+        "History": [
+            st.Page(PAGES / "evictions.py", title="Evictions", icon=":material/delete_sweep:"),
+            st.Page(PAGES / "why.py", title="Why did it miss?", icon=":material/help:"),
+        ],
         "Plan": [st.Page(PAGES / "capacity_planner.py", title="Capacity planner", icon=":material/insights:")],
         "Fleet": [
             st.Page(PAGES / "fleet_pods.py", title="Pods", icon=":material/dns:"),
@@ -61,7 +64,8 @@ notice.empty()
 
 console = host.console
 with st.sidebar:
-    st.caption(
+    st.caption(  # named as this console's own engine: the Fleet pages show other servers
+        "This console's own engine (not a fleet pod): "
         f"**{console.engine.loaded.model_id}** · {console.engine.num_blocks} blocks × "
         f"{console.config.block_size} tokens · {console.config.dtype} on {console.engine.loaded.device}  \n"
         f"run `{console.run_id}`"

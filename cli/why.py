@@ -25,7 +25,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(NAME, help="why a request missed the prefix cache (or a run's misses by cause)")
     parser.add_argument("--db", required=True, help="SQLAlchemy URL of the history")
     parser.add_argument("--request", default=None, help="the request id (a response's id for API requests)")
-    parser.add_argument("--run", default=None, help="the run (default: the newest run holding the request)")
+    parser.add_argument("--run", dest="run_id", default=None, help="the run (default: the newest holding the request)")
     parser.add_argument("--summary", action="store_true", help="every request of --run: tokens missed by cause")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--data-dir", type=Path, default=None, help="where the model's tokenizer is cached")
@@ -34,10 +34,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Explain one request or summarise a run; returns the exit status (see the module docstring)."""
-    if (args.request is None) == args.summary:
+    if (args.request is None) != args.summary:
         print("error: give --request ID, or --run RUN --summary", file=sys.stderr)
         return 2
-    if args.summary and args.run is None:
+    if args.summary and args.run_id is None:
         print("error: --summary needs --run", file=sys.stderr)
         return 2
     from sqlalchemy.exc import SQLAlchemyError
@@ -64,9 +64,9 @@ def _one(db: Any, args: argparse.Namespace) -> Any:
     from analysis.why import diagnose
     from storage.read.why import find_request, latest_eviction, requests_before
 
-    request = find_request(db, args.request, args.run)
+    request = find_request(db, args.request, args.run_id)
     if request is None:
-        where = f" in run {args.run}" if args.run else ""
+        where = f" in run {args.run_id}" if args.run_id else ""
         raise LookupError(f"no request {args.request!r}{where} in the history")
     earlier = requests_before(db, request.arrival_time)
     return diagnose(request, earlier, lambda *key: latest_eviction(db, *key), _decoder(request.model, args.data_dir))
@@ -76,11 +76,11 @@ def _summary(db: Any, args: argparse.Namespace) -> Any:
     from analysis.why import summarize
     from storage.read.why import latest_eviction, requests_before, run_requests
 
-    requests = run_requests(db, args.run)
+    requests = run_requests(db, args.run_id)
     if not requests:
-        raise LookupError(f"no requests of run {args.run!r} in the history")
-    others = [r for r in requests_before(db, requests[-1].arrival_time) if r.run_id != args.run]
-    summary, _ = summarize(args.run, requests, others, lambda *key: latest_eviction(db, *key),
+        raise LookupError(f"no requests of run {args.run_id!r} in the history")
+    others = [r for r in requests_before(db, requests[-1].arrival_time) if r.run_id != args.run_id]
+    summary, _ = summarize(args.run_id, requests, others, lambda *key: latest_eviction(db, *key),
                            _decoder(requests[0].model, args.data_dir))  # fmt: skip
     return summary
 
@@ -105,9 +105,9 @@ def render(result: dict[str, Any]) -> str:
         if result["unexplained"]:
             lines.append(f"  {result['unexplained']} requests without a recorded prompt")
         return "\n".join(lines)
-    lines = [f"{result['request_id']} (run {result['run_id']}): {result['cause']} at token {result['position']} of "
-             f"{result['prompt_tokens']}; {result['cached_tokens']} cached, {result['reusable_tokens']} reusable, "
-             f"{result['missed_tokens']} missed"]  # fmt: skip
+    lines = [f"{result['request_id']} (run {result['run_id']}): {result['cause']}; {result['cached_tokens']} of "
+             f"{result['prompt_tokens']} prompt tokens served from the cache, {result['reusable_tokens']} reusable, "
+             f"{result['missed_tokens']} missed (first not served: token {result['position']})"]  # fmt: skip
     if result["match"]:
         match = result["match"]
         shared = match["shared_tokens"]

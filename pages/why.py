@@ -1,0 +1,125 @@
+"""Why did it miss: one request's cause from the history (analysis/why.py), and a run's misses by cause."""
+
+from __future__ import annotations
+
+import pandas as pd
+import streamlit as st
+
+from analysis.why import Decoder, WhyError, diagnose, summarize
+from app.hosting import get_host
+from app.ui import fmt_time, kept, read_history, wait_for_history
+from engine.core.snapshot import newest_first
+from serving.prompts import load_tokenizer
+from storage.read.why import find_request, latest_eviction, requests_before, run_requests
+
+CAUSES = {
+    "hit": "Everything reusable was served (the last prompt token and a partial tail are always computed).",
+    "new": "No earlier request shared even the first block: nothing could have been reused.",
+    "diverged": "An earlier request shared the first tokens, then the prompt differed.",
+    "evicted": "An earlier request's blocks held these tokens, and they were evicted before this request came.",
+    "namespace": "The same tokens are cached under another namespace (tenant salt, model, weights, dtype).",
+    "window": "Sliding-window state was not ready: the request replayed from the window's boundary.",
+}
+
+host = get_host()
+console = host.console
+state = st.session_state
+
+st.title("Why did it miss?")
+st.caption(
+    "Pick a request (the console's own, or an API response's id) to see why its prompt tokens were or were not "
+    "served from the prefix cache, down to the token. Read from the history, so earlier runs count too."
+)
+if host.api is not None:
+    st.caption(f"OpenAI-compatible API: `{host.api.url}/v1` (a response's `id` is its request id here).")
+elif host.api_error is not None:
+    st.warning(f"The OpenAI-compatible API could not start: {host.api_error}")
+
+TYPE_ONE = "(type one)"
+options = [TYPE_ONE, *(view.request_id for view in newest_first(console.engine.requests()))]
+if state.get("why_pick") not in options:  # a restart, or the first visit: the newest request
+    state["why_pick"] = options[1] if len(options) > 1 else TYPE_ONE
+c = st.columns([2, 2, 1])
+picked = c[0].selectbox("Request of this run", options, **kept("why_pick", TYPE_ONE))
+typed = c[1].text_input("Or any request id", **kept("why_typed", ""))
+c[2].button("Refresh", key="why_refresh")
+request_id = typed.strip() or (picked if picked != TYPE_ONE else None)
+
+
+def decoder_for(model: str) -> Decoder:
+    if model == str(console.engine.loaded.model_id):
+        return Decoder.of(console.tokenizer)
+    return Decoder.of(load_tokenizer(model, console.config.resolved_data_dir))
+
+
+def show(answer: dict) -> None:
+    top = st.columns(5)
+    top[0].metric("Cause", answer["cause"])
+    top[1].metric("First token not served", answer["position"])
+    top[2].metric("Cached", f"{answer['cached_tokens']} / {answer['prompt_tokens']}")
+    top[3].metric("Reusable", answer["reusable_tokens"])
+    top[4].metric("Missed", answer["missed_tokens"])
+    st.info(CAUSES[answer["cause"]])
+    if answer["match"]:
+        m = answer["match"]
+        shared = m["shared_tokens"]
+        st.markdown(f"Earlier request **{m['request_id']}** (run `{m['run_id']}`) shared **{shared}** tokens.")
+    if answer["divergence"]:
+        d = answer["divergence"]
+        st.markdown(f"Diverged at token **{d['position']}**, after `{d['before']}`")
+        left, right = st.columns(2)
+        left.caption("This request")
+        left.code(d["ours"] or "(nothing)", language=None)
+        right.caption(f"{answer['match']['request_id']}")
+        right.code(d["theirs"] or "(nothing)", language=None)
+        if d["template_tokens"]["ours"] or d["template_tokens"]["theirs"]:
+            st.caption(f"Template tokens: this request {d['template_tokens']['ours']}, "
+                       f"the other {d['template_tokens']['theirs']}")  # fmt: skip
+        for note in d["notes"]:
+            st.warning(note)
+    if answer["eviction"]:
+        e = answer["eviction"]
+        st.markdown(f"Evicted at **{fmt_time(e['at'])}** ({e['reason']}), block {e['block']} of group {e['group']}.")
+    if answer["namespace"]:
+        differs = [{"field": k, "this request": v[0], "the other": v[1]} for k, v in answer["namespace"].items()]
+        st.table(pd.DataFrame(differs))
+    if answer["wait"]:
+        w = answer["wait"]
+        waited = f"{w['seconds'] * 1000:.1f} ms"
+        st.markdown(f"Waited **{waited}** for **{w['request_id']}** to compute the shared prefix, then hit it.")
+    if answer["window"]:
+        st.markdown(f"Sliding-window state replayed from token **{answer['window']['r']}**.")
+    for note in answer["notes"]:
+        st.caption(note)
+
+
+wait_for_history(host)
+if request_id is None:
+    st.caption("No request yet: submit one (or send one through the API).")
+else:
+    request = read_history(find_request, host.db, request_id)
+    if request is None:
+        st.warning(f"{request_id} is not in the history (yet): the writer stores a request within seconds.")
+    else:
+        earlier = read_history(requests_before, host.db, request.arrival_time) or []
+        try:
+            evictions = lambda *key: latest_eviction(host.db, *key)  # noqa: E731
+            diagnosis = diagnose(request, earlier, evictions, decoder_for(request.model))
+        except WhyError as exc:
+            st.warning(str(exc))
+        else:
+            show(diagnosis.as_json())
+
+with st.expander("This run's misses by cause"):
+    requests = read_history(run_requests, host.db, console.run_id) or []
+    if not requests:
+        st.caption("No request of this run is in the history yet.")
+    else:
+        before = read_history(requests_before, host.db, requests[-1].arrival_time) or []
+        others = [r for r in before if r.run_id != console.run_id]
+        summary, _ = summarize(console.run_id, requests, others, lambda *key: latest_eviction(host.db, *key),
+                               decoder_for(requests[0].model))  # fmt: skip
+        rows = [{"cause": cause, **counts} for cause, counts in summary.by_cause.items() if counts["requests"]]
+        st.dataframe(pd.DataFrame(rows), hide_index=True)
+        st.caption(f"{summary.requests} requests, {summary.prompt_tokens} prompt tokens, "
+                   f"{summary.cached_tokens} served from the cache.")  # fmt: skip
