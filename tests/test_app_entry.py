@@ -33,7 +33,8 @@ def test_every_page_runs(console_env):
         no_exceptions(at)
         assert not at.error, (name, [e.value for e in at.error])
         assert at.title[0].value in {
-            "Overview", "Submit & fork", "Blocks", "Prefix tree", "Replay", "Evictions", "Settings", "Capacity planner",
+            "Overview", "Submit & fork", "Blocks", "Prefix tree", "Replay", "Evictions", "Why did it miss?", "Settings",
+            "Capacity planner",
             "Fleet pods", "Fleet prefix tree", "Fleet evictions and lifetimes", "Route a prompt",
         }  # fmt: skip
 

@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parent.parent
 ENTRY = str(ROOT / "app" / "streamlit_app.py")
 TEST_DATA_DIR = Path(os.environ.get("PREFIX_CONSOLE_TEST_DATA_DIR", ROOT / "data" / "test-cache"))  # as tests/conftest.py
 PAGES = (
-    "overview", "submit", "blocks", "prefix_tree", "replay", "evictions", "settings", "capacity_planner",
+    "overview", "submit", "blocks", "prefix_tree", "replay", "evictions", "why", "settings", "capacity_planner",
     "fleet_pods", "fleet_tree", "fleet_evictions", "fleet_route",
 )  # fmt: skip
 TIMEOUT_S = 60
@@ -44,8 +44,10 @@ def console_env(tmp_path, monkeypatch) -> Iterator[Callable[..., None]]:
         monkeypatch.setenv("PREFIX_CONSOLE_DEVICE", "cpu")
         monkeypatch.setenv("PREFIX_CONSOLE_DB_URL", f"sqlite:///{tmp_path / 'history.sqlite'}")
         monkeypatch.setenv("PREFIX_CONSOLE_DATA_DIR", str(TEST_DATA_DIR))
-        for name in ("PREFIX_CONSOLE_FLEET_PODS", "PREFIX_CONSOLE_KV_EVENTS_ENDPOINT", "PREFIX_CONSOLE_METRICS_PORT"):
-            monkeypatch.delenv(name, raising=False)  # the fleet and the feeds are opt-in
+        opt_in = ("PREFIX_CONSOLE_FLEET_PODS", "PREFIX_CONSOLE_KV_EVENTS_ENDPOINT", "PREFIX_CONSOLE_METRICS_PORT",
+                  "PREFIX_CONSOLE_API_PORT")  # fmt: skip
+        for name in opt_in:
+            monkeypatch.delenv(name, raising=False)  # the fleet, the feeds and the API are opt-in
         if attention is None:
             monkeypatch.delenv("PREFIX_CONSOLE_ATTENTION", raising=False)
         else:
