@@ -4,6 +4,8 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 HOST   ?= 127.0.0.1
 PORT   ?= 8501
+# The OpenAI-compatible API beside the console, on 127.0.0.1 (`make run API_PORT=off`: none).
+API_PORT ?= 8000
 
 .PHONY: install native system-deps run test bench
 
@@ -41,7 +43,7 @@ system-deps:
 	  else echo "warning: chromium/postgresql missing and not root; their tests will fail" >&2; fi; fi
 
 run: install
-	$(VENV)/bin/streamlit run app --server.address $(HOST) --server.port $(PORT)
+	PREFIX_CONSOLE_API_PORT=$(API_PORT) $(VENV)/bin/streamlit run app --server.address $(HOST) --server.port $(PORT)
 
 # The engine's checks must not lean on `assert` (python -O drops them): these run a second time under -O.
 OPTIMIZED_TESTS := tests/test_kv_cache_manager.py tests/test_kv_cache_manager_properties.py \
