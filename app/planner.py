@@ -12,7 +12,8 @@ reading it happens on the job's thread too.
 
 The curve: LRU at `DENSE_POINTS` log-spaced capacities (free: the one-pass curve), every chosen policy at
 `POLICY_POINTS` of them plus the running engine's pool size, the capacity LRU needs for 50, 80, 90 and
-95 % of the maximum, each point's miss breakdown and hot prefixes.
+95 % of the maximum, each point's miss breakdown and hot prefixes; `purchase_frame` says what those
+capacities take to buy (analysis/purchase.py).
 """
 
 from __future__ import annotations
@@ -30,9 +31,10 @@ import pandas as pd
 from analysis.analyzer import Analysis, AnalysisConfig, Progress, analyze, log_spaced_capacities
 from analysis.errors import TraceError
 from analysis.policies import Policy
-from analysis.readers import load_trace
+from analysis.purchase import Accelerator, ModelShape, purchase
+from analysis.readers import detect_format, load_trace, numbered_lines
 from analysis.stack_distance import lru_curve
-from analysis.trace import Trace
+from analysis.trace import Trace, TraceFormat
 
 MAX_UPLOAD_BYTES = 16 * 2**20  # the largest trace an operator may upload (both Mooncake traces fit)
 DENSE_POINTS = 80  # LRU capacities on the chart
@@ -82,15 +84,31 @@ class JobSnapshot:
     error: str | None  # set when FAILED
 
 
-def read_upload(data: bytes) -> Trace:
+def read_upload(data: bytes, trace_format: TraceFormat | None = None) -> Trace:
     """An uploaded trace file, bounded in size and read like any trace file.
 
+    Args:
+        data: the file's bytes.
+        trace_format: its format as the operator chose it; None detects it from the first line.
+
     Raises:
-        TraceError: too large, or not a valid trace (the reader's message, with the line).
+        TraceError: too large, of a format that cannot be detected (the message names the page's Format
+            box), or not a valid trace (the reader's message, with the line).
     """
     if len(data) > MAX_UPLOAD_BYTES:
         raise TraceError(f"the file has {len(data) / 2**20:.1f} MiB; at most {MAX_UPLOAD_BYTES // 2**20} MiB")
-    return load_trace(io.BytesIO(data))
+    if trace_format is None:
+        first = next(numbered_lines(io.BytesIO(data)), None)
+        if first is not None:
+            try:
+                trace_format = detect_format(first[1], first[0])
+            except TraceError as error:
+                if error.reason.startswith("cannot tell"):
+                    raise TraceError(
+                        "cannot tell the trace format (no hash_ids or chat_id field): choose it under Format", first[0]
+                    ) from None
+                raise
+    return load_trace(io.BytesIO(data), trace_format)
 
 
 def plan(trace: Trace, request: PlannerRequest, progress: Callable[[Progress], None] | None = None) -> PlannerResult:
@@ -189,3 +207,27 @@ class PlannerJob:
     def _finish(self, state: JobState, *, result: PlannerResult | None = None, error: str | None = None) -> None:
         with self._lock:
             self._state, self._result, self._error = state, result, error
+
+
+def purchase_frame(needed: pd.DataFrame, engine_tokens: int, shape: ModelShape, accelerator: Accelerator) -> pd.DataFrame:
+    """What each capacity of the "LRU needs" rows, and the running engine's pool, takes to buy.
+
+    Args:
+        needed: share_of_max, hit_ratio, capacity_tokens (`PlannerResult.needed`).
+        engine_tokens: the running engine's pool, in tokens (the first row).
+        shape: the model the cache serves.
+        accelerator: what would hold it.
+
+    Returns:
+        Columns target, hit_ratio, capacity_tokens, kv_gib, accelerators, price_per_hour.
+
+    Raises:
+        ValueError: the weights leave no room for KV on that accelerator (`analysis.purchase.kv_room`).
+    """
+    targets = [("this engine's pool", math.nan, engine_tokens)]
+    targets += [(f"{row.share_of_max:.0%} of the maximum", row.hit_ratio, int(row.capacity_tokens)) for row in needed.itertuples()]
+    rows = []
+    for target, hit_ratio, tokens in targets:
+        bought = purchase(tokens, shape, accelerator)
+        rows.append((target, hit_ratio, tokens, bought.kv_gib, bought.accelerators, bought.price_per_hour))
+    return pd.DataFrame(rows, columns=["target", "hit_ratio", "capacity_tokens", "kv_gib", "accelerators", "price_per_hour"])

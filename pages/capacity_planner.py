@@ -3,19 +3,28 @@ it misses. The analysis runs on a background thread of this session (app/planner
 
 from __future__ import annotations
 
+import pandas as pd
 import streamlit as st
 
 from analysis.own_workloads import history_trace
 from analysis.policies import Policy
+from analysis.purchase import Accelerator, ModelShape
 from analysis.readers import load_trace
 from analysis.samples import SAMPLES
+from analysis.trace import TraceFormat
 from app.hosting import get_host
-from app.planner import MAX_UPLOAD_BYTES, REASONS, JobState, PlannerJob, PlannerRequest, curve_frame, read_upload
-from app.planner_charts import miss_ratio_curves
+from app.planner import (
+    MAX_UPLOAD_BYTES, REASONS, JobState, PlannerJob, PlannerRequest, curve_frame, purchase_frame, read_upload,
+)  # fmt: skip
+from app.planner_charts import hit_ratio_curves
 from app.ui import kept, read_history, wait_for_history
+from engine.core.kv_memory import DTYPE_BYTES
 from storage.read import queries
 
 SOURCES = ("Sample", "Upload", "This console's history")
+DETECT = "detect from the first line"
+THIS_MODEL = "this console's model"
+NAMED_MODEL = "a model I describe"
 POLL_S = 0.5
 
 host = get_host()
@@ -43,20 +52,30 @@ if source == "Sample":
         return load_trace(path)
 
 elif source == "Upload":
+    trace_format = c[1].selectbox(
+        "Format", [DETECT, *(f.value for f in TraceFormat if f.value != "history")], **kept("planner_format", DETECT)
+    )
     upload = c[1].file_uploader(
         f"A Mooncake or Qwen-Bailian trace (JSON lines, at most {MAX_UPLOAD_BYTES // 2**20} MiB)",
         type=["jsonl", "json", "txt"],
         key="planner_upload",
     )
+    upload_id = None if upload is None else upload.file_id
+    if state.get("planner_upload_id") != upload_id:  # a new file: the previous file's outcome is not this one's
+        state["planner_upload_id"] = upload_id
+        job = state.pop("planner_job", None)
+        if job is not None:
+            job.cancel()
     if upload is not None:
         if upload.size > MAX_UPLOAD_BYTES:
             c[1].error(f"{upload.name} has {upload.size / 2**20:.1f} MiB; the planner takes at most "
                        f"{MAX_UPLOAD_BYTES // 2**20} MiB")  # fmt: skip
         else:
             data = upload.getvalue()
+            chosen_format = None if trace_format == DETECT else TraceFormat(trace_format)
 
             def load():
-                return read_upload(data)
+                return read_upload(data, chosen_format)
 
 else:
     wait_for_history(host)  # the requests this operator just ran are stored before the page reads them
@@ -77,8 +96,9 @@ else:
 c = st.columns([1, 2, 1])
 if source != "This console's history":
     split = c[0].number_input(
-        "Block size (tokens; 0: the trace's own)", 0, 4096, key="planner_block_size", value=0,
-        help="Split each block of a hash-id trace into blocks of this size (it must divide the trace's)",
+        "Block size (tokens; 0: the trace's own)", 0, 4096, **kept("planner_block_size", console.config.block_size),
+        help="Split each block of a hash-id trace into blocks of this size (it must divide the trace's); "
+        "the engine's block size to start with, so prefixes are reused in the blocks this engine uses",
     )  # fmt: skip
     block_size = int(split) or None
 policies = c[1].multiselect(
@@ -94,6 +114,7 @@ if start and load is not None:
         previous.cancel()
     request = PlannerRequest(block_size, tuple(Policy(p) for p in policies), engine_tokens)
     state["planner_job"] = job = PlannerJob(load, request)
+    state["planner_serial"] = state.get("planner_serial", 0) + 1  # the result's widgets are new ones
     job.start()
 
 job: PlannerJob | None = state.get("planner_job")
@@ -143,7 +164,7 @@ c[4].metric(
     help=f"{result.engine_capacity_tokens:,} tokens: {console.engine.num_blocks:,} blocks × {console.config.block_size}",
 )  # fmt: skip
 
-st.subheader("Miss ratio by cache size")
+st.subheader("Hit ratio by cache size")
 if trace.block_size != console.config.block_size:
     st.caption(
         f"This trace's blocks hold {trace.block_size} tokens, the engine's {console.config.block_size}: prefixes are "
@@ -151,7 +172,7 @@ if trace.block_size != console.config.block_size:
         f"{trace.block_size}) to compare like with like."
     )
 st.plotly_chart(
-    miss_ratio_curves(result.lru, points, analysis.max_hit_ratio, result.engine_capacity_tokens),
+    hit_ratio_curves(result.lru, points, analysis.max_hit_ratio, result.engine_capacity_tokens),
     key="planner_chart",
 )
 st.download_button(
@@ -166,12 +187,66 @@ needed["hit ratio"] = [f"{ratio:.1%}" for ratio in needed.pop("hit_ratio")]
 needed["capacity (tokens)"] = [f"{tokens:,}" for tokens in needed.pop("capacity_tokens")]
 st.table(needed.set_index("share of the maximum"))
 
+# ---------------------------------------------------------------- what to buy
+st.subheader("What to buy")
+st.caption(
+    "Each capacity above in GiB of KV (2 × layers × KV heads × head size × dtype bytes per token), in "
+    "accelerators that each hold a copy of the weights and give the rest of their usable memory to KV, and in "
+    "money per hour."
+)
+loaded = console.engine.loaded
+c = st.columns([2, 1, 1, 1, 1, 1])
+model_source = c[0].radio("Model", [THIS_MODEL, NAMED_MODEL], **kept("planner_model_source", THIS_MODEL))
+if model_source == THIS_MODEL:
+    dtype_bytes = DTYPE_BYTES[console.config.dtype]
+    shape_values = (loaded.num_layers, loaded.num_kv_heads, loaded.head_dim, dtype_bytes,
+                    loaded.model.num_parameters() * dtype_bytes)  # fmt: skip
+    c[0].caption(
+        f"{loaded.model_id}: {loaded.num_layers} layers, {loaded.num_kv_heads} KV heads of {loaded.head_dim}, "
+        f"{console.config.dtype}, {shape_values[4] / 2**30:.2f} GiB of weights"
+    )
+else:
+    layers = c[1].number_input("Layers", 1, 1024, **kept("planner_layers", 32))
+    kv_heads = c[2].number_input("KV heads", 1, 1024, **kept("planner_kv_heads", 8))
+    head_size = c[3].number_input("Head size", 1, 4096, **kept("planner_head_size", 128))
+    dtype = c[4].selectbox("Dtype", list(DTYPE_BYTES), **kept("planner_dtype", "bfloat16"))
+    weights_b = c[5].number_input("Parameters (billions)", 0.0, 10_000.0, step=0.1, **kept("planner_params_b", 8.0))
+    shape_values = (int(layers), int(kv_heads), int(head_size), DTYPE_BYTES[dtype],
+                    int(weights_b * 1e9) * DTYPE_BYTES[dtype])  # fmt: skip
+c = st.columns([2, 1, 1, 1, 2])
+memory_gib = c[1].number_input("Accelerator memory (GiB)", 1.0, 4096.0, step=8.0, **kept("planner_memory_gib", 80.0))
+usable = c[2].number_input("Usable share", 0.05, 1.0, step=0.05, **kept("planner_usable", 0.9),
+                           help="What the server may use of it (vLLM's gpu_memory_utilization)")  # fmt: skip
+price = c[3].number_input("Price per hour", 0.0, 10_000.0, step=0.5, **kept("planner_price", 2.5))
+try:
+    shape = ModelShape(*shape_values)
+    bought = purchase_frame(result.needed, result.engine_capacity_tokens, shape,
+                            Accelerator(float(memory_gib), float(usable), float(price)))  # fmt: skip
+except ValueError as error:
+    st.error(f"Cannot price it: {error}")
+else:
+    c[0].metric("KV per token", f"{shape.kv_bytes_per_token:,} bytes")
+    st.table(
+        pd.DataFrame(
+            {
+                "target": bought["target"],
+                "hit ratio": [f"{engine_points.loc['lru', 'hit_ratio'] if pd.isna(r) else r:.1%}" for r in bought["hit_ratio"]],
+                "capacity (tokens)": [f"{t:,}" for t in bought["capacity_tokens"]],
+                "KV (GiB)": [f"{g:,.2f}" for g in bought["kv_gib"]],
+                "accelerators": bought["accelerators"],
+                "price per hour": [f"{p:,.2f}" for p in bought["price_per_hour"]],
+            }
+        ).set_index("target")
+    )
+
 st.subheader("Why it misses")
 labels = {i: f"{p.policy.value} at {p.capacity_tokens:,} tokens" for i, p in enumerate(analysis.curve)}
 default = next(
     i for i, p in enumerate(analysis.curve) if p.policy is Policy.LRU and p.capacity_tokens == result.engine_capacity_tokens
 )
-chosen = st.selectbox("Point", list(labels), format_func=labels.get, index=default, key="planner_point")
+chosen = st.selectbox(  # a key per analysis: a kept index would name another result's point
+    "Point", list(labels), format_func=labels.get, index=default, key=f"planner_point_{state.get('planner_serial', 0)}"
+)
 point = analysis.curve[chosen]
 breakdown = {"hit": point.hit_tokens, **{reason: getattr(point.misses, reason) for reason in REASONS}}
 c = st.columns([1, 2])

@@ -44,7 +44,7 @@ def test_a_sample_is_analysed_in_the_background_and_every_panel_is_drawn(console
     assert metrics["Requests"] == "223" and metrics["Maximum hit ratio"] == "37.9%"
     assert metrics["LRU at this engine's size"].endswith("%")
     assert [s.value for s in at.subheader] == [
-        "Miss ratio by cache size", "Capacity LRU needs", "Why it misses", "Hot prefixes",
+        "Hit ratio by cache size", "Capacity LRU needs", "What to buy", "Why it misses", "Hot prefixes",
     ]  # fmt: skip
     needed = at.table[0].value
     assert list(needed.index) == ["50%", "80%", "90%", "95%"]
@@ -53,11 +53,11 @@ def test_a_sample_is_analysed_in_the_background_and_every_panel_is_drawn(console
 
 def test_the_chosen_point_shows_its_breakdown_summing_to_the_prompt_tokens(console_env):
     at = analysed(open_page("capacity_planner"))
-    points = at.selectbox(key="planner_point")
+    points = at.selectbox(key="planner_point_1")
     engine = host().console.engine
     engine_tokens = engine.num_blocks * engine.config.block_size  # 64 blocks of 16: the default point
     assert points.format_func(points.value) == f"lru at {engine_tokens:,} tokens"
-    breakdown = at.table[1].value["tokens"]
+    breakdown = at.table[2].value["tokens"]
     total = sum(int(value.replace(",", "")) for value in breakdown)
     assert total == load_trace(CONVERSATION_SAMPLE).input_tokens
 
@@ -72,8 +72,18 @@ def test_an_upload_is_checked_and_a_bad_line_is_reported_with_its_number(console
 
     broken = BAILIAN_SAMPLE.read_bytes() + b'{"chat_id": 9, "timestamp"\n'
     at.file_uploader(key="planner_upload").set_value(("broken.jsonl", broken, "application/jsonl")).run()
+    assert not at.error, "a new file's page shows no outcome of the previous one"
     at = analysed(at)
     assert [e.value for e in at.error][0].startswith("The trace could not be analysed: line 9: not valid JSON")
+
+    unknown = b'{"id": 1, "tokens": [1, 2]}\n'
+    at.file_uploader(key="planner_upload").set_value(("unknown.jsonl", unknown, "application/jsonl")).run()
+    assert not at.error, "the previous upload's error is gone with its file"
+    at = analysed(at)
+    assert [e.value for e in at.error] == [
+        "The trace could not be analysed: line 1: cannot tell the trace format (no hash_ids or chat_id field): "
+        "choose it under Format"
+    ]
 
 
 def test_this_consoles_history_is_analysed_from_its_stored_prompt_keys(console_env):
@@ -116,3 +126,28 @@ def test_the_csv_has_one_row_per_point_with_every_miss_reason():
     assert set(frame["policy"]) == {"lru", "opt"}
     assert (frame["hit_tokens"] + frame.filter(like="missed_").sum(axis=1) == result.analysis.trace.input_tokens).all()
     assert json.loads(frame.to_json(orient="records"))[0]["policy"] == "lru"
+
+
+def test_a_new_analysis_starts_at_its_own_engine_point_and_not_the_previous_results_index(console_env):
+    at = open_page("capacity_planner")
+    at.number_input(key="planner_block_size").set_value(0).run()
+    at = analysed(at)
+    at.number_input(key="planner_block_size").set_value(16).run()
+    at = analysed(at)
+    engine = host().console.engine
+    engine_tokens = engine.num_blocks * engine.config.block_size
+    points = at.selectbox(key="planner_point_2")
+    point = at.session_state["planner_job"].snapshot().result.analysis.curve[points.value]
+    assert points.format_func(points.value) == f"lru at {engine_tokens:,} tokens" == f"lru at {point.capacity_tokens:,} tokens"
+    assert at.table[2].value["tokens"]["hit"] == f"{point.hit_tokens:,}"
+
+
+def test_the_purchase_table_prices_each_capacity_for_this_model_or_a_described_one(console_env):
+    at = analysed(open_page("capacity_planner"))
+    bought = at.table[1].value
+    assert list(bought.index) == ["this engine's pool", "50% of the maximum", "80% of the maximum",
+                                  "90% of the maximum", "95% of the maximum"]  # fmt: skip
+    assert list(bought.columns) == ["hit ratio", "capacity (tokens)", "KV (GiB)", "accelerators", "price per hour"]
+    at.radio(key="planner_model_source").set_value("a model I describe").run()
+    at.number_input(key="planner_memory_gib").set_value(16.0).run()  # 8 B parameters in bfloat16 do not fit
+    assert [e.value for e in at.error][0].startswith("Cannot price it: the weights (14.9 GiB) fill the usable 14.4 GiB")
