@@ -34,8 +34,8 @@ from engine.runner.model_runner import GroupSlots, ModelRunner, SeqChunk
 from engine.runner.model_loading import LoadedModel, load_model
 from engine.core.namespace import CacheNamespace
 from engine.core.request import HitSource, Request, RequestStatus, SamplingParams, can_release
-from engine.runner.sampler import sample
-from engine.core.scheduler import ScheduledChunk, SchedulerOutput
+from engine.core.scheduler import SchedulerOutput
+from engine.forward import StepForward
 from engine.core.snapshot import EngineSnapshot, PoolStats, RequestView, block_views, pool_stats
 from engine.runner.verify import ReplayVerifier
 
@@ -89,6 +89,7 @@ class Engine:
         self.kv, self.scheduler = core.kv, core.scheduler
         # Only when asked for: it keeps logits of approximate replays and recomputes them when they finish.
         self._verifier = ReplayVerifier(self.runner, self.log) if config.verify_replay else None
+        self._forward = StepForward(self.runner, self.kv, self._verifier)
         self.vocab_size = int(self.loaded.model.config.vocab_size)
         self.max_model_len = int(self.loaded.max_position_embeddings)
         self._requests: dict[str, Request] = {}
@@ -343,60 +344,10 @@ class Engine:
         with self._lock:
             self.log.step += 1
             out = self.scheduler.schedule()
-            sampled, failed = self._run_model(out)
+            sampled, failed = self._forward.run(out, self._generators)
             finished = self.scheduler.postprocess(out, sampled, failed)
             self._end_step(out, finished)
             return [self._view(r) for r in finished]
-
-    def _run_model(self, out: SchedulerOutput) -> tuple[dict[str, int], dict[str, str]]:
-        """Copy-on-write copies, then one forward over every chunk.
-
-        Returns:
-            The sampled token of each request whose chunk reached its context's end, and why each request
-            whose chunk came out non-finite fails (its K/V is already zeroed; see `_non_finite`).
-        """
-        if any(out.copies):
-            self.runner.copy_blocks(out.copies)
-        if not out.chunks:
-            return {}, {}
-        chunks = [self._runner_chunk(chunk) for chunk in out.chunks]
-        logits = self.runner.execute(chunks)
-        failed = self._non_finite(out.chunks, chunks, logits)
-        ends = [i for i, c in enumerate(out.chunks) if c.reaches_end and c.request.request_id not in failed]
-        if not ends:
-            return {}, failed
-        requests = [out.chunks[i].request for i in ends]
-        if self._verifier is not None:
-            self._verifier.capture(requests, logits[ends])
-        generators = [self._generators.get(r.request_id) for r in requests]
-        tokens = sample(logits[ends], [r.sampling for r in requests], generators)
-        return {r.request_id: t for r, t in zip(requests, tokens)}, failed
-
-    def _non_finite(
-        self, scheduled: list[ScheduledChunk], chunks: list[SeqChunk], logits: torch.Tensor
-    ) -> dict[str, str]:
-        """Why each request whose chunk's last-position logits hold a NaN or an infinity fails.
-
-        Every chunk's last row is checked, prefill chunks too: causal attention carries a non-finite K/V
-        to every later position, so the chunk that first computes one is caught before its blocks enter
-        the prefix index. Each such chunk's K/V is zeroed at once (`ModelRunner.clear_slots`), so what
-        its request computed never reaches another request through a reused block.
-        """
-        failed = {}
-        for chunk, runner_chunk, finite in zip(scheduled, chunks, torch.isfinite(logits).all(dim=-1).tolist()):
-            if not finite:
-                self.runner.clear_slots(runner_chunk)
-                position = chunk.start_pos + len(chunk.token_ids) - 1
-                reason = f"non-finite logits (NaN or inf) at position {position}"
-                logger.warning("request %s failed: %s", chunk.request.request_id, reason)
-                failed[chunk.request.request_id] = reason
-        return failed
-
-    def _runner_chunk(self, chunk: ScheduledChunk) -> SeqChunk:
-        """The runner's input for one chunk: per group, the request's table and where the chunk writes."""
-        tables = self.kv.group_tables(chunk.request.request_id)
-        groups = tuple(GroupSlots(t.block_ids, t.first_block, w) for t, w in zip(tables, chunk.write_from))
-        return SeqChunk(chunk.token_ids, chunk.start_pos, groups)
 
     def _end_step(self, out: SchedulerOutput, finished: list[Request]) -> None:
         """Let go of what ended requests held here (and verify their replays), then tell listeners."""

@@ -26,9 +26,9 @@ Invariants (checked by `check_invariants`, on top of the pool's):
     table's ids every step without a pass over its blocks).
 
 Each change is a check and a commit, and the pool is asked once: `can_allocate` / `allocate` for a new
-table, `can_append` / `append` to grow one (the coordinator asks the same question through
-`blocks_to_allocate` / `blocks_to_append`). A commit trusts its check and does not ask the pool again:
-called without room it is a caller's bug, which the pool refuses (`NoFreeBlocksError`) when it runs out.
+table, `can_append` / `append` to grow one (`blocks_to_allocate` / `blocks_to_append` count the blocks
+without asking). A commit trusts its check and does not ask the pool again: called without room it is a
+caller's bug, which the pool refuses (`NoFreeBlocksError`) when it runs out, possibly mid-commit.
 """
 
 from __future__ import annotations

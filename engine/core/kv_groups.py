@@ -34,6 +34,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from engine.core.arith import ceil_div
 from engine.core.block import Block
 from engine.core.chain_keys import chain_key
 
@@ -198,7 +199,7 @@ def plan_window_hit(
     if runs and runs[-1][1] == h_blocks and window_ready_at(runs[-1], window, block_size):
         return WindowHit(h=h, s=s, e=e, r=h, mode=ReplayMode.READY)
     exact_r = max((end * block_size for first, end in runs if window_ready_at((first, end), window, block_size)), default=0)
-    approx_r = -(-max(0, h - window - policy.backtrack) // block_size) * block_size  # bounded: h - r <= W + backtrack
+    approx_r = ceil_div(max(0, h - window - policy.backtrack), block_size) * block_size  # bounded: h - r <= W + backtrack
     if policy.allow_approximate and approx_r > exact_r:
         return WindowHit(h=h, s=s, e=e, r=approx_r, mode=ReplayMode.APPROXIMATE)
     return WindowHit(h=h, s=s, e=e, r=exact_r, mode=ReplayMode.EXACT)

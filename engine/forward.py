@@ -1,0 +1,86 @@
+"""One step's forward: a schedule in, the sampled tokens and the failed requests out.
+
+Runs the copy-on-write copies the schedule asks for, one forward of the model over every scheduled
+chunk, the check for non-finite logits, and sampling (engine/engine.py's `step` calls it between the
+scheduler's `schedule` and `postprocess`). It changes no bookkeeping: the scheduler accounts for what it
+returns.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from engine.core.kv_coordinator import KVCoordinator
+from engine.core.scheduler import ScheduledChunk, SchedulerOutput
+from engine.runner.model_runner import GroupSlots, ModelRunner, SeqChunk
+from engine.runner.sampler import sample
+from engine.runner.verify import ReplayVerifier
+
+logger = logging.getLogger(__name__)
+
+
+class StepForward:
+    """The model's half of a step, over the engine's runner and its KV groups' tables."""
+
+    def __init__(self, runner: ModelRunner, kv: KVCoordinator, verifier: ReplayVerifier | None) -> None:
+        self.runner = runner
+        self.kv = kv
+        self.verifier = verifier  # keeps the logits of approximate replays, when asked for
+
+    def run(
+        self, out: SchedulerOutput, generators: dict[str, torch.Generator]
+    ) -> tuple[dict[str, int], dict[str, str]]:
+        """Copy-on-write copies, then one forward over every chunk.
+
+        Args:
+            out: the step's schedule.
+            generators: the seeded generator of each request that samples with one.
+
+        Returns:
+            The sampled token of each request whose chunk reached its context's end, and why each request
+            whose chunk came out non-finite fails (its K/V is already zeroed; see `_non_finite`).
+        """
+        if any(out.copies):
+            self.runner.copy_blocks(out.copies)
+        if not out.chunks:
+            return {}, {}
+        chunks = [self._runner_chunk(chunk) for chunk in out.chunks]
+        logits = self.runner.execute(chunks)
+        failed = self._non_finite(out.chunks, chunks, logits)
+        ends = [i for i, c in enumerate(out.chunks) if c.reaches_end and c.request.request_id not in failed]
+        if not ends:
+            return {}, failed
+        requests = [out.chunks[i].request for i in ends]
+        if self.verifier is not None:
+            self.verifier.capture(requests, logits[ends])
+        seeded = [generators.get(r.request_id) for r in requests]
+        tokens = sample(logits[ends], [r.sampling for r in requests], seeded)
+        return {r.request_id: t for r, t in zip(requests, tokens)}, failed
+
+    def _non_finite(
+        self, scheduled: list[ScheduledChunk], chunks: list[SeqChunk], logits: torch.Tensor
+    ) -> dict[str, str]:
+        """Why each request whose chunk's last-position logits hold a NaN or an infinity fails.
+
+        Every chunk's last row is checked, prefill chunks too: causal attention carries a non-finite K/V
+        to every later position, so the chunk that first computes one is caught before its blocks enter
+        the prefix index. Each such chunk's K/V is zeroed at once (`ModelRunner.clear_slots`), so what
+        its request computed never reaches another request through a reused block.
+        """
+        failed = {}
+        for chunk, runner_chunk, finite in zip(scheduled, chunks, torch.isfinite(logits).all(dim=-1).tolist()):
+            if not finite:
+                self.runner.clear_slots(runner_chunk)
+                position = chunk.start_pos + len(chunk.token_ids) - 1
+                reason = f"non-finite logits (NaN or inf) at position {position}"
+                logger.warning("request %s failed: %s", chunk.request.request_id, reason)
+                failed[chunk.request.request_id] = reason
+        return failed
+
+    def _runner_chunk(self, chunk: ScheduledChunk) -> SeqChunk:
+        """The runner's input for one chunk: per group, the request's table and where the chunk writes."""
+        tables = self.kv.group_tables(chunk.request.request_id)
+        groups = tuple(GroupSlots(t.block_ids, t.first_block, w) for t, w in zip(tables, chunk.write_from))
+        return SeqChunk(chunk.token_ids, chunk.start_pos, groups)
