@@ -10,8 +10,9 @@ $PREFIX_CONSOLE_FLEET_PODS (pods in `fleet.source.parse_pods` syntax, e.g.
 watch with the console. A watch is a `Collector` feeding the live `FleetIndex` and a `FleetStore` (its own
 WriterProcess on the console's history database, the writer the engine's history uses too, so consoles and `python -m cli fleet watch` processes
 sharing a PostgreSQL database see each other's pods); the collector scrapes the /metrics URL of the pods
-that name one into both (the index keeps the recent scrapes for the live view). Without a watch the Fleet pages read the database only. Background threads never call
-`st.*`; only the cached constructor at the bottom does.
+that name one into both (the index keeps the recent scrapes for the live view). Without a watch the
+Fleet pages read the database only. Background threads never call `st.*`; only the cached constructor
+at the bottom does.
 """
 
 from __future__ import annotations

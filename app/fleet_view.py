@@ -18,12 +18,9 @@ import enum
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 
 import pandas as pd
 
-from app.prompting import parse_token_ids
-from serving.prompts import encode_text
 from fleet.events import BatchOrigin, BlockStored, EventBatch, LinkState, PodBatch, PodMetrics
 from fleet.events import PodStatus as LinkReport
 from fleet.health import PodHealth, pod_health
@@ -34,9 +31,6 @@ from fleet.source import PodSource
 from storage.read import fleet_queries
 from storage.read.queries import Readable
 
-MAX_PROMPT_TOKEN_IDS = 65_536  # token ids a pasted prompt may hold
-MAX_TOKEN_ID = 2**32 - 1  # the wire's bound on a token id
-MAX_TOKENIZER_BYTES = 64 * 2**20  # a local tokenizer.json
 
 
 class PodStatus(enum.StrEnum):
@@ -96,7 +90,7 @@ def metrics_summary(scrapes: Sequence[PodMetrics]) -> MetricsSummary:
         if queries < 0 or hits < 0:  # a restarted server: its counters started again
             queries, hits = latest.prefix_cache_queries, latest.prefix_cache_hits
         window = hits / queries if queries > 0 else None
-    return MetricsSummary(latest.kv_usage, latest.num_gpu_blocks, window, lifetime, error)
+    return MetricsSummary(latest.kv_cache_usage, latest.num_gpu_blocks, window, lifetime, error)
 
 
 def metrics_frame(scrapes: Sequence[PodMetrics]) -> pd.DataFrame:
@@ -115,7 +109,7 @@ def metrics_frame(scrapes: Sequence[PodMetrics]) -> pd.DataFrame:
         rows.append(
             {
                 "at": pd.Timestamp(scrape.at, unit="s"),
-                "kv_usage": scrape.kv_usage,
+                "kv_usage": scrape.kv_cache_usage,
                 "hit_rate": rate,
                 "preemptions": preempted,
                 "running": scrape.num_running,
@@ -127,7 +121,9 @@ def metrics_frame(scrapes: Sequence[PodMetrics]) -> pd.DataFrame:
 
 
 def _delta_rate(before: PodMetrics, after: PodMetrics) -> float | None:
-    values = (before.prefix_cache_queries, before.prefix_cache_hits, after.prefix_cache_queries, after.prefix_cache_hits)
+    values = (
+        before.prefix_cache_queries, before.prefix_cache_hits, after.prefix_cache_queries, after.prefix_cache_hits
+    )  # fmt: skip
     if None in values:
         return None
     queries, hits = values[2] - values[0], values[3] - values[1]
@@ -263,7 +259,8 @@ def index_from_history(db: Readable, now: float, stale_after_s: float = DEFAULT_
         pod = PodSource(source.pod, source.endpoint, _text(source.replay_endpoint), _text(source.topic) or "")
         index.open_pod(pod, source.opened_at)
         link, status_at = _text(source.link), _known(source.status_at)
-        watched = _known(source.closed_at) is None and status_at is not None and now - status_at <= COLLECTOR_LOST_AFTER_S
+        heartbeat = status_at is not None and now - status_at <= COLLECTOR_LOST_AFTER_S
+        watched = _known(source.closed_at) is None and heartbeat
         if link is not None and watched:  # else no link is known: silence alone makes it stale
             lost, restarts = int(source.num_lost_batches or 0), int(source.num_restarts or 0)
             index.pod_status(LinkReport(source.pod, status_at, LinkState(link), lost, restarts))
@@ -355,61 +352,6 @@ def route_frame(result: RouteResult) -> pd.DataFrame:
         ],
         columns=["pod", "cached blocks", "cached tokens", "share of prompt", "stale"],
     )
-
-
-def prompt_token_ids(text: str) -> list[int]:
-    """Token ids pasted as text (app.prompting's syntax), bounded as the KV-event wire bounds them.
-
-    Raises:
-        ValueError: malformed, out of [0, 2**32), or more than MAX_PROMPT_TOKEN_IDS.
-    """
-    ids = parse_token_ids(text)
-    if len(ids) > MAX_PROMPT_TOKEN_IDS:
-        raise ValueError(f"at most {MAX_PROMPT_TOKEN_IDS:,} token ids, got {len(ids):,}")
-    bad = [token for token in ids if not 0 <= token <= MAX_TOKEN_ID]
-    if bad:
-        raise ValueError(f"token ids {bad[:5]} are outside [0, 2**32)")
-    return ids
-
-
-def local_tokenizer(directory: str):
-    """The `tokenizers` tokenizer in a local model directory's tokenizer.json (the pods' model, say).
-
-    Raises:
-        ValueError: no such directory, no tokenizer.json in it, a file over MAX_TOKENIZER_BYTES, or one
-            that does not load.
-    """
-    from tokenizers import Tokenizer
-
-    if len(directory) > 4096:
-        raise ValueError("the path is too long")
-    path = Path(directory).expanduser() / "tokenizer.json"
-    if not path.is_file():
-        raise ValueError(f"no tokenizer.json in {directory!r}")
-    if path.stat().st_size > MAX_TOKENIZER_BYTES:
-        raise ValueError(f"{path} is larger than {MAX_TOKENIZER_BYTES // 2**20} MiB")
-    try:
-        return Tokenizer.from_file(str(path))
-    except Exception as exc:  # the library raises its own exception type for a malformed file
-        raise ValueError(f"{path} does not load: {exc}") from None
-
-
-def encode_with(tokenizer, text: str) -> list[int]:
-    """`text` as token ids, with the tokenizer's default special tokens: the console's own (transformers)
-    tokenizer, or one `local_tokenizer` loaded.
-
-    Raises:
-        ValueError: an empty text, or too many tokens.
-    """
-    if not text.strip():
-        raise ValueError("the prompt is empty")
-    if hasattr(tokenizer, "encode_batch"):  # a `tokenizers.Tokenizer`
-        ids = list(tokenizer.encode(text).ids)
-    else:
-        ids = encode_text(tokenizer, text)
-    if len(ids) > MAX_PROMPT_TOKEN_IDS:
-        raise ValueError(f"the prompt is {len(ids):,} tokens; at most {MAX_PROMPT_TOKEN_IDS:,}")
-    return ids
 
 
 def short_hash(text: str, keep: int = 6) -> str:

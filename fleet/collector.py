@@ -1,7 +1,7 @@
 """The collector: one subscriber per pod, a metrics poller, and one dispatcher to the sinks.
 
     pod "a" SUB -> thread a ─┐                                ┌─> FleetIndex       (fleet.index)
-    pod "b" SUB -> thread b ─┼─> bounded queue -> dispatcher ─┼─> storage sink     (storage.write.fleet_sink)
+    pod "b" SUB -> thread b ─┼─> bounded queue -> dispatcher ─┼─> FleetStore      (storage.write.fleet_sink)
     /metrics    -> poller   ─┘                                └─> ...
      (decode, order, recover by replay: fleet.subscriber)   (calls every sink, in order)
 

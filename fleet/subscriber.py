@@ -183,6 +183,9 @@ class PodSubscriber:
                 self._down_since = None
                 self._resubscribe_after_s = self.config.resubscribe_after_s
                 self._catch_up_due = True  # what was published before the subscription arrived is missed
+                # The server is back: replays that timed out while it was away do not delay this one.
+                self._no_replay_before = 0.0
+                self._replay_backoff_s = self.config.replay_backoff_s
             elif state is LinkState.DISCONNECTED:
                 self._down_since = time.monotonic()
         if changes:

@@ -101,7 +101,8 @@ def pods() -> None:
         if view == LIVE and watch is not None:
             found = scrapes[chosen]
         else:
-            stored = read_history(fleet_queries.metrics_history, host.db, [source_ids[chosen]], now - RATE_WINDOWS[window])
+            since = now - RATE_WINDOWS[window]
+            stored = read_history(fleet_queries.metrics_history, host.db, [source_ids[chosen]], since)
             found = [] if stored is None else scrapes_from_history(stored, chosen)
         if found:
             st.plotly_chart(fleet_charts.pod_metrics_lines(metrics_frame(found), chosen), key="fleet_metrics_chart")

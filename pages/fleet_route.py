@@ -7,14 +7,21 @@ import time
 import streamlit as st
 
 from app.fleet_hosting import get_fleet_host
-from app.fleet_view import encode_with, index_from_history, local_tokenizer, media_and_groups, prompt_token_ids, route_frame
+from app.fleet_prompts import chat_token_ids, encode_with, local_chat_tokenizer, local_tokenizer, parse_chat_messages
+from app.fleet_prompts import prompt_token_ids
+from app.fleet_view import index_from_history, media_and_groups, route_frame
 from app.hosting import get_host
 from app.ui import LIVE, fleet_source, kept, read_history
 
 CONSOLE_TOKENIZER = "Text, this console's tokenizer"
 LOCAL_TOKENIZER = "Text, tokenizer.json of a local model directory"
+CHAT = "Chat messages, a local model directory's chat template"
 TOKEN_IDS = "Token ids"
-MODES = (CONSOLE_TOKENIZER, LOCAL_TOKENIZER, TOKEN_IDS)
+MODES = (CONSOLE_TOKENIZER, LOCAL_TOKENIZER, CHAT, TOKEN_IDS)
+PROMPT_LABELS = {
+    TOKEN_IDS: "Token ids (commas or spaces)",
+    CHAT: 'Messages: lines "system: ...", "user: ...", "assistant: ...", or an OpenAI request\'s JSON array',
+}
 
 host = get_host()
 fleet = get_fleet_host()
@@ -32,8 +39,13 @@ mode = st.radio("Prompt as", MODES, horizontal=True, **kept("fleet_route_mode", 
 directory = ""
 if mode == LOCAL_TOKENIZER:
     directory = st.text_input("Model directory (holding tokenizer.json)", max_chars=4096, **kept("fleet_route_dir", ""))
+elif mode == CHAT:
+    directory = st.text_input(
+        "Model directory (the pods' model: tokenizer files and chat template)", max_chars=4096,
+        **kept("fleet_route_chat_dir", ""),
+    )  # fmt: skip
 prompt = st.text_area(
-    "Token ids (commas or spaces)" if mode == TOKEN_IDS else "Prompt",
+    PROMPT_LABELS.get(mode, "Prompt"),
     height=160,
     max_chars=400_000,
     **kept("fleet_route_prompt", ""),
@@ -47,6 +59,8 @@ if go or state.get("fleet_route_done"):
             token_ids = prompt_token_ids(prompt)
         elif mode == LOCAL_TOKENIZER:
             token_ids = encode_with(local_tokenizer(directory), prompt)
+        elif mode == CHAT:
+            token_ids = chat_token_ids(local_chat_tokenizer(directory), parse_chat_messages(prompt))
         else:
             token_ids = encode_with(host.console.tokenizer, prompt)
     except ValueError as exc:
@@ -70,6 +84,10 @@ if go or state.get("fleet_route_done"):
         st.success(
             f"Route to **{', '.join(best)}**: {top.matched_tokens:,} of {result.num_prompt_tokens:,} prompt tokens "
             f"cached ({top.matched_blocks} blocks)."
+        )
+        st.caption(
+            "At most the prompt's length less one token: vLLM always recomputes the last token, so a fully "
+            "cached prompt of whole blocks reuses one block less. The figure is what vLLM reports as cached_tokens."
         )
     else:
         st.info(f"No pod holds the first block of this {result.num_prompt_tokens:,}-token prompt: any pod will do.")

@@ -77,7 +77,8 @@ else:
     roots = frame[frame["parent_id"].isna()]
     big = set(roots.nlargest(BIG_CHAINS, "tokens_below")["node_id"])  # the longest chains, where they start
     rows = list(frame.itertuples())
-    figure = fleet_charts.fleet_icicle(frame, [hover(row) for row in rows], [label(row, big) for row in rows], colour_by)
+    hovers, names = [hover(row) for row in rows], [label(row, big) for row in rows]
+    figure = fleet_charts.fleet_icicle(frame, hovers, names, colour_by)
     st.plotly_chart(figure, key="fleet_icicle")
     shared = frame[frame["replicas"] > 1]
     c = st.columns(4)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.fleet_support import VllmPod, wait_until
+from tests.fleet_support import MetricsServer, VllmPod, vllm_metrics_text, wait_until
 from tests.test_app_support import console_env, errors, no_exceptions, open_page, texts  # noqa: F401
 
 pytest.importorskip("vllm.v1.core.kv_cache_manager", reason="vLLM is installed by requirements-interop.txt")
@@ -22,14 +22,16 @@ def two_pods(console_env, monkeypatch):
     """Pods "vllm-a" and "vllm-b", watched by the console's collector; both cached SHARED, and a
     cached a longer prompt of its own."""
     pods = [VllmPod(name="vllm-a"), VllmPod(name="vllm-b")]
+    metrics = MetricsServer(vllm_metrics_text(queries=400, hits=300, scheduler=True))  # vllm-a's /metrics
     spec = " ".join(
         f"{pod.name}={pod.endpoint},replay=tcp://127.0.0.1:{pod.replay_port},topic=kv-events" for pod in pods
-    )
+    ) + f",metrics={metrics.url}"
     monkeypatch.setenv("PREFIX_CONSOLE_FLEET_PODS", spec)
     monkeypatch.setenv("PREFIX_CONSOLE_FLEET_STALE_AFTER_S", "1")
     yield pods
     for pod in pods:
         pod.close()
+    metrics.close()
 
 
 def publish_prompts(pods) -> list:
@@ -67,6 +69,11 @@ def test_the_pods_page_shows_each_pods_blocks_live_and_from_the_history(two_pods
     live = at.dataframe[0].value.set_index("pod")
     assert live.loc["vllm-a", "blocks"] == 5 and live.loc["vllm-b", "blocks"] == 3
     assert set(live["status"]) <= {"live", "idle"} and not live["stale"].any()  # idle once quiet for 1 s
+    wait_until(lambda: fleet_host().watch.index.metrics("vllm-b"), "a scrape of vllm-b's /metrics", 15)
+    at.run()
+    live = at.dataframe[0].value.set_index("pod")
+    assert live.loc["vllm-b", "capacity"] == 2000 and live.loc["vllm-b", "kv_usage"] == 0.5
+    assert live.loc["vllm-b", "lifetime_hit_rate"] == 0.75, "300 of 400 tokens, since the server started"
     at.radio(key="fleet_view").set_value("History database (every collector)").run()
     stored = at.dataframe[0].value.set_index("pod")
     assert stored.loc["vllm-a", "blocks"] == 5 and stored.loc["vllm-b", "blocks"] == 3

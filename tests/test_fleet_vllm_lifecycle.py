@@ -73,6 +73,32 @@ def test_a_server_restarted_after_a_quiet_spell_is_detected_and_only_its_new_blo
             second.close()
 
 
+def test_a_server_back_after_a_long_outage_is_seen_restarted_before_it_publishes_anything():
+    """The replays that timed out while it was down must not delay the catch-up its new connection
+    owes: found empty, it shows the restart, and the dead server's blocks go before any request."""
+    port, replay_port = free_port(), free_port()
+    config = replace(FAST, idle_replay_after_s=0.2, replay_idle_timeout_s=0.2, replay_backoff_s=30.0,
+                     replay_backoff_max_s=60.0)  # fmt: skip
+    first = serve(port, replay_port)
+    index = FleetIndex()
+    with Collector([watched(port, replay_port)], [index], config) as collector:
+        wait_until(lambda: collector.stats()["vllm-0"].link is LinkState.CONNECTED, "the SUB socket to connect")
+        time.sleep(0.2)
+        publish_prompts(first, 3)
+        wait_until(lambda: "vllm-0" in index.pod_names() and index.pod("vllm-0").last_seq == 2, "the first server")
+        first.close()
+        wait_until(lambda: collector.stats()["vllm-0"].num_replay_timeouts >= 1, "a catch-up to time out")
+        wait_port_free(port)
+        wait_port_free(replay_port)
+        second = serve(port, replay_port)
+        try:
+            wait_until(lambda: collector.stats()["vllm-0"].num_restarts == 1, "the restart, seen on reconnection")
+            wait_until(lambda: index.copies("vllm-0") == {}, "the dead server's blocks to go")
+            assert second.num_published == 0
+        finally:
+            second.close()
+
+
 def test_a_pub_endpoint_that_connects_instead_of_binding_is_reported_unreachable():
     """Bug 2: `"endpoint": "tcp://127.0.0.1:5557"` makes vLLM connect its PUB socket, the collector connects
     too, and no live batch ever arrives; the start-up replay alone used to read as a ready pod."""
