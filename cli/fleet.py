@@ -11,9 +11,17 @@ sources closed and exits (0; 1 if history rows were lost). A database that takes
 up: after `STOP_TIMEOUT_S` the queued rows are dropped (counted, exit 1). Several watchers (and
 consoles) can share a PostgreSQL database: each writes only its own sources' rows.
 
+A pod that names a `metrics=` URL is scraped every few seconds into the history (KV usage, hit rate,
+preemptions, running and waiting requests, capacity). The status line names each pod's health (live,
+idle, down, unreachable: `fleet.health`); a pod whose PUB endpoint refuses the connection gets a hint,
+since a server configured with `"endpoint": "tcp://127.0.0.1:PORT"` connects instead of binding.
+
 `state` reads the database (whoever wrote it): per pod, the newest source's blocks held by medium and KV
-group (`hashes` distinct, `blocks` physical copies) and when it was last heard; `--hashes` adds the held
-hashes, `--json` prints one JSON document instead of text.
+group (`hashes` distinct, `blocks` physical copies), when it was last heard, and how its collector last
+saw it: its health, link, lost batches and restarts, and whether the collector is still alive (a source
+neither closed nor given a heartbeat for `--collector-lost-after` seconds, `HEARTBEAT_LOST_S` by default,
+belongs to a collector that was killed);
+`--hashes` adds the held hashes, `--json` prints one JSON document instead of text.
 
 Bad arguments (a malformed --pod, a repeated pod name, an unknown pod for `state`): a message on stderr
 and exit status 2. The database and the collector are imported in `run`, so `--help` stays light.
@@ -34,6 +42,7 @@ from fleet.source import PodSource, parse_pod
 NAME = "fleet"
 DEFAULT_STATUS_EVERY_S = 10.0
 MAX_STATUS_EVERY_S = 3600.0
+HEARTBEAT_LOST_S = 30.0  # a watching source whose status is older belongs to a collector that died
 STOP_TIMEOUT_S = 10.0  # on SIGINT/SIGTERM, the longest wait for each of the pod threads, the sinks and the writer
 # The cyclic garbage collector's thresholds while a watch runs. The collector allocates a few containers
 # per block event (decoded events, index entries, history rows), and at full speed hundreds of thousands
@@ -75,6 +84,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     state.add_argument("--pod", action="append", default=None, help="only this pod (repeat for more)")
     state.add_argument("--json", action="store_true", help="one JSON document instead of text")
     state.add_argument("--hashes", action="store_true", help="also list the held hashes")
+    state.add_argument(
+        "--collector-lost-after",
+        type=_seconds,
+        default=HEARTBEAT_LOST_S,
+        metavar="SECONDS",
+        help=f"a watching source with no status for this long has a dead collector (default {HEARTBEAT_LOST_S:g})",
+    )
     state.set_defaults(run=run_state)
 
 
@@ -149,26 +165,37 @@ def run_watch(args: argparse.Namespace) -> int:
 
 
 def status_line(collector, index, writer) -> str:
-    """One line: pods ready and stale, batches and block events seen, blocks held, lag, errors, the writer."""
+    """One line: pods ready and by health, batches and block events seen, blocks held, lag, errors, the
+    writer; then a hint for each pod whose endpoint refuses the connection."""
+    from fleet.events import LinkState
+
     stats = collector.stats()
     pods = index.pods()
     writer_stats = writer.stats()
     lags = [pod.last_lag_s for pod in stats.values() if pod.last_lag_s is not None]
+    health = ", ".join(f"{pod.pod} {pod.health.value}" for pod in pods)
     parts = [
         time.strftime("%H:%M:%S"),
         f"pods {sum(pod.ready for pod in stats.values())}/{len(stats)} ready",
-        f"{sum(pod.stale for pod in pods)} stale",
+        f"{sum(pod.stale for pod in pods)} stale ({health})",
         f"batches {sum(pod.num_batches for pod in stats.values()):,}",
         f"block events {sum(pod.num_block_events for pod in stats.values()):,}",
         f"held {sum(pod.num_blocks for pod in pods):,} blocks",
         f"lag max {max(lags) * 1e3:.0f} ms" if lags else "lag -",
         f"lost batches {sum(pod.num_lost_batches for pod in stats.values())}",
+        f"restarts {sum(pod.num_restarts for pod in stats.values())}",
         f"feed errors {sum(pod.num_errors for pod in stats.values())}",
         f"db rows {writer_stats.written_other:,} written, {writer_stats.queued:,} queued, "
         f"{writer_stats.dropped:,} dropped",
     ]
     if writer_stats.last_error:
         parts.append(f"last db error: {writer_stats.last_error}")
+    for source in collector.sources:
+        if stats[source.name].link is LinkState.REFUSED:
+            parts.append(
+                f"{source.name}: nothing listens at {source.endpoint} (live batches cannot arrive; a vLLM "
+                f"server binds its PUB socket only for an endpoint like tcp://*:PORT)"
+            )
     return "fleet watch: " + ", ".join(parts)
 
 
@@ -204,9 +231,20 @@ def run_state(args: argparse.Namespace) -> int:
         return 1
     finally:
         engine.dispose()
+    from fleet.events import LinkState
+    from fleet.health import pod_health
+    from fleet.index import DEFAULT_STALE_AFTER_S
+
+    now = time.time()
     pods = []
     for source in sources.itertuples():
         groups = summary[summary["source_id"] == source.id]
+        closed = not _missing(source.closed_at)
+        status_at = None if _missing(source.status_at) else float(source.status_at)
+        collector_alive = not closed and status_at is not None and now - status_at <= args.collector_lost_after
+        heard_at = source.opened_at if _missing(source.last_received_at) else source.last_received_at
+        link = None if _missing(source.link) else LinkState(source.link)
+        health = pod_health(link, now - heard_at, DEFAULT_STALE_AFTER_S)
         pod = {
             "pod": source.pod,
             "source_id": source.id,
@@ -215,6 +253,13 @@ def run_state(args: argparse.Namespace) -> int:
             "opened_at": source.opened_at,
             "closed_at": None if _missing(source.closed_at) else source.closed_at,
             "last_ts": None if _missing(source.last_ts) else source.last_ts,
+            "watching": collector_alive,
+            "status_at": status_at,
+            "link": None if link is None else link.value,
+            "health": health.value if collector_alive else None,
+            "stale": not collector_alive or health.stale,
+            "num_lost_batches": None if _missing(source.num_lost_batches) else int(source.num_lost_batches),
+            "num_restarts": None if _missing(source.num_restarts) else int(source.num_restarts),
             "num_hashes": int(groups["hashes"].sum()),
             "num_blocks": int(groups["blocks"].sum()),
             "groups": [
@@ -241,8 +286,22 @@ def _print_text(pods: list[dict]) -> None:
         print("no pods in the database")
     for pod in pods:
         heard = "never heard" if pod["last_ts"] is None else f"last batch {_clock(pod['last_ts'])}"
-        watching = "watching" if pod["closed_at"] is None else f"closed {_clock(pod['closed_at'])}"
-        print(f"{pod['pod']}: {pod['num_blocks']} blocks held ({pod['num_hashes']} hashes), {heard}, {watching}")
+        if pod["closed_at"] is not None:
+            watching = f"closed {_clock(pod['closed_at'])}"
+        elif pod["watching"]:
+            watching = f"watching: {pod['health']}, link {pod['link']}"
+        elif pod["status_at"] is None:
+            watching = "no status from its collector (an older one, or one that died at once)"
+        else:
+            watching = f"its collector is silent since {_clock(pod['status_at'])} (killed?)"
+        counts = ""
+        if pod["num_lost_batches"] is not None:
+            counts = f", lost batches {pod['num_lost_batches']}, restarts {pod['num_restarts']}"
+        stale = ", STALE (the blocks may be out of date)" if pod["stale"] else ""
+        print(
+            f"{pod['pod']}: {pod['num_blocks']} blocks held ({pod['num_hashes']} hashes), {heard}, {watching}"
+            f"{counts}{stale}"
+        )
         for group in pod["groups"]:
             blocks, hashes = group["blocks"], group["hashes"]
             print(f"  {group['medium']} group {group['group_idx']}: {blocks} blocks ({hashes} hashes)")

@@ -15,7 +15,8 @@ Per source the builder keeps what `fleet.index` keeps per group, reduced to what
     AllBlocksCleared                 every held hash ends: an eviction row each ("cleared", copies_left 0)
     PodReset (a restarted server)    the same, reason "reset"
 
-Rows are built per unit of work (`FleetRows`: one batch, a reset, a pod opened, the collector closing).
+Rows are built per unit of work (`FleetRows`: one batch, a reset, a pod opened, a pod's status or
+metrics scrape, the collector closing).
 A lifetime that opens and ends in one unit never reaches fleet_blocks; one that opens in a unit is
 inserted as it stands at the unit's end; one opened earlier gets an update of its copies (`changed`;
 only duplicated blocks change copies) or a delete (`ended`), and a clear or reset deletes every held
@@ -33,7 +34,16 @@ import enum
 from dataclasses import dataclass, field
 from itertools import groupby
 
-from fleet.events import AllBlocksCleared, BlockHash, BlockRemoved, BlockStored, PodBatch, PodReset
+from fleet.events import (
+    AllBlocksCleared,
+    BlockHash,
+    BlockRemoved,
+    BlockStored,
+    PodBatch,
+    PodMetrics,
+    PodReset,
+    PodStatus,
+)
 from fleet.source import PodSource
 
 _HEX_PREFIX = "0x"
@@ -93,6 +103,8 @@ class FleetRows:
     ended_below: list[tuple] = field(default_factory=list)  # (source_id, n): every held row numbered below n
     evictions: list[tuple] = field(default_factory=list)  # FLEET_EVICTION_COLUMNS
     source_closes: list[tuple] = field(default_factory=list)  # (source_id, closed_at)
+    statuses: list[tuple] = field(default_factory=list)  # (source_id, *FLEET_SOURCE_STATUS_COLUMNS)
+    metrics: list[tuple] = field(default_factory=list)  # FLEET_METRICS_COLUMNS
     num_block_events: int = 0  # blocks stored plus blocks removed in the batch it holds
     num_new_sources: int = 0  # of `sources`, the ones this unit introduces (the rest are written already)
 
@@ -108,6 +120,8 @@ class FleetRows:
             + len(self.ended_below)
             + len(self.evictions)
             + len(self.source_closes)
+            + len(self.statuses)
+            + len(self.metrics)
         )
 
 
@@ -216,6 +230,37 @@ class FleetRowBuilder:
         rows.events.append([source.id, reset.new_seq, reset.at, reset.at, None, kind, None, None, 0, None, None, None])
         _end_all(source, reset.at, RemovalReason.RESET, rows)
         return rows
+
+    def status(self, status: PodStatus) -> FleetRows:
+        """The source's link, heartbeat and counts, as the collector last reported them.
+
+        Raises:
+            KeyError: the pod was never opened.
+        """
+        source = self._sources[status.pod]
+        row = (source.id, status.link.value, status.at, status.num_lost_batches, status.num_restarts)
+        return FleetRows(sources=[source.row], statuses=[row])
+
+    def metrics(self, metrics: PodMetrics) -> FleetRows:
+        """One scrape of the pod's /metrics.
+
+        Raises:
+            KeyError: the pod was never opened.
+        """
+        source = self._sources[metrics.pod]
+        row = (
+            source.id,
+            metrics.at,
+            metrics.prefix_cache_queries,
+            metrics.prefix_cache_hits,
+            metrics.num_preemptions,
+            metrics.kv_cache_usage,
+            metrics.num_running,
+            metrics.num_waiting,
+            metrics.num_gpu_blocks,
+            metrics.error,
+        )
+        return FleetRows(sources=[source.row], metrics=[row])
 
     def close(self, at: float) -> FleetRows:
         """Every source's closing time (their held blocks stay as last seen)."""

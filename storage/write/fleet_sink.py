@@ -24,7 +24,7 @@ import threading
 import time
 from dataclasses import dataclass
 
-from fleet.events import PodBatch, PodReset
+from fleet.events import PodBatch, PodMetrics, PodReset, PodStatus
 from fleet.source import PodSource
 from storage.write.fleet_bulk import write_fleet_rows
 from storage.write.fleet_rows import FleetRowBuilder, FleetRows
@@ -37,7 +37,7 @@ class FleetStoreStats:
     """What the store handed to the writer."""
 
     collector_id: str  # the id its sources' rows carry
-    num_units: int  # FleetRows handed to the writer (one per opened pod, batch, reset, close)
+    num_units: int  # FleetRows handed to the writer (one per opened pod, batch, reset, status, scrape, close)
     num_rows: int  # rows in them
     num_block_events: int  # blocks stored plus blocks removed in the batches handed over
     num_dropped_units: int  # units the writer refused at once (it was closing)
@@ -70,6 +70,12 @@ class FleetStore:
 
     def reset_pod(self, reset: PodReset) -> None:
         self._submit(self._builder.reset(reset))
+
+    def pod_status(self, status: PodStatus) -> None:
+        self._submit(self._builder.status(status))
+
+    def apply_metrics(self, metrics: PodMetrics) -> None:
+        self._submit(self._builder.metrics(metrics))
 
     # --- the rest -----------------------------------------------------------------------------
 
