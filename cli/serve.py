@@ -13,6 +13,7 @@ that cannot be used or an address that cannot be bound; 1 when history rows coul
 from __future__ import annotations
 
 import argparse
+import signal
 import socket
 import sys
 from typing import TYPE_CHECKING, Any
@@ -125,6 +126,10 @@ def _serve(config: EngineConfig, limits: ApiLimits, sock: socket.socket, writer:
     history = f"; history run {run_id}" if run_id is not None else ""
     print(f"serving {engine.loaded.model_id} on http://{host}:{port}/v1{history}", file=sys.stderr, flush=True)
     engine.start()
+    # uvicorn handles SIGINT and SIGTERM while it runs, then raises the signal again under the handlers it
+    # found: with these it returns here, and the engine and the history writer shut down cleanly.
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, lambda *_: None)
     try:
         server.run(sockets=[sock])  # until SIGINT / SIGTERM
     finally:
