@@ -144,8 +144,12 @@ with st.form("settings_form"):
     c = st.columns(3)
     model = c[0].selectbox("Model", [*models, LOCAL_DIRECTORY], index=[*models, LOCAL_DIRECTORY].index(current_model), key="settings_model")
     model_path = c[0].text_input("Model directory (for a local directory)", value="" if current_model != LOCAL_DIRECTORY else config.model, key="settings_model_path")
-    num_blocks = c[1].number_input("Pool size (blocks)", 1, MAX_NUM_BLOCKS, engine.num_blocks, step=1, key="settings_num_blocks")
-    block_size = c[1].number_input("Block size (tokens)", 1, MAX_BLOCK_SIZE, config.block_size, step=1, key="settings_block_size")
+    # No bounds on the number boxes: out-of-range values reach the checks below and are refused with the
+    # reason (a bounded box would show them red and submit the previous value instead).
+    num_blocks = c[1].number_input("Pool size (blocks)", value=engine.num_blocks, step=1, key="settings_num_blocks",
+                                   help=f"1 to {MAX_NUM_BLOCKS:,}")  # fmt: skip
+    block_size = c[1].number_input("Block size (tokens)", value=config.block_size, step=1, key="settings_block_size",
+                                   help=f"1 to {MAX_BLOCK_SIZE}")  # fmt: skip
     dtype = c[2].selectbox("Dtype", DTYPES, index=DTYPES.index(config.dtype), key="settings_dtype")
     policies = [policy.value for policy in EvictionPolicyName]
     eviction = c[1].selectbox(
@@ -155,9 +159,9 @@ with st.form("settings_form"):
     device = c[2].selectbox("Device", devices, index=devices.index(config.device) if config.device in devices else 0, key="settings_device")
     with st.expander("Scheduler"):
         c = st.columns(3)
-        max_batched = c[0].number_input("Max batched tokens per step", 1, MAX_BATCHED_TOKENS, config.max_num_batched_tokens, key="settings_max_batched")
-        max_seqs = c[1].number_input("Max running requests", 1, 4096, config.max_num_seqs, key="settings_max_seqs")
-        seed = c[2].number_input("Seed", 0, 2**31 - 1, config.seed, key="settings_seed")
+        max_batched = c[0].number_input("Max batched tokens per step", value=config.max_num_batched_tokens, key="settings_max_batched")
+        max_seqs = c[1].number_input("Max running requests", value=config.max_num_seqs, key="settings_max_seqs")
+        seed = c[2].number_input("Seed", value=config.seed, key="settings_seed")
     with st.expander("Sliding-window attention"):
         c = st.columns(3)
         layout_now, _, window_now = (config.attention_override or "").partition(":")
@@ -165,9 +169,9 @@ with st.form("settings_form"):
             "Attention layout", LAYOUTS, index=LAYOUTS.index(layout_now) if layout_now in LAYOUTS else 0,
             format_func=LAYOUT_LABELS.get, key="settings_layout",
         )
-        window = c[0].number_input("Window (tokens)", 1, MAX_BATCHED_TOKENS, int(window_now or 64), key="settings_window")
+        window = c[0].number_input("Window (tokens)", value=int(window_now or 64), key="settings_window")
         backtrack = c[1].number_input(
-            "Window backtrack (tokens)", 0, MAX_BATCHED_TOKENS, config.window_backtrack, key="settings_backtrack",
+            "Window backtrack (tokens)", value=config.window_backtrack, key="settings_backtrack",
             help="Extra tokens of window state kept when caching",
         )
         approximate = c[2].checkbox("Allow approximate replay", config.allow_approximate_replay, key="settings_approximate")
@@ -179,6 +183,10 @@ if asked:
         name = model_path.strip() if model == LOCAL_DIRECTORY else model
         if not name:
             raise ValueError("give the model directory")
+        if not 0 <= seed <= 2**31 - 1:
+            raise ValueError(f"seed must be in [0, {2**31 - 1}], got {seed}")
+        if layout and not 1 <= window <= MAX_BATCHED_TOKENS:
+            raise ValueError(f"the window must be in [1, {MAX_BATCHED_TOKENS}] tokens, got {window}")
         new = dataclasses.replace(  # fields this form does not show keep their running values
             config,
             model=name,
@@ -200,6 +208,8 @@ if asked:
         if per_block is not None and resolve_device(device).type == "cpu":
             check_pool_fits(new.num_blocks, per_block, machine_memory_bytes())
     except ValueError as exc:
+        state.pop("settings_confirm", None)  # a confirmation of earlier settings must not stay under the refusal
+        state.pop("settings_pending", None)
         st.error(f"Not restarted: {exc}")
     else:
         state["settings_confirm"] = "restart"
@@ -211,7 +221,10 @@ if state.get("settings_confirm") == "restart" and "settings_pending" in state:
     needed = None if per_block is None else pool_bytes(new.num_blocks, per_block)
     st.warning(
         f"Restart the shared engine as **{new.model}**, {new.num_blocks:,} blocks × {new.block_size} tokens, "
-        f"{new.dtype} on {new.device}, {new.eviction_policy.value} eviction"
+        f"{new.dtype} on {new.device}, {new.eviction_policy.value} eviction, attention "
+        + (LAYOUT_LABELS[""] if new.attention_override is None else
+           f"{LAYOUT_LABELS[new.attention_override.partition(':')[0]]} ({new.attention_override.partition(':')[2]}-token window, "
+           f"backtrack {new.window_backtrack})")  # fmt: skip
         + (f" (about {needed / 2**20:,.0f} MiB of KV)" if needed is not None else "")
         + "? For every operator: unfinished requests end aborted, retained ones are released and the cache "
         "starts empty."

@@ -7,9 +7,9 @@ import streamlit as st
 
 from app.frames import requests_frame
 from app.hosting import get_host
+from app.ownership import claim, is_mine, owned_by_text
 from app.prompting import CHAT, MODES, PRESETS, TEXT, TOKEN_IDS, decode, encode_prompt, parse_suffixes, token_pieces
 from app.ui import REFRESH_S, expect_in_history, fmt_duration, kept
-from engine.core.config import MAX_NEW_TOKENS
 from engine.core.kv_groups import max_hit_blocks
 from engine.core.request import SamplingParams
 from engine.core.snapshot import newest_first
@@ -115,43 +115,74 @@ with right:
 
 # ---------------------------------------------------------------- sampling
 st.subheader("Sampling")
+# No bounds on the number boxes: a value out of range reaches SamplingParams, which refuses it with the
+# reason (a bounded box shows it red and submits its previous value instead).
 c = st.columns(5)
-max_new_tokens = c[0].number_input("Max new tokens", 1, MAX_NEW_TOKENS, step=1, **kept("submit_max_new", 32))
-temperature = c[1].number_input("Temperature", 0.0, 10.0, step=0.1, **kept("submit_temperature", 0.0), help="0 is greedy")
-top_p = c[2].number_input("Top-p", 0.01, 1.0, step=0.05, **kept("submit_top_p", 1.0))
-seed = c[3].number_input("Seed", 0, 2**31 - 1, step=1, **kept("submit_seed", None), placeholder="engine default")
-ignore_eos = c[4].checkbox("Ignore EOS", **kept("submit_ignore_eos", False), help="Always generate max new tokens")
+c[0].number_input("Max new tokens", step=1, **kept("submit_max_new", 32))
+c[1].number_input("Temperature", step=0.1, **kept("submit_temperature", 0.0), help="0 is greedy")
+c[2].number_input("Top-p", step=0.05, **kept("submit_top_p", 1.0))
+c[3].number_input("Seed", step=1, **kept("submit_seed", None), placeholder="engine default")
+c[4].checkbox("Ignore EOS", **kept("submit_ignore_eos", False), help="Always generate max new tokens")
 
 
 def sampling() -> SamplingParams:
+    """The submit section's sampling, from session state (a button's callback runs before the page does)."""
+    seed = state["submit_seed"]
     return SamplingParams(
-        max_new_tokens=int(max_new_tokens),
-        temperature=float(temperature),
-        top_p=float(top_p),
+        max_new_tokens=int(state["submit_max_new"]),
+        temperature=float(state["submit_temperature"]),
+        top_p=float(state["submit_top_p"]),
         seed=None if seed is None else int(seed),
-        ignore_eos=ignore_eos,
+        ignore_eos=bool(state["submit_ignore_eos"]),
     )
 
 
 # ---------------------------------------------------------------- submit
-c = st.columns([2, 1, 1])
-request_id = c[0].text_input("Request id (optional)", **kept("submit_request_id", ""), placeholder="assigned by the engine")
-retain = c[1].checkbox("Retain as fork base", **kept("submit_retain", False), help="Keep its blocks after it finishes, to fork from")
-if c[2].button("Submit", type="primary", key="submit_go"):
+# Every action runs in its button's callback and leaves its outcome in session state, shown on every run
+# until the next action of that section. Each section is one container, so the live fragments below sit
+# at the same place in the page's element tree whatever a run draws (a fragment redrawn while a full run
+# moved it crashed Streamlit's frontend: "Bad delta path index").
+
+
+def show_outcome(key: str) -> None:
+    """The section's last outcome, until its next action replaces it."""
+    outcome = state.get(key)
+    if outcome is not None:
+        (st.success if outcome[0] == "success" else st.error)(outcome[1])
+
+
+def submit_prompt() -> None:
+    """The submit button's action: refused with the reason, or submitted with exactly what was typed."""
+    retain = bool(state["submit_retain"])
     try:
-        ids = encode_prompt(tokenizer, mode, text=text, system=system, vocab_size=engine.vocab_size)
-        rid = engine.submit(ids, sampling(), request_id=request_id.strip() or None, retain=retain)
+        ids = encode_prompt(
+            tokenizer, state["submit_mode"], text=state["submit_text"], system=state.get("submit_system", ""),
+            vocab_size=engine.vocab_size,
+        )  # fmt: skip
+        wanted = state["submit_request_id"].strip() or None
+        rid = engine.submit(ids, sampling(), request_id=wanted, retain=retain)
     except RequestRejected as exc:
-        st.error(f"Rejected: {exc}")
+        state["submit_outcome"] = ("error", f"Rejected: {exc}")
     except ValueError as exc:
-        st.error(f"Not submitted: {exc}")
+        state["submit_outcome"] = ("error", f"Not submitted: {exc}")
     else:
+        claim(console.run_id, rid)
         state["submit_last_ids"] = ids
         state["submit_watch"] = [rid]
-        st.success(f"Submitted **{rid}** ({len(ids)} prompt tokens).")
+        if retain:  # the newest request this tab retains is the one it means to fork
+            state["submit_fork_parent"] = rid
+            state["submit_release_pick"] = rid
+        state["submit_outcome"] = ("success", f"Submitted **{rid}** ({len(ids)} prompt tokens).")
+
+
+with st.container():
+    c = st.columns([2, 1, 1])
+    c[0].text_input("Request id (optional)", **kept("submit_request_id", ""), placeholder="assigned by the engine")
+    c[1].checkbox("Retain as fork base", **kept("submit_retain", False), help="Keep its blocks after it finishes, to fork from")
+    c[2].button("Submit", type="primary", key="submit_go", on_click=submit_prompt)
+    show_outcome("submit_outcome")
 
 # ---------------------------------------------------------------- fork
-st.subheader("Fork")
 
 
 def fork_sampling() -> SamplingParams:
@@ -167,6 +198,8 @@ def fork_children() -> None:
     """The fork button's action: every child or none (Engine.fork_many checks them all first)."""
     parent = state.get("submit_fork_parent")
     try:
+        if parent is None:
+            raise ValueError("no request holds KV to fork: submit one (retained, or still running) first")
         suffixes = parse_suffixes(tokenizer, state["submit_fork_mode"], state["submit_fork_suffixes"], engine.vocab_size)
         created = engine.fork_many(parent, suffixes, fork_sampling(), retain=bool(state["submit_fork_retain"]))
     except RequestRejected as exc:
@@ -174,44 +207,46 @@ def fork_children() -> None:
     except ValueError as exc:
         state["submit_fork_outcome"] = ("error", f"Not forked: {exc}")
     else:
+        for child in created:
+            claim(console.run_id, child)
         state["submit_watch"] = created
-        state["submit_fork_outcome"] = ("success", f"Forked {parent} into {len(created)} children: {', '.join(created)}.")
+        whose = "" if is_mine(console.run_id, parent) else f" ({owned_by_text(console.run_id, parent)}'s request)"
+        state["submit_fork_outcome"] = (
+            "success", f"Forked {parent}{whose} into {len(created)} children: {', '.join(created)}.",
+        )  # fmt: skip
 
 
-def show_outcome(key: str) -> None:
-    """The last action's message, once (an action runs in its button's callback, before the page draws)."""
-    outcome = state.pop(key, None)
-    if outcome is not None:
-        (st.success if outcome[0] == "success" else st.error)(outcome[1])
+def mine_first(request_ids: list[str]) -> list[str]:
+    """`request_ids` (newest first) with this tab's own requests ahead of the others'."""
+    return sorted(request_ids, key=lambda rid: not is_mine(console.run_id, rid))
 
 
 @st.fragment(run_every=REFRESH_S)
 def fork_parent_picker() -> None:
-    """The parent box, redrawn every second so each request's status is the current one."""
-    live = newest_first(engine.requests())
-    holding = [r.request_id for r in live if r.holds_blocks]
-    options = holding + [r.request_id for r in live if not r.holds_blocks]
-    if state.get("submit_fork_parent") not in options:
-        state["submit_fork_parent"] = options[0]
+    """The parent box: only requests that hold KV (a finished one cannot be forked), this tab's newest
+    first, re-listed every second so a request that finishes leaves it."""
+    holding = mine_first([r.request_id for r in newest_first(engine.requests()) if r.holds_blocks])
+    if not holding:
+        state.pop("submit_fork_parent", None)
+        st.caption("No request holds KV to fork: submit one (retained, or still running).")
+        return
+    if state.get("submit_fork_parent") not in holding:
+        state["submit_fork_parent"] = holding[0]
     # Plain ids: Streamlit keeps a selectbox's value as its formatted label, so a label that changes
     # (a status in it) would turn the kept value into a stale label the next run cannot map back.
     parent = st.selectbox(
-        "Parent (running or retained requests hold KV to share)", options, **kept("submit_fork_parent", options[0])
+        "Parent (running or retained requests hold KV to share)", holding, **kept("submit_fork_parent", holding[0])
     )
-    view = next(r for r in live if r.request_id == parent)
-    if view.holds_blocks:  # the status lives here, redrawn every second, never in the box's labels
-        st.caption(
-            f"**{parent}** · `{view.status}`: holds {view.num_computed_tokens} tokens in "
-            f"{len(view.block_table)} blocks; every child shares them and computes only what follows."
-        )
-    else:
-        st.caption(f"**{parent}** · `{view.status}`: it holds no KV to share. Pick a running or retained request.")
+    view = engine.get(parent)
+    st.caption(  # the status and the owner live here, redrawn every second, never in the box's labels
+        f"**{parent}** · `{view.status}`: holds {view.num_computed_tokens} tokens in {len(view.block_table)} "
+        f"blocks; every child shares them and computes only what follows. Submitted by "
+        f"{owned_by_text(console.run_id, parent)}."
+    )
 
 
-views = newest_first(engine.requests())
-if not views:
-    st.caption("Submit a request (retained, or still running) to fork it.")
-else:
+with st.container():
+    st.subheader("Fork")
     c = st.columns([3, 1])
     with c[0]:
         fork_parent_picker()
@@ -222,16 +257,16 @@ else:
     suffix_text = st.text_area(
         "Suffixes, one child per line", **kept("submit_fork_suffixes", ""), height=100,
         placeholder=" Answer in French.\n Answer in German.",
-    )
+    )  # fmt: skip
     st.markdown("**The children's sampling** (their own: the submit section's settings are not used)")
     c = st.columns([1, 1, 1, 2])
-    c[0].number_input("New tokens per child", 1, MAX_NEW_TOKENS, step=1, **kept("submit_fork_max_new", 16))
-    c[1].number_input("Child temperature", 0.0, 10.0, step=0.1, **kept("submit_fork_temperature", 0.0), help="0 is greedy")
+    c[0].number_input("New tokens per child", step=1, **kept("submit_fork_max_new", 16))
+    c[1].number_input("Child temperature", step=0.1, **kept("submit_fork_temperature", 0.0), help="0 is greedy")
     c[2].checkbox("Children skip EOS", **kept("submit_fork_ignore_eos", False), help="Always generate every new token")
     retain_children = c[3].checkbox(
         "Retain children", **kept("submit_fork_retain", False),
         help="Retained children keep their blocks after they finish (to inspect or fork again) until released",
-    )
+    )  # fmt: skip
     num_children = sum(1 for line in suffix_text.splitlines() if line.strip())
     kept_or_not = "retained" if retain_children else "not retained"
     st.button(f"Fork children ({num_children}, {kept_or_not})", key="submit_fork_go", on_click=fork_children)
@@ -244,10 +279,6 @@ else:
     show_outcome("submit_fork_outcome")
 
 # ---------------------------------------------------------------- live output
-st.subheader("Output")
-all_ids = [r.request_id for r in newest_first(engine.requests())]
-state["submit_watch"] = [rid for rid in state.get("submit_watch", []) if rid in all_ids]
-st.multiselect("Watch", all_ids, **kept("submit_watch", []), placeholder="Pick requests to follow")
 
 
 @st.fragment(run_every=REFRESH_S)
@@ -277,15 +308,17 @@ def live_output() -> None:
             )
 
 
-live_output()
+with st.container():
+    st.subheader("Output")
+    all_ids = [r.request_id for r in newest_first(engine.requests())]
+    state["submit_watch"] = [rid for rid in state.get("submit_watch", []) if rid in all_ids]
+    st.multiselect("Watch", all_ids, **kept("submit_watch", []), placeholder="Pick requests to follow")
+    live_output()
 
 # ---------------------------------------------------------------- release
-st.subheader("Release")
 
 
-def release_picked() -> None:
-    """The release button's action (runs before the page draws, so the box never offers what it released)."""
-    rid = state.get("submit_release_pick")
+def release(rid: str) -> None:
     try:
         engine.release(rid)
     except ValueError as exc:
@@ -297,30 +330,62 @@ def release_picked() -> None:
         )  # fmt: skip
 
 
+def release_picked() -> None:
+    """The release button's action (runs before the page draws, so the box never offers what it released).
+    Another tab's request is released only once the operator confirms, having read whose it is."""
+    rid = state.get("submit_release_pick")
+    state.pop("submit_release_outcome", None)
+    if rid is not None and not is_mine(console.run_id, rid):
+        state["submit_release_confirm"] = rid
+        return
+    release(rid)
+
+
+def release_confirmed() -> None:
+    release(state.pop("submit_release_confirm"))
+
+
+def release_cancelled() -> None:
+    state.pop("submit_release_confirm", None)
+
+
 @st.fragment(run_every=REFRESH_S)
 def release_box() -> None:
-    """Retained requests, re-listed every second (another operator may release one, or one may finish)."""
-    releasable = [r.request_id for r in newest_first(engine.requests()) if r.releasable]
-    if not releasable:
+    """Retained requests, this tab's newest first, re-listed every second (another operator may release one,
+    or one may finish)."""
+    releasable = mine_first([r.request_id for r in newest_first(engine.requests()) if r.releasable])
+    pending = state.get("submit_release_confirm")
+    if pending is not None and pending in releasable:
+        st.warning(f"**{pending}** was submitted by {owned_by_text(console.run_id, pending)}, not this tab. Release it anyway?")
+        c = st.columns([1, 1, 4])
+        c[0].button("Confirm release", type="primary", key="submit_release_confirm_go", on_click=release_confirmed)
+        c[1].button("Cancel", key="submit_release_cancel", on_click=release_cancelled)
+    elif not releasable:
         st.caption("No retained request holds blocks.")
     else:
         if state.get("submit_release_pick") not in releasable:
             state["submit_release_pick"] = releasable[0]
         c = st.columns([3, 1])
-        c[0].selectbox("Retained request", releasable, key="submit_release_pick")
+        c[0].selectbox(
+            "Retained request", releasable, key="submit_release_pick",
+            help="This tab's requests first; another tab's is released only after you confirm",
+        )  # fmt: skip
         c[1].button("Release", key="submit_release_go", on_click=release_picked)
+        picked = state["submit_release_pick"]
+        c[0].caption(f"**{picked}** · submitted by {owned_by_text(console.run_id, picked)}")
     show_outcome("submit_release_outcome")
 
 
-release_box()
+with st.container():
+    st.subheader("Release")
+    release_box()
 
 # ---------------------------------------------------------------- all requests
-st.subheader("Requests")
 
 
 REQUEST_TABLE_COLUMNS = {  # compact headers and pixel widths: all 14 columns fit a 1,400 px window
-    "request": st.column_config.TextColumn("request", width=96),
-    "parent": st.column_config.TextColumn("parent", width=80),
+    "request": st.column_config.TextColumn("request", width=150),  # whole ids ("scenario-3-child-1")
+    "parent": st.column_config.TextColumn("parent", width=130),
     "status": st.column_config.TextColumn("status", width=72),
     "retain": st.column_config.CheckboxColumn("kept", width=44, help="Retained: keeps its blocks after it finishes"),
     "prompt tokens": st.column_config.NumberColumn("prompt", width=58, help="Prompt tokens (a fork's inherited context included)"),
@@ -345,4 +410,6 @@ def request_table() -> None:
         st.dataframe(frame, hide_index=True, height=min(400, 38 + 35 * len(frame)), column_config=REQUEST_TABLE_COLUMNS)
 
 
-request_table()
+with st.container():
+    st.subheader("Requests")
+    request_table()

@@ -99,3 +99,17 @@ def test_restart_can_choose_the_eviction_policy(console_env):
     engine = host().console.engine
     assert engine.config.eviction_policy == "reuse-lru"
     assert {manager.pool.eviction_policy for manager in engine.kv.managers} == {"reuse-lru"}
+
+
+def test_a_negative_pool_is_refused_with_the_reason_and_the_confirmation_names_the_attention_layout(console_env):
+    """Regression: a bounded box showed -5 red and the restart button did nothing, silently."""
+    old = host().console
+    at = open_page("settings")
+    at.number_input(key="settings_num_blocks").set_value(-5)
+    next(b for b in at.button if b.label == "Restart with these settings…").click().run()
+    assert errors(at) == [f"Not restarted: num_blocks must be in [1, {1 << 20}], got -5"]
+    assert host().console is old and not any(b.key == "settings_restart_confirm" for b in at.button)
+    at.number_input(key="settings_num_blocks").set_value(32)
+    at.selectbox(key="settings_layout").select("sliding")
+    next(b for b in at.button if b.label == "Restart with these settings…").click().run()
+    assert "eviction, attention every layer sliding (64-token window, backtrack 0)" in texts(at)

@@ -175,11 +175,13 @@ def test_bad_inputs_show_an_error_and_change_nothing(console_env):
 
 def test_forking_a_released_request_shows_an_error(console_env):
     at, engine = page_with_retained_request()
+    assert at.selectbox(key="submit_fork_parent").value == "req-0"
+    at.text_area(key="submit_fork_suffixes").input("more")
     at.button(key="submit_release_go").click().run()
     assert "Released req-0" in texts(at)
     assert engine.get("req-0").status == "released"
-    at.selectbox(key="submit_fork_parent").select("req-0")
-    at.text_area(key="submit_fork_suffixes").input("more")
+    assert all(box.key != "submit_fork_parent" for box in at.selectbox)  # a released request is not offered
+    at.session_state["submit_fork_parent"] = "req-0"  # as another tab's release leaves a box picked before it
     at.button(key="submit_fork_go").click().run()
     assert errors(at) == [
         "Not forked: cannot fork 'req-0': it is released; only running or retained requests hold KV to share"
@@ -196,3 +198,42 @@ def test_empty_fork_suffixes_show_an_error(console_env):
     at.button(key="submit_fork_go").click().run()
     assert errors(at) == ["Not forked: give at least one suffix (one per line)"]
     assert len(host().console.engine.requests()) == 1
+
+
+def test_out_of_range_sampling_is_refused_with_the_reason_and_nothing_runs(console_env):
+    """Regression: a bounded number box showed 99999999 red and submitted its previous value (32)."""
+    at = open_page("submit")
+    engine = host().console.engine
+    at.text_area(key="submit_text").input(PROMPT)
+    at.number_input(key="submit_max_new").set_value(99_999_999)
+    at.button(key="submit_go").click().run()
+    assert errors(at) == ["Not submitted: max_new_tokens must be an integer in [1, 4096], got 99999999"]
+    at.number_input(key="submit_max_new").set_value(8)
+    at.number_input(key="submit_top_p").set_value(-0.5)
+    at.button(key="submit_go").click().run()
+    assert errors(at) == ["Not submitted: top_p must be in (0, 1], got -0.5"]
+    assert engine.requests() == []
+
+
+def test_another_tabs_request_is_released_only_after_its_owner_is_named_and_confirmed(console_env):
+    at, engine = page_with_retained_request()
+    other = open_page("submit")  # a second browser tab: req-0 is not its own
+    assert other.selectbox(key="submit_release_pick").value == "req-0"
+    assert "**req-0** · submitted by tab 1" in texts(other)
+    other.button(key="submit_release_go").click().run()
+    assert engine.get("req-0").status == "retained"
+    assert "**req-0** was submitted by tab 1, not this tab. Release it anyway?" in texts(other)
+    other.button(key="submit_release_confirm_go").click().run()
+    assert engine.get("req-0").status == "released"
+    assert "Released req-0: its blocks return to the pool (cached blocks stay for hits)." in texts(other)
+    other.run()
+    assert "Released req-0: its blocks return to the pool (cached blocks stay for hits)." in texts(other)  # it stays
+
+
+def test_a_new_retained_submit_becomes_the_fork_parent_and_the_release_default(console_env):
+    at, engine = page_with_retained_request()
+    at = submit(at, "A second prompt, retained too. " * 3, retain=True)
+    wait_for(lambda: engine.get("req-1").status == "retained", "req-1 to be retained")
+    at.run()
+    assert at.selectbox(key="submit_fork_parent").value == "req-1"
+    assert at.selectbox(key="submit_release_pick").value == "req-1"
