@@ -6,7 +6,7 @@ pages can call it on any thread and tests can call it without a server.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import pandas as pd
@@ -93,7 +93,8 @@ class Headline:
     stats: PoolStats
     tokens_saved: int  # prompt tokens not computed: prefix hits (replays excluded) and fork sharing
     seconds_per_token: float | None  # measured prefill cost
-    evictions_per_min: float | None  # over the last minute of samples (None without history)
+    evictions_per_min: float | None  # capacity evictions, over the last minute of samples (None without history)
+    window_drops_per_min: float | None  # sliding-window drops (not capacity evictions), the same way
 
     @property
     def prefill_seconds_saved(self) -> float | None:
@@ -108,13 +109,29 @@ def headline(
         tokens_saved=stats.tokens_saved,
         seconds_per_token=prefill_seconds_per_token(requests),
         evictions_per_min=evictions_per_minute(samples, stats, now),
+        window_drops_per_min=evictions_per_minute(samples, stats, now, count=window_drops),
     )
 
 
+def capacity_evictions(stats: PoolStats) -> int:
+    """Keys dropped for any reason but a sliding window's (LRU victims, resets, their chained children)."""
+    return stats.evictions - stats.window_evictions
+
+
+def window_drops(stats: PoolStats) -> int:
+    """Keys dropped because their state left a sliding window: the window's rule, not a full pool."""
+    return stats.window_evictions
+
+
 def evictions_per_minute(
-    samples: Sequence[tuple[float, PoolStats]], current: PoolStats, now: float, window_s: float = 60.0
+    samples: Sequence[tuple[float, PoolStats]],
+    current: PoolStats,
+    now: float,
+    window_s: float = 60.0,
+    count: Callable[[PoolStats], int] = capacity_evictions,
 ) -> float | None:
-    """Evictions per minute since the newest sample at least `window_s` old (else the oldest sample)."""
+    """`count` (capacity evictions unless told) per minute since the newest sample at least `window_s` old
+    (else the oldest sample)."""
     if not samples:
         return None
     base_time, base = samples[0]
@@ -125,7 +142,7 @@ def evictions_per_minute(
     span = now - base_time
     if span <= 0:
         return None
-    return (current.evictions - base.evictions) * 60.0 / span
+    return (count(current) - count(base)) * 60.0 / span
 
 
 def history_frame(samples: Sequence[tuple[float, PoolStats]]) -> pd.DataFrame:
@@ -140,7 +157,8 @@ def history_frame(samples: Sequence[tuple[float, PoolStats]]) -> pd.DataFrame:
             "free": s.free_blocks,
             "cached (evictable)": s.evictable_blocks,
             "referenced": s.used_blocks,
-            "evictions": s.evictions,
+            "evictions": capacity_evictions(s),
+            "window drops": window_drops(s),
             "cow copies": s.cow_copies,
             "preemptions": s.preemptions,
             "running": s.num_running,

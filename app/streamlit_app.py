@@ -70,5 +70,6 @@ with st.sidebar:
         f"{console.config.block_size} tokens · {console.config.dtype} on {console.engine.loaded.device}  \n"
         f"run `{console.run_id}`"
     )
-health_banners(host)
+with st.container():  # one element whatever it holds: the page's live fragments keep their place in the tree
+    health_banners(host)
 navigation.run()

@@ -8,7 +8,7 @@ import pandas as pd
 import streamlit as st
 
 from app import charts
-from app.frames import Headline, headline, history_frame
+from app.frames import Headline, capacity_evictions, headline, history_frame, window_drops
 from app.hosting import get_host
 from app.ui import REFRESH_S, SLOW_REFRESH_S, fmt_duration, kept, read_history, wait_for_history
 from engine.core.snapshot import PoolStats
@@ -107,13 +107,19 @@ def headline_numbers() -> None:
     reuse_numbers(stats, numbers)
 
     st.subheader("Churn and queue")
-    c = st.columns(5)
-    rate = numbers.evictions_per_min
-    c[0].metric("Evictions / min", "—" if rate is None else f"{rate:.1f}", help="Over the last minute")
-    c[1].metric("Evictions (total)", f"{stats.evictions:,}")
-    c[2].metric("Running", stats.num_running)
-    c[3].metric("Waiting", stats.num_waiting)
-    c[4].metric("Retained", stats.num_retained)
+    c = st.columns(6)
+    rate, drops = numbers.evictions_per_min, numbers.window_drops_per_min
+    c[0].metric("Evictions / min", "—" if rate is None else f"{rate:.1f}",
+                help="Cached blocks dropped to make room (or by a reset), over the last minute; sliding-window "
+                "drops are counted apart")  # fmt: skip
+    c[1].metric("Evictions (total)", f"{capacity_evictions(stats):,}", help="Since the engine started; window drops apart")
+    c[2].metric("Window drops / min", "—" if drops is None else f"{drops:.1f}",
+                help="Sliding-window state dropped because it left the window: the window's rule, not a full "
+                "pool (reason `window` in the history)")  # fmt: skip
+    c[2].caption(f"{window_drops(stats):,} in all")
+    c[3].metric("Running", stats.num_running)
+    c[4].metric("Waiting", stats.num_waiting)
+    c[5].metric("Retained", stats.num_retained)
 
     writer = host.writer_stats()
     st.subheader("History writer")
@@ -143,7 +149,7 @@ def history_charts() -> None:
         left.plotly_chart(charts.history_lines(frame, ["KV usage", "prefix hit rate", "fork sharing"], "KV usage and hit rate", percent=True))
         right.plotly_chart(charts.history_lines(frame, ["free", "cached (evictable)", "referenced"], "Blocks by state"))
         left, right = st.columns(2)
-        left.plotly_chart(charts.history_lines(frame, ["evictions", "cow copies", "preemptions"], "Evictions, copies, preemptions (totals)"))
+        left.plotly_chart(charts.history_lines(frame, ["evictions", "window drops", "cow copies", "preemptions"], "Evictions, window drops, copies, preemptions (totals)"))
         right.plotly_chart(charts.history_lines(frame, ["sharing ratio"], "Sharing ratio"))
     else:
         st.info("Charts appear once the engine has run a few steps.")

@@ -7,7 +7,10 @@ import dataclasses
 import pytest
 
 from app import charts
-from app.frames import align_tables, block_category, evictions_per_minute, prefill_seconds_per_token, prefix_chain, prefix_tree
+from app.frames import (
+    align_tables, block_category, evictions_per_minute, history_frame, prefill_seconds_per_token, prefix_chain, prefix_tree,
+    window_drops,
+)  # fmt: skip
 from app.hosting import config_from_env
 from app.prompting import TOKEN_IDS, parse_suffixes, parse_token_ids
 from engine.core.snapshot import BlockView, PoolStats, RequestView
@@ -132,3 +135,28 @@ def test_config_from_env_reads_and_validates():
     with pytest.raises(ValueError, match="block_size must be in"):
         config_from_env({"PREFIX_CONSOLE_BLOCK_SIZE": "0"})
     assert dataclasses.is_dataclass(config)
+
+
+def test_window_drops_are_counted_apart_from_capacity_evictions():
+    """Regression: on a nearly empty pool, Evictions / min read 59.1, every one a sliding-window drop."""
+    samples = [(0.0, dataclasses.replace(stats(0), window_evictions=0))]
+    now = dataclasses.replace(stats(50), window_evictions=42)  # 42 window drops, 8 capacity evictions
+    assert evictions_per_minute(samples, now, now=60.0) == pytest.approx(8.0)
+    assert evictions_per_minute(samples, now, now=60.0, count=window_drops) == pytest.approx(42.0)
+    frame = history_frame([(0.0, now)])
+    assert (frame["evictions"][0], frame["window drops"][0]) == (8, 42)
+
+
+def test_the_engine_counts_its_window_drops_among_its_evictions_and_apart(tmp_path):
+    from engine.core.config import EngineConfig
+    from engine.core.request import SamplingParams
+    from engine.engine import Engine
+    from tests.engine_support import HYBRID_WINDOW, tokens
+
+    engine = Engine(EngineConfig(model="tiny-llama", attention_override=f"hybrid:{HYBRID_WINDOW}", device="cpu",
+                                 block_size=4, num_blocks=64, data_dir=tmp_path))  # fmt: skip
+    engine.submit(tokens(10, 40), SamplingParams(max_new_tokens=24, ignore_eos=True))
+    engine.run_until_idle()
+    stats = engine.stats()
+    assert stats.window_evictions > 0, "a long request leaves window state behind it"
+    assert stats.evictions - stats.window_evictions == 0, "nothing was evicted for room in a 64-block pool"

@@ -12,7 +12,7 @@ LABELS = [
     "KV usage", "Blocks free", "Blocks cached", "Blocks referenced", "Sharing ratio",
     "Prefix-cache hit rate", "Fork sharing", "Tokens saved", "Prefill time saved", "Replayed tokens",
     "Copy-on-write copies", "Preemptions", "Re-prefill from cache",
-    "Evictions / min", "Evictions (total)", "Running", "Waiting", "Retained",
+    "Evictions / min", "Evictions (total)", "Window drops / min", "Running", "Waiting", "Retained",
     "Rows dropped", "Failed batches", "Queued rows", "History lag", "Events written", "Retrying", "Writer restarts",
 ]  # fmt: skip
 

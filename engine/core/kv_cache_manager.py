@@ -98,6 +98,7 @@ class KVCacheManager(ABC):
 
     window: int | None = None  # the attention window stats report: None for full attention
     num_window_released = 0  # blocks released because they left the window (the sliding manager counts)
+    num_window_evictions = 0  # keys dropped because their state left the window (the sliding manager counts)
 
     def __init__(self, pool: BlockPool, namespace: CacheNamespace, log: EventLog) -> None:
         """Args:

@@ -43,6 +43,7 @@ class SlidingWindowManager(KVCacheManager):
         self.window: int = window
         self.retain_tokens = retain_tokens
         self.num_window_released = 0  # blocks released because they left the sliding window
+        self.num_window_evictions = 0  # keys dropped outside the retained window (and their chained children)
 
     def hit_share(self, plan: HitPlan) -> HitShare:
         """The sliding group shares its window blocks from the plan's offset up to r, and writes from r."""
@@ -105,5 +106,7 @@ class SlidingWindowManager(KVCacheManager):
         for i in range(table.retired, limit):
             block = self.pool.cached_block(table.keys[i])
             if block is not None and block.ref_count == 0:
+                before = self.pool.num_evictions
                 self.pool.evict(block, EvictReason.WINDOW, request_id)
+                self.num_window_evictions += self.pool.num_evictions - before
         table.retired = max(table.retired, limit)

@@ -181,6 +181,7 @@ class GroupStats:
     evictions: int  # keys dropped since the engine started (LRU, reset, window, parent evicted)
     cow_copies: int
     window_released_blocks: int  # sliding groups: blocks released because they left the window
+    window_evictions: int  # of `evictions`, keys dropped because their state left the window (not capacity)
 
 
 @dataclass(frozen=True, slots=True)
@@ -194,7 +195,8 @@ class PoolStats:
     evictable_blocks: int
     used_blocks: int  # referenced blocks
     logical_blocks: int  # table entries over all live tables
-    evictions: int
+    evictions: int  # every key dropped: capacity, reset, window and their chained children
+    window_evictions: int  # of which dropped because their state left a sliding window (not for capacity)
     cow_copies: int
     preemptions: int
     # Reuse in tokens (engine/core/scheduler.py's ReuseCounters explains each).
@@ -261,6 +263,7 @@ def group_stats(manager: KVCacheManager) -> GroupStats:
         evictions=pool.num_evictions,
         cow_copies=manager.num_cow_copies,
         window_released_blocks=manager.num_window_released,
+        window_evictions=manager.num_window_evictions,
     )
 
 
@@ -280,6 +283,7 @@ def pool_stats(kv: KVCoordinator, scheduler: Scheduler, requests: Iterable[Reque
         used_blocks=total("used_blocks"),
         logical_blocks=total("logical_blocks"),
         evictions=total("evictions"),
+        window_evictions=total("window_evictions"),
         cow_copies=total("cow_copies"),
         preemptions=scheduler.num_preemptions,
         prefix_query_tokens=scheduler.counters.prefix_query_tokens,
