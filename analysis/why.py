@@ -35,7 +35,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-WINDOW_BEFORE = 8  # tokens of shared context shown before a divergence
+WINDOW_BEFORE = 16  # tokens of shared context shown before a divergence
 WINDOW_AFTER = 16  # tokens shown after it, on each side (a date of ten digits fits)
 MIN_SHARED_WORDS = 16  # characters of visible text two prompts must share to count as the same words
 WAIT_EPSILON_S = 1e-3  # a shorter wait between arrival and first schedule is not reported

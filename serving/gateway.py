@@ -39,6 +39,12 @@ _LABEL_UNSAFE = re.compile(r"[^A-Za-z0-9_.@-]+")
 _ID_ATTEMPTS = 1000  # ids tried past ones taken by other clients of the engine (the console's own names)
 
 
+def _deliver(items: list[tuple[Generation, int, RequestView]]) -> None:
+    """Hand one step's views to their generations (on their event loop)."""
+    for generation, index, view in items:
+        generation.deliver(index, view)
+
+
 def request_label(user: str | None) -> str | None:
     """The part of a request id that names the client: its `user`, made safe for an id; None when empty."""
     if not user:
@@ -155,9 +161,15 @@ class EngineGateway:
     def _on_step(self, events: list[Any], views: list[RequestView]) -> None:
         """The engine's listener (engine thread): hand each changed request of ours to its generation."""
         with self._lock:
-            routed = [(self._routes[v.request_id], v) for v in views if v.request_id in self._routes]
-        for (generation, index), view in routed:
-            generation.push(index, view)
+            routed = [(*self._routes[v.request_id], v) for v in views if v.request_id in self._routes]
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[Generation, int, RequestView]]] = {}
+        for generation, index, view in routed:
+            by_loop.setdefault(generation.loop, []).append((generation, index, view))
+        for loop, items in by_loop.items():  # one wake-up of each loop per step, not one per request
+            try:
+                loop.call_soon_threadsafe(_deliver, items)
+            except RuntimeError:  # the loop was closed (its server stopped): nobody reads these any more
+                pass
 
     def close(self) -> None:
         """Stop listening to the engine (the requests still running go on; their generations hear no more)."""

@@ -1,7 +1,7 @@
 """One API request's choices as they come out of the engine: text, token ids, how each choice ended.
 
-A `Generation` is fed on the engine thread (`push`, through the gateway's listener) and read on the event
-loop (`updates`). Each choice's text is decoded from its whole output so far (byte-level BPE pieces only
+A `Generation` is fed on its event loop (`deliver`, which the gateway's listener schedules there once per
+engine step) and read on the same loop (`updates`). Each choice's text is decoded from its whole output so far (byte-level BPE pieces only
 make characters together), and a stop sequence ends the choice: its text is cut before the sequence and
 its engine request is aborted. Text that could still become a stop sequence is held back until it cannot.
 """
@@ -100,9 +100,23 @@ class Generation:
         """The engine id of choice 0: the response's id."""
         return self.request_ids[0]
 
-    def push(self, index: int, view: RequestView) -> None:
-        """A choice's request changed (engine thread)."""
-        self._loop.call_soon_threadsafe(self._queue.put_nowait, (index, view))
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop:
+        """The event loop that reads it: `deliver` must run there."""
+        return self._loop
+
+    def deliver(self, index: int, view: RequestView) -> None:
+        """A choice's request changed (on the generation's loop; the gateway batches a step's views)."""
+        self._queue.put_nowait((index, view))
+
+    def _newest(self, first: tuple[int, RequestView]) -> list[tuple[int, RequestView]]:
+        """`first` and every view queued behind it, only the newest per choice: a view holds the whole
+        output so far, so a reader that fell behind sends one larger update instead of several."""
+        newest = dict([first])
+        while not self._queue.empty():
+            index, view = self._queue.get_nowait()
+            newest[index] = view
+        return sorted(newest.items())
 
     async def updates(
         self, texts: list[ChoiceText], disconnected: Callable[[], Awaitable[bool]] | None = None
@@ -120,7 +134,7 @@ class Generation:
         self.texts = texts
         while self._open:
             try:
-                index, view = await asyncio.wait_for(self._queue.get(), POLL_S)
+                first = await asyncio.wait_for(self._queue.get(), POLL_S)
             except TimeoutError:
                 failure = getattr(self._gateway.engine, "failure", None)
                 if failure is not None:
@@ -128,22 +142,28 @@ class Generation:
                 if disconnected is not None and await disconnected():
                     return
                 continue
-            if index not in self._open:
-                continue  # a choice that already ended (a stop sequence's abort arriving)
-            self.last_views[index] = view
-            ended = view.status in ENDED
-            text, ids, stopped = texts[index].update(view.output_token_ids, final=ended)
-            finish = None
-            if stopped:
-                finish = "stop"
-                self._gateway.abort(view.request_id, "a stop sequence matched")
-            elif ended:
-                finish = FINISH_REASONS.get(view.finish_reason or "", "abort")
-            if finish is not None:
-                self._open.discard(index)
-                self._gateway.finished(view.request_id)
-            if text or ids or finish:
-                yield ChoiceUpdate(index, text, ids, finish)
+            for index, view in self._newest(first):
+                if index not in self._open:
+                    continue  # a choice that already ended (a stop sequence's abort arriving)
+                update = self._update(index, view)
+                if update is not None:
+                    yield update
+
+    def _update(self, index: int, view: RequestView) -> ChoiceUpdate | None:
+        """What a choice's newest view adds; ends the choice at a stop sequence or at the engine's end."""
+        self.last_views[index] = view
+        ended = view.status in ENDED
+        text, ids, stopped = self.texts[index].update(view.output_token_ids, final=ended)
+        finish = None
+        if stopped:
+            finish = "stop"
+            self._gateway.abort(view.request_id, "a stop sequence matched")
+        elif ended:
+            finish = FINISH_REASONS.get(view.finish_reason or "", "abort")
+        if finish is not None:
+            self._open.discard(index)
+            self._gateway.finished(view.request_id)
+        return ChoiceUpdate(index, text, ids, finish) if text or ids or finish else None
 
     def close(self, reason: str) -> None:
         """Abort every choice still running (the client went away, or reading failed); idempotent."""
