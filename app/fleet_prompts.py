@@ -8,6 +8,7 @@ Every path ends in token ids bounded as the KV-event wire bounds them (`MAX_TOKE
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 from app.prompting import parse_token_ids
@@ -110,34 +111,71 @@ def parse_chat_messages(text: str) -> list[dict[str, str]]:
     return messages
 
 
-def local_chat_tokenizer(directory: str):
-    """The transformers tokenizer of a local model directory (its tokenizer files and chat template).
+@dataclass(frozen=True)
+class ChatTemplate:
+    """A model directory's chat template with what it renders with: its tokenizer and special tokens."""
+
+    tokenizer: object  # a `tokenizers.Tokenizer` (tokenizer.json)
+    template: str  # the Jinja source (chat_template.jinja, or tokenizer_config.json's chat_template)
+    special_tokens: dict[str, str]  # bos_token, eos_token, ... as tokenizer_config.json names them
+
+
+def local_chat_template(directory: str) -> ChatTemplate:
+    """The chat template of a local model directory (the pods' model), without loading the model.
 
     Raises:
-        ValueError: no such directory, or no tokenizer in it that loads.
+        ValueError: no tokenizer.json, no chat template, or a tokenizer_config.json that is not JSON.
     """
-    from transformers import AutoTokenizer
-
+    tokenizer = local_tokenizer(directory)
     path = Path(directory).expanduser()
-    if len(directory) > 4096 or not path.is_dir():
-        raise ValueError(f"no directory {directory!r}")
-    try:
-        return AutoTokenizer.from_pretrained(path, local_files_only=True)
-    except (OSError, ValueError) as exc:
-        raise ValueError(f"{path} holds no tokenizer that loads: {exc}") from None
+    config: dict = {}
+    config_path = path / "tokenizer_config.json"
+    if config_path.is_file():
+        try:
+            config = json.loads(config_path.read_text(encoding="utf-8"))
+        except (OSError, ValueError) as exc:
+            raise ValueError(f"{config_path} is not JSON: {exc}") from None
+    template = config.get("chat_template")
+    if isinstance(template, list):  # named templates: the default one
+        template = next((item.get("template") for item in template if item.get("name") == "default"), None)
+    jinja_path = path / "chat_template.jinja"
+    if jinja_path.is_file():
+        template = jinja_path.read_text(encoding="utf-8")
+    if not isinstance(template, str) or not template:
+        raise ValueError(f"no chat template in {directory!r} (chat_template.jinja or tokenizer_config.json)")
+    special = {}
+    for key, value in config.items():
+        if key.endswith("_token"):
+            text = value.get("content") if isinstance(value, dict) else value
+            if isinstance(text, str):
+                special[key] = text
+    return ChatTemplate(tokenizer, template, special)
 
 
-def chat_token_ids(tokenizer, messages: list[dict[str, str]]) -> list[int]:
-    """The prompt a server builds from chat messages: the tokenizer's chat template rendered with the
-    generation prompt, then tokenized without adding special tokens (as vLLM's chat endpoint does).
+def chat_token_ids(chat: ChatTemplate, messages: list[dict[str, str]]) -> list[int]:
+    """The prompt a server builds from chat messages: the template rendered with the generation prompt
+    (in Jinja's sandbox, as transformers renders it: trim_blocks, lstrip_blocks), then tokenized without
+    adding special tokens (as vLLM's chat endpoint does).
 
     Raises:
-        ValueError: the tokenizer has no chat template, or the prompt is too long.
+        ValueError: the template fails to render, or the prompt is too long.
     """
-    if not getattr(tokenizer, "chat_template", None):
-        raise ValueError("this model directory has no chat template")
-    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])
+    from jinja2 import TemplateError
+    from jinja2.ext import loopcontrols
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message: str) -> None:
+        raise ValueError(f"the chat template refused the messages: {message}")
+
+    environment = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+    environment.globals["raise_exception"] = raise_exception
+    try:
+        text = environment.from_string(chat.template).render(
+            messages=messages, add_generation_prompt=True, **chat.special_tokens
+        )
+    except TemplateError as exc:
+        raise ValueError(f"the chat template does not render: {exc}") from None
+    ids = list(chat.tokenizer.encode(text, add_special_tokens=False).ids)
     if len(ids) > MAX_PROMPT_TOKEN_IDS:
         raise ValueError(f"the prompt is {len(ids):,} tokens; at most {MAX_PROMPT_TOKEN_IDS:,}")
     return ids

@@ -7,7 +7,7 @@ import time
 import streamlit as st
 
 from app.fleet_hosting import get_fleet_host
-from app.fleet_prompts import chat_token_ids, encode_with, local_chat_tokenizer, local_tokenizer, parse_chat_messages
+from app.fleet_prompts import chat_token_ids, encode_with, local_chat_template, local_tokenizer, parse_chat_messages
 from app.fleet_prompts import prompt_token_ids
 from app.fleet_view import index_from_history, media_and_groups, route_frame
 from app.hosting import get_host
@@ -41,7 +41,7 @@ if mode == LOCAL_TOKENIZER:
     directory = st.text_input("Model directory (holding tokenizer.json)", max_chars=4096, **kept("fleet_route_dir", ""))
 elif mode == CHAT:
     directory = st.text_input(
-        "Model directory (the pods' model: tokenizer files and chat template)", max_chars=4096,
+        "Model directory (the pods' model: tokenizer.json and its chat template)", max_chars=4096,
         **kept("fleet_route_chat_dir", ""),
     )  # fmt: skip
 prompt = st.text_area(
@@ -60,7 +60,7 @@ if go or state.get("fleet_route_done"):
         elif mode == LOCAL_TOKENIZER:
             token_ids = encode_with(local_tokenizer(directory), prompt)
         elif mode == CHAT:
-            token_ids = chat_token_ids(local_chat_tokenizer(directory), parse_chat_messages(prompt))
+            token_ids = chat_token_ids(local_chat_template(directory), parse_chat_messages(prompt))
         else:
             token_ids = encode_with(host.console.tokenizer, prompt)
     except ValueError as exc:

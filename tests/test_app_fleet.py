@@ -117,6 +117,23 @@ def test_routing_a_prompt_names_the_pod_with_the_longest_cached_prefix(two_pods)
     assert at.dataframe[0].value[["pod", "cached tokens"]].values.tolist() == [["vllm-a", 20], ["vllm-b", 12]]
 
 
+def test_chat_messages_are_routed_after_rendering_with_the_model_directorys_chat_template(
+    two_pods, test_data_dir
+) -> None:
+    from engine.runner.model_loading import SMOLLM2_TOKENIZER_CACHE_NAME, smollm2_tokenizer
+
+    smollm2_tokenizer(test_data_dir)  # makes the tokenizer-only cache: tokenizer.json and its chat template
+    directory = test_data_dir / "models" / SMOLLM2_TOKENIZER_CACHE_NAME
+    at = open_page("fleet_route")
+    at.radio(key="fleet_route_mode").set_value("Chat messages, a local model directory's chat template").run()
+    at.text_input(key="fleet_route_chat_dir").input(str(directory))
+    at.text_area(key="fleet_route_prompt").input("system: Be brief.\nuser: What is a KV cache?")
+    at.button(key="fleet_route_go").click().run()
+    no_exceptions(at)
+    assert not errors(at)
+    assert any("No pod holds the first block" in info.value for info in at.info)
+
+
 def test_bad_token_ids_are_refused_with_the_reason(two_pods) -> None:
     at = open_page("fleet_route")
     at.radio(key="fleet_route_mode").set_value("Token ids").run()

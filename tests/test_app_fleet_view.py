@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from app.fleet_prompts import chat_token_ids, local_chat_tokenizer, parse_chat_messages
+from app.fleet_prompts import chat_token_ids, local_chat_template, parse_chat_messages
 from app.fleet_view import idle_before_evict_frame, metrics_frame, metrics_summary, short_hash, tree_frame
 from fleet.events import PodMetrics
 from fleet.index import FleetIndex
@@ -82,9 +82,9 @@ def test_chat_messages_render_with_the_model_directorys_chat_template_as_vllm_re
     reference = smollm2_tokenizer(test_data_dir)
     directory = test_data_dir / "models" / SMOLLM2_TOKENIZER_CACHE_NAME
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is a KV cache?"}]
-    ids = chat_token_ids(local_chat_tokenizer(str(directory)), messages)
+    ids = chat_token_ids(local_chat_template(str(directory)), messages)
     text = reference.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     assert text.endswith("<|im_start|>assistant\n")
     assert ids == reference(text, add_special_tokens=False)["input_ids"]
     with pytest.raises(ValueError):
-        local_chat_tokenizer(str(test_data_dir / "no-such-model"))
+        local_chat_template(str(test_data_dir / "no-such-model"))
