@@ -54,6 +54,7 @@ from engine.runner.attention_plan import (
 from engine.core.kv_groups import kv_groups
 from engine.core.kv_memory import kv_bytes_per_block
 from engine.runner.model_loading import LoadedModel
+from engine.runner.packed_linear import pack_linears
 
 PAGED_ATTENTION = "prefix_console_paged"
 
@@ -100,7 +101,8 @@ class ModelRunner:
 
         kv[g][group layer, 0 = K | 1 = V, kv_head, block, slot, head_dim]
 
-    Creating a runner switches `loaded.model` to paged attention: from then on the model only runs
+    Creating a runner switches `loaded.model` to paged attention and, on the CPU, its decoder layers'
+    linears to oneDNN-packed weights (engine/runner/packed_linear.py): from then on the model only runs
     through this runner. `cascade` says when chunks sharing leading blocks read them once (default: the
     rule measured for the device, `CPU_CASCADE` or `CUDA_CASCADE`).
     """
@@ -135,6 +137,7 @@ class ModelRunner:
         self.num_heads = int(loaded.model.config.num_attention_heads)
         self.cascade = cascade if cascade is not None else CPU_CASCADE if loaded.device.type == "cpu" else CUDA_CASCADE
         self.kernels = choose_kernels(loaded.device, loaded.dtype, self.num_heads, loaded.num_kv_heads, loaded.head_dim)
+        self.num_packed_linears = pack_linears(loaded.model, loaded.device, loaded.dtype)
         AttentionInterface.register(PAGED_ATTENTION, paged_attention)
         loaded.model.set_attn_implementation(PAGED_ATTENTION)
         if loaded.model.config._attn_implementation != PAGED_ATTENTION:
