@@ -72,7 +72,7 @@ def show(answer: dict) -> None:
         left.code(d["ours"] or "(nothing)", language=None)
         right.caption(f"{answer['match']['request_id']}")
         right.code(d["theirs"] or "(nothing)", language=None)
-        if d["template_tokens"]["ours"] or d["template_tokens"]["theirs"]:
+        if d["template_tokens"]["ours"] != d["template_tokens"]["theirs"]:  # a template on one side only
             st.caption(f"Template tokens: this request {d['template_tokens']['ours']}, "
                        f"the other {d['template_tokens']['theirs']}")  # fmt: skip
         for note in d["notes"]:
