@@ -255,6 +255,8 @@ async def _respond(
     request: Request, binding: EngineBinding, params: SamplingFields, tokens: list[int], max_new: int, *, chat: bool
 ) -> Response:
     samplings = _samplings(params, max_new)
+    if params.stop_sequences() and binding.engine.tokenizer is None:
+        raise bad_request("stop sequences need a model with a tokenizer: this one only takes token ids", "stop")
     generation = binding.gateway.start(tokens, samplings, label=request_label(params.user), salt=params.cache_salt,
                                        kind="chatcmpl" if chat else "cmpl")  # fmt: skip
     texts = [ChoiceText(binding.engine.tokenizer, params.stop_sequences()) for _ in samplings]
