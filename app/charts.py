@@ -323,6 +323,16 @@ EVENT_COLOURS = {  # the events of a block's history (storage.read.block_history
     "evict": "#6b7280",
 }
 TIMELINE_ROW_PX = 170  # height of one block's row in stacked timelines
+MARKER_ROOM_SHARE = 0.3  # of a timeline's step axis, kept right of the last event for its marker's words
+MAX_STEP_TICKS = 16  # labelled steps on a timeline's axis at most
+
+
+def step_tick(span: float) -> int:
+    """The step between labelled steps: 1, 2, 5, 10, 20, ... so at most MAX_STEP_TICKS are labelled."""
+    tick = 1
+    while span / tick > MAX_STEP_TICKS:
+        tick = tick * 5 // 2 if str(tick)[0] == "2" else tick * 2
+    return tick
 
 
 def event_positions(frames: Sequence[pd.DataFrame]) -> dict[int, float]:
@@ -399,9 +409,14 @@ def block_timelines(blocks: Sequence[tuple[str, pd.DataFrame]], height_px: int =
                                    xanchor="left", font={"size": 12, "color": "#15803d" if "safe" in marker else "#1d4ed8"},
                                    bgcolor="rgba(255,255,255,0.85)", row=row, col=1)  # fmt: skip
         fig.update_yaxes(range=[-0.3, top + 1.2], dtick=1, title_text="refs", row=row, col=1)
-    fig.update_xaxes(title_text="engine step", dtick=1, row=n, col=1)
-    if x_of:  # room right of the last event for its marker's words
-        fig.update_xaxes(range=[min(x_of.values()) - 0.5, max(x_of.values()) + 0.9])
+    fig.update_xaxes(title_text="engine step", row=n, col=1)
+    if x_of:
+        first, last = min(x_of.values()), max(x_of.values())
+        span = last - first + 1
+        # Room right of the last event for a marker's words (about 30 characters): a share of the axis, not a
+        # fixed number of steps, so a long life does not squeeze them off the figure's edge.
+        fig.update_xaxes(range=[first - 0.5, last + max(0.9, MARKER_ROOM_SHARE / (1 - MARKER_ROOM_SHARE) * span)],
+                         dtick=step_tick(span))  # fmt: skip
     fig.update_layout(
         height=90 + height_px * n,
         margin={"l": 10, "r": 10, "t": 40, "b": 40},

@@ -328,3 +328,34 @@ def prefix_chain(blocks: Sequence[BlockView], key: str) -> list[BlockView]:
         chain.append(node)
         node = keyed.get(node.parent_key)
     return chain[::-1]
+
+
+def replay_sentence(view: RequestView, window: int, block_size: int, backtrack: int) -> str | None:
+    """Why a request's hit on sliding-window layers saved what it saved, in one sentence, and what would
+    have made its window state ready; None for a request with no hit.
+
+    The state is ready at the hit position h when the cached sliding blocks cover [need, h), need being
+    the block boundary at or before h - W + 1 (engine/core/kv_groups.py's window_ready_at).
+    """
+    h, s, e, r = view.cached_tokens, view.window_start, view.window_end, view.replay_from
+    if h == 0 or view.replay_mode in ("none", "full"):
+        return None
+    need = max(0, h - window + 1) // block_size * block_size
+    found = f"the window state found covered [{s}, {e}) ({e - s} tokens)"
+    if view.replay_mode == "ready":
+        return f"**{view.request_id}** · ready: {found}, all the {window}-token window at h = {h} needs: nothing replayed, {h} tokens saved."
+    missing = []
+    if s > need:
+        missing.append(
+            f"the older {s - need} tokens of state (a window backtrack of at least {backtrack + s - need} tokens, now "
+            f"{backtrack}, in Settings keeps them)"
+        )
+    if e < h:
+        missing.append(f"the state of [{e}, {h}) (dropped or never cached)")
+    how = "exact" if view.replay_mode == "exact" else "approximate (without the state before r)"
+    saved = "nothing" if r == 0 else f"{r} tokens"
+    return (
+        f"**{view.request_id}** · {how} replay: the hit reached h = {h}, but {found} where the {window}-token "
+        f"window needs [{need}, {h}) ({h - need} tokens); it recomputed [{r}, {h}) and saved {saved}. Ready "
+        f"state needed " + " and ".join(missing or [f"the blocks of [{need}, {h}) cached together"]) + "."
+    )

@@ -70,19 +70,46 @@ def history_table(frame: pd.DataFrame) -> None:
 
 
 def stacked(timelines: dict[int, queries.BlockTimeline], key: str, titles: dict[int, str] | None = None) -> None:
-    """The timelines of several blocks on one step axis (`key`: the chart's, unique on the page)."""
-    shown = [(block_id, t) for block_id, t in timelines.items() if not t.rows.empty][:MAX_STACKED]
-    if not shown:
+    """The timelines of several blocks on one step axis (`key`: the chart's, unique on the page): blocks
+    whose lives differ first, each set of identical lives drawn once with its count."""
+    titles = titles or {}
+    lives = life_groups({b: t for b, t in timelines.items() if not t.rows.empty}, set(titles))
+    if not lives:
         st.caption("No stored events for these blocks yet (the history writer commits about every second).")
         return
-    titles = titles or {}
-    figure = charts.block_timelines([(titles.get(b, f"block {b}"), t.rows) for b, t in shown])
+    drawn = lives[:MAX_STACKED]
+    if len(lives) > MAX_STACKED:
+        st.caption(f"{len(lives)} different lives; the first {MAX_STACKED} are drawn.")
+    shown = [(ids[0], timelines[ids[0]]) for ids in drawn]
+    figure = charts.block_timelines([(life_title(ids, titles), timelines[ids[0]].rows) for ids in drawn])
     st.plotly_chart(figure, key=key, width="stretch")
     with st.expander("Every change of these blocks, with the holders after it"):
-        rows = pd.concat([t.rows.assign(block=b) for b, t in shown]).sort_values(["event_id", "block"], kind="stable")
+        rows = pd.concat([timelines[b].rows.assign(block=b) for ids in drawn for b in ids]).sort_values(["event_id", "block"], kind="stable")
         history_table(rows)
     if any(not t.complete for _, t in shown):
         st.caption("Part of this history was pruned: each block is drawn from its first stored allocation.")
+
+
+def life_groups(timelines: dict[int, queries.BlockTimeline], titled: set[int]) -> list[list[int]]:
+    """Block ids grouped by identical lives (the same events at the same steps with the same counts),
+    lives that differ from every other first (a copy-on-write tail and its copies), then the largest sets.
+    A block in `titled` (one the page names, as the scenario's) stays alone."""
+    groups: dict[tuple, list[int]] = {}
+    for block_id, timeline in timelines.items():
+        rows = timeline.rows
+        life = tuple(zip(rows["step"].astype(int), rows["event"], rows["ref_count"].astype(int)))
+        if block_id in titled:
+            life = (block_id, life)
+        groups.setdefault(life, []).append(block_id)
+    return sorted(groups.values(), key=lambda ids: (len(ids) > 1, -len(ids), ids[0]))
+
+
+def life_title(block_ids: list[int], titles: dict[int, str]) -> str:
+    """A row's title: the block's own, or "blocks 0, 1, 2 … (14 with this same life)"."""
+    if len(block_ids) == 1:
+        return titles.get(block_ids[0], f"block {block_ids[0]}")
+    listed = ", ".join(map(str, block_ids[:3])) + (" …" if len(block_ids) > 3 else "")
+    return f"blocks {listed} ({len(block_ids)} with this same life)"
 
 
 # ---------------------------------------------------------------- page
@@ -284,11 +311,10 @@ if picked_request is not None:
         blocks_of = read_history(queries.request_blocks, host.db, run_id, members, group) or []
         st.caption(
             f"{len(members)} request(s): {', '.join(members[:12])}{' …' if len(members) > 12 else ''} · "
-            f"{len(blocks_of)} block(s)" + (f"; the first {MAX_STACKED} are drawn" if len(blocks_of) > MAX_STACKED else "")
+            f"{len(blocks_of)} block(s); blocks whose lives differ come first (a shared tail and its copies), "
+            "identical lives are drawn once with their count"
         )
-        timelines = read_history(
-            queries.block_timelines, host.db, run_id, blocks_of[:MAX_STACKED], group, members
-        ) or {}
+        timelines = read_history(queries.block_timelines, host.db, run_id, blocks_of, group, members) or {}
         stacked(timelines, "blocks_family_chart")
 
 # ---------------------------------------------------------------- block tables side by side
@@ -316,7 +342,7 @@ if picked:
             "status": [by_id_rows[rid].status for rid in alignment.request_ids],
             "holds its blocks": ["yes" if held else "no" for held in alignment.holding],
             "blocks": [len(by_id_rows[rid].block_tables.get(group, ())) for rid in alignment.request_ids],
-            "parent": [alignment.compared_with[rid] or "—" for rid in alignment.request_ids],
+            "parent": [by_id[rid].parent_id or "—" for rid in alignment.request_ids],  # selected or not
             "shared with its parent": [
                 "—" if alignment.compared_with[rid] is None else str(
                     sum(1 for a, b in zip(row, alignment.block_ids[alignment.request_ids.index(alignment.compared_with[rid])]) if a is not None and a == b)

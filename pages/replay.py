@@ -6,11 +6,12 @@ import pandas as pd
 import plotly.graph_objects as go
 import streamlit as st
 
+from app.frames import replay_sentence
 from app.hosting import get_host
 from app.ui import REFRESH_S
 
 SEGMENTS = (  # (name, colour): drawn in this order, later segments on top
-    ("hit [0, h)", "#93c5fd"),
+    ("hit, reused [0, r)", "#93c5fd"),
     ("replayed [r, h)", "#f97316"),
     ("computed suffix", "#a855f7"),
     ("window state [s, e)", "#16a34a"),
@@ -64,7 +65,7 @@ def replay_bars(frame: pd.DataFrame) -> go.Figure:
     bar = {"width": 0.5, "offset": -0.38}  # the bar's share of its row, from its top edge (y runs down)
     band = {"width": 0.16, "offset": 0.16}
     spans = {
-        "hit [0, h)": (0, frame["h"], bar),
+        "hit, reused [0, r)": (0, frame["r"].clip(upper=frame["h"]), bar),  # beside the replay, not under it
         "replayed [r, h)": (frame["r"], frame["h"] - frame["r"], bar),
         "computed suffix": (frame["h"], frame["prompt"] - frame["h"], bar),
         "window state [s, e)": (frame["s"], frame["e"] - frame["s"], band),
@@ -105,6 +106,12 @@ def replay_panel() -> None:
         c[2].metric("Released outside the window", f"{group.window_released_blocks:,}",
                     help="Sliding-layer blocks a running request gave back because no future token can see them")
         c[3].metric("Sliding blocks cached", f"{group.cached_blocks:,}")
+    if sliding:
+        config = host.console.config
+        views = [v for v in engine.requests() if v.first_scheduled_time is not None][-MAX_ROWS:]
+        sentences = [replay_sentence(v, sliding[0].window, config.block_size, config.window_backtrack) for v in views]
+        for sentence in [t for t in sentences if t][-5:]:  # the newest five: why each hit saved what it saved
+            st.markdown(sentence)
     frame = replay_frame(engine.requests())
     if frame.empty:
         st.write("No request has been scheduled yet.")

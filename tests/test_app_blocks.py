@@ -124,12 +124,15 @@ def test_a_requests_fork_family_stacks_the_timelines_of_its_blocks(console_env):
     at = open_page("blocks")
     at.selectbox(key="blocks_family_pick").select(b).run()
     no_exceptions(at)
-    stacked = next(c for c in charts(at) if len(timeline_rows(c)) == 4)
+    stacked = next(c for c in charts(at) if len(timeline_rows(c)) == 3)
     rows = timeline_rows(stacked)
     full, tail = engine.get(parent).block_table[:2]
+    assert list(rows)[:2] == [f"block {full}", f"block {tail}"]  # lives that differ first
     assert rows[f"block {full}"]["counts"] == [1, 1, 2, 3, 2]  # allocated, cached, two forks, the parent left
     assert rows[f"block {tail}"]["counts"] == [1, 2, 3, 2, 1, 0]
-    assert rows[f"block {engine.get(b).block_table[1]}"]["counts"] == [1]  # b's copy, still held
+    copies = sorted((engine.get(a).block_table[1], engine.get(b).block_table[1]))
+    # a's copy and b's copy, still held, lived the same life: drawn once, with the count
+    assert rows[f"blocks {copies[0]}, {copies[1]} (2 with this same life)"]["counts"] == [1]
     assert f"3 request(s): {parent}, {a}, {b}" in texts(at)
 
 

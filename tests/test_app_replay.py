@@ -31,7 +31,7 @@ def test_hybrid_model_draws_an_exact_replay(console_env):
     assert (reader["mode"], reader["h"], reader["r"], reader["replayed"]) == ("exact", 36, 0, 36)
     spec = json.loads(at.get("plotly_chart")[0].proto.spec)
     bars = {trace["name"]: trace for trace in spec["data"]}
-    assert list(bars) == ["hit [0, h)", "replayed [r, h)", "computed suffix", "window state [s, e)"]
+    assert list(bars) == ["hit, reused [0, r)", "replayed [r, h)", "computed suffix", "window state [s, e)"]
     # Regression (issue 15): the window-state band was drawn under the replay bar, at the same place, so
     # the bar hid it; and the legend sat on the x axis.
     band, replayed = bars["window state [s, e)"], bars["replayed [r, h)"]
@@ -40,3 +40,7 @@ def test_hybrid_model_draws_an_exact_replay(console_env):
     # Nothing was verified: no divergence columns, and no literal "None" anywhere.
     assert "mean KL" not in frame.columns and "None" not in frame.astype(str).to_numpy()
     assert [m.label for m in at.metric][:1] == ["Window W"]
+    # Why the exact replay saved nothing, in a sentence, with what would have made the state ready.
+    said = next(m.value for m in at.markdown if m.value.startswith("**reader** · exact replay"))
+    assert "the hit reached h = 36" in said and "where the 8-token window needs [28, 36) (8 tokens)" in said
+    assert "it recomputed [0, 36) and saved nothing. Ready state needed" in said
