@@ -16,6 +16,12 @@ from fleet.source import parse_pods
 from storage.read import fleet_queries
 
 RATE_WINDOWS = {"Last 5 minutes": 300, "Last 15 minutes": 900, "Last hour": 3600}
+# The table's columns, so it fits the page; the rest of each row (ids, endpoints, feed counters) is in the
+# data (and in Feed health below).
+MAIN_COLUMNS = (
+    "pod", "status", "blocks", "capacity", "kv_usage", "hit_rate", "lifetime_hit_rate", "last_batch_s_ago",
+    "link", "restarts", "lost_batches",
+)  # fmt: skip
 
 host = get_host()
 fleet = get_fleet_host()
@@ -86,12 +92,18 @@ def pods() -> None:
             "hit rate (lifetime)", format="percent", help="Since the server started"
         ),
         "last_batch_s_ago": st.column_config.NumberColumn("last batch (s ago)", format="%.1f"),
+        "lost_batches": st.column_config.NumberColumn("lost batches", help="Neither live nor replay delivered"),
         "lag_ms": st.column_config.NumberColumn("lag (ms)", format="%.1f"),
         "catch-ups": st.column_config.NumberColumn(
             "catch-ups", help="Replay requests (at start, on each new connection, after a quiet spell, for a gap)"
         ),
     }
-    st.dataframe(frame, hide_index=True, column_config=columns, key="fleet_pods_table", width="stretch")
+    shown = [name for name in MAIN_COLUMNS if name in frame.columns]
+    shown += [name for name in frame.columns if name.endswith(" blocks")]  # blocks per medium
+    st.dataframe(
+        frame, hide_index=True, column_config=columns, column_order=shown, key="fleet_pods_table", width="stretch"
+    )
+    st.caption("Feed counters (batches, catch-ups, errors, lag) per pod: in Feed health below.")
     if view == LIVE and watch is not None:
         with_metrics = [name for name, found in scrapes.items() if found]
     else:
@@ -157,6 +169,7 @@ if watch is not None:
                 "ready": s.ready,
                 "link": s.link.value,
                 "connects": s.num_connects,
+                "lag (ms)": None if s.last_lag_s is None else round(s.last_lag_s * 1e3, 1),
                 "batches": s.num_batches,
                 "catch-ups": s.num_replays,
                 "batches replayed": s.num_replayed_batches,

@@ -63,7 +63,11 @@ def metric(page, label: str):
 
 
 def go(page, link: str, title: str) -> None:
-    """Open a page from the sidebar; click again if a rerun in flight swallowed the first click."""
+    """Open a page from the sidebar (shown in full first: Streamlit folds a long list of pages under
+    "View N more"); click again if a rerun in flight swallowed the first click."""
+    more = page.get_by_text(re.compile(r"^View \d+ more$"))
+    if more.count() and more.first.is_visible():
+        more.first.click()
     click_until(page.get_by_role("link", name=link, exact=True), page_heading(page, title))
 
 
@@ -76,7 +80,7 @@ def walk(page, url: str, expect, counts: tuple[int, int]) -> None:
     # Pods: both pods, every block their vLLM pools hold (recovered by replay), and their /metrics.
     expect(metric(page, "Pods")).to_contain_text("2")
     expect(metric(page, "Blocks held")).to_contain_text(str(held))
-    expect(metric(page, "Live")).to_contain_text("2")
+    expect(metric(page, "Live or idle")).to_contain_text("2")
     shot(page, "fleet-01-pods")
 
     # The prefix tree: the blocks of the shared system prompt both pods still hold.
