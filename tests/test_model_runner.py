@@ -17,6 +17,7 @@ from engine.core.config import EngineConfig
 from engine.core.kv_memory import kv_bytes_per_block
 from engine.runner.model_runner import GroupSlots, ModelRunner, SeqChunk
 from engine.runner.model_loading import load_model
+from engine.runner.packed_linear import PackedLinear
 from tests.engine_support import RUNNER_BLOCK_SIZE as BLOCK_SIZE
 from tests.engine_support import RUNNER_NUM_BLOCKS as NUM_BLOCKS
 from tests.engine_support import tokens
@@ -245,3 +246,25 @@ def test_clear_slots_zeroes_exactly_what_a_chunk_wrote(runner_pair):
     assert before[:, :, :, 7].ne(0).any()  # they held K/V before
     after[:, :, :, 7:9] = before[:, :, :, 7:9]
     assert torch.equal(after, before)  # nothing else changed
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_cpu_runner_packs_every_decoder_linear_without_changing_what_it_computes(tmp_path, dtype):
+    loaded = load_model(EngineConfig(model="tiny-qwen2", device="cpu", dtype=dtype, data_dir=tmp_path))
+    plain = {name: module.weight.clone() for name, module in loaded.model.model.layers.named_modules()
+             if isinstance(module, torch.nn.Linear)}
+    runner = ModelRunner(loaded, NUM_BLOCKS, BLOCK_SIZE)
+    packed = dict(loaded.model.model.layers.named_modules())
+    assert runner.num_packed_linears == len(plain) == 7 * loaded.num_layers
+    assert ModelRunner(loaded, NUM_BLOCKS, BLOCK_SIZE).num_packed_linears == 0  # already packed
+    for name, weight in plain.items():
+        module = packed[name]
+        assert isinstance(module, PackedLinear)
+        for rows in (1, 5):
+            x = torch.randn(1, rows, weight.shape[1], generator=torch.Generator().manual_seed(rows)).to(weight.dtype)
+            want = torch.nn.functional.linear(x, weight, module.bias)
+            got = module(x)
+            if dtype == "bfloat16":
+                assert torch.equal(got, want)
+            else:
+                torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
