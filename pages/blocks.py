@@ -105,11 +105,11 @@ def life_groups(timelines: dict[int, queries.BlockTimeline], titled: set[int]) -
 
 
 def life_title(block_ids: list[int], titles: dict[int, str]) -> str:
-    """A row's title: the block's own, or "blocks 0, 1, 2 … (14 with this same life)"."""
+    """A row's title: the block's own, or "block 0, 1, 2 … (14 blocks, one life)"."""
     if len(block_ids) == 1:
         return titles.get(block_ids[0], f"block {block_ids[0]}")
     listed = ", ".join(map(str, block_ids[:3])) + (" …" if len(block_ids) > 3 else "")
-    return f"blocks {listed} ({len(block_ids)} with this same life)"
+    return f"block {listed} ({len(block_ids)} blocks, one life)"
 
 
 # ---------------------------------------------------------------- page

@@ -132,7 +132,7 @@ def test_a_requests_fork_family_stacks_the_timelines_of_its_blocks(console_env):
     assert rows[f"block {tail}"]["counts"] == [1, 2, 3, 2, 1, 0]
     copies = sorted((engine.get(a).block_table[1], engine.get(b).block_table[1]))
     # a's copy and b's copy, still held, lived the same life: drawn once, with the count
-    assert rows[f"blocks {copies[0]}, {copies[1]} (2 with this same life)"]["counts"] == [1]
+    assert rows[f"block {copies[0]}, {copies[1]} (2 blocks, one life)"]["counts"] == [1]
     assert f"3 request(s): {parent}, {a}, {b}" in texts(at)
 
 
