@@ -25,10 +25,12 @@ from typing import Callable
 
 import torch
 
+from engine.core.arith import ceil_div
 from engine.core.assembly import build_core, never_fits
 from engine.core.config import EngineConfig
 from engine.core.errors import require
 from engine.core.events import Event, EventKind, EventLog
+from engine.core.input_checks import check_length, check_request_id, check_salt, check_tokens
 from engine.core.kv_memory import pool_num_blocks
 from engine.runner.model_runner import GroupSlots, ModelRunner, SeqChunk
 from engine.runner.model_loading import LoadedModel, load_model
@@ -42,8 +44,6 @@ from engine.runner.verify import ReplayVerifier
 logger = logging.getLogger(__name__)
 
 WARM_UP_TOKENS = 256  # prefill length of `Engine.warm_up`: about a typical prompt
-MAX_REQUEST_ID_LEN = 128
-MAX_SALT_LEN = 256  # characters of a tenant salt
 Listener = Callable[[list[Event], list[RequestView]], None]
 
 
@@ -134,18 +134,17 @@ class Engine:
         """Queue a request. Returns its id.
 
         Raises:
-            ValueError: bad input (empty or out-of-vocabulary tokens, a taken id, a context longer
-                than the model's, a salt that is not a string of at most MAX_SALT_LEN characters) or a
-                retired engine; nothing is recorded.
+            ValueError: bad input (engine/core/input_checks.py: empty or out-of-vocabulary tokens, a
+                bad or taken id, a context longer than the model's, a salt over MAX_SALT_LEN characters)
+                or a retired engine; nothing is recorded.
             RequestRejected: the request can never fit in the pool; it is recorded as rejected.
         """
         sampling = sampling or SamplingParams()
-        if salt is not None and not (isinstance(salt, str) and len(salt) <= MAX_SALT_LEN):
-            raise ValueError(f"a salt is a string of at most {MAX_SALT_LEN} characters, or None")
+        check_salt(salt)
         with self._lock:
             rid = self._claim_id(request_id)
-            tokens = self._check_tokens(prompt_token_ids, "prompt")
-            self._check_length(len(tokens), sampling)
+            tokens = check_tokens(prompt_token_ids, "prompt", self.vocab_size)
+            check_length(len(tokens), sampling.max_new_tokens, self.max_model_len)
             request = Request(rid, tokens, sampling, retain=retain, salt=salt, arrival_time=time.time())
             self._enqueue(request)
             return rid
@@ -221,9 +220,9 @@ class Engine:
             for i, suffix_token_ids in enumerate(suffixes):
                 wanted = None if request_ids is None else request_ids[i]
                 rid = self._claim_id(wanted, taken={c.request_id for c in children})
-                suffix = self._check_tokens(suffix_token_ids, "fork suffix")
+                suffix = check_tokens(suffix_token_ids, "fork suffix", self.vocab_size)
                 context = parent.all_token_ids + suffix
-                self._check_length(len(context), sampling)
+                check_length(len(context), sampling.max_new_tokens, self.max_model_len)
                 child = Request(
                     rid,
                     context,
@@ -332,7 +331,7 @@ class Engine:
                 raise RuntimeError("warm up an engine before it serves requests")
             bs = self.config.block_size
             num_tokens = max(1, min(num_tokens, self.num_blocks * bs - 1, self.max_model_len - 1))
-            blocks = list(range(min(self.num_blocks, -(-(num_tokens + 1) // bs))))
+            blocks = list(range(min(self.num_blocks, ceil_div(num_tokens + 1, bs))))
             tokens = [i % self.vocab_size for i in range(num_tokens + 1)]
             for start, end in ((0, num_tokens), (num_tokens, num_tokens + 1)):
                 groups = tuple(GroupSlots(blocks, 0, end) for _ in self.kv.managers)  # write_from = end: scratch only
@@ -464,29 +463,10 @@ class Engine:
             request_id = f"req-{next(self._ids)}"
             while request_id in self._requests:
                 request_id = f"req-{next(self._ids)}"
-        if not isinstance(request_id, str) or not 0 < len(request_id) <= MAX_REQUEST_ID_LEN:
-            raise ValueError(f"request ids are non-empty strings of at most {MAX_REQUEST_ID_LEN} characters")
+        check_request_id(request_id)
         if request_id in self._requests or request_id in taken:
             raise ValueError(f"request id {request_id!r} is already taken")
         return request_id
-
-    def _check_tokens(self, token_ids: list[int], what: str) -> list[int]:
-        if not isinstance(token_ids, (list, tuple)):
-            raise ValueError(f"the {what} must be a list of token ids, got {type(token_ids).__name__}")
-        tokens = list(token_ids)
-        if not tokens:
-            raise ValueError(f"the {what} is empty")
-        if not all(type(t) is int and 0 <= t < self.vocab_size for t in tokens):
-            raise ValueError(f"the {what} has token ids outside [0, {self.vocab_size})")
-        return tokens
-
-    def _check_length(self, num_context: int, sampling: SamplingParams) -> None:
-        total = num_context + sampling.max_new_tokens
-        if total > self.max_model_len:
-            raise ValueError(
-                f"context of {num_context} tokens + {sampling.max_new_tokens} new tokens exceeds the model's "
-                f"maximum of {self.max_model_len} positions"
-            )
 
     def _never_fits(self, request: Request) -> str | None:
         """Why the request can never fit in the pool (engine/core/assembly.py's rule), or None."""
