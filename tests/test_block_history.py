@@ -20,7 +20,7 @@ from engine.core.eviction import EvictionPolicyName
 from engine.core.full_attention_manager import FullAttentionManager
 from engine.core.namespace import CacheNamespace
 from storage.read.block_history import EVICTABLE_FROM_HERE, SAFE_TO_REUSE, StoredEvent, replay, rows_involving
-from tests.test_kv_cache_manager_properties import BlockManagerMachine
+from tests.test_kv_cache_manager_properties import KVCacheManagerMachine
 from tests.test_kv_coordinator_properties import CoordinatorMachine
 
 
@@ -54,7 +54,7 @@ class _RecordsHistory:
                 assert (last.state if last else "free") == pool.state_of(block)
 
 
-class BlockManagerHistoryMachine(_RecordsHistory, BlockManagerMachine):
+class KVCacheManagerHistoryMachine(_RecordsHistory, KVCacheManagerMachine):
     policy = EvictionPolicyName.LRU
 
     @invariant()
@@ -76,14 +76,14 @@ class CoordinatorHistoryMachine(_RecordsHistory, CoordinatorMachine):
         self._check_history(self.kv.managers)
 
 
-class ReuseLruBlockManagerHistoryMachine(BlockManagerHistoryMachine):
+class ReuseLruKVCacheManagerHistoryMachine(KVCacheManagerHistoryMachine):
     policy = EvictionPolicyName.REUSE_LRU
 
 
-TestBlockManagerHistory = BlockManagerHistoryMachine.TestCase
-TestBlockManagerHistory.settings = settings(max_examples=80, stateful_step_count=40, deadline=None)
-TestReuseLruBlockManagerHistory = ReuseLruBlockManagerHistoryMachine.TestCase
-TestReuseLruBlockManagerHistory.settings = settings(max_examples=40, stateful_step_count=40, deadline=None)
+TestKVCacheManagerHistory = KVCacheManagerHistoryMachine.TestCase
+TestKVCacheManagerHistory.settings = settings(max_examples=80, stateful_step_count=40, deadline=None)
+TestReuseLruKVCacheManagerHistory = ReuseLruKVCacheManagerHistoryMachine.TestCase
+TestReuseLruKVCacheManagerHistory.settings = settings(max_examples=40, stateful_step_count=40, deadline=None)
 TestCoordinatorHistory = CoordinatorHistoryMachine.TestCase
 TestCoordinatorHistory.settings = settings(max_examples=80, stateful_step_count=40, deadline=None)
 

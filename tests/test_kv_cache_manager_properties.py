@@ -23,7 +23,7 @@ STEMS = [[1, 2, 3, 4, 5, 6, 7, 8], [1, 2, 3, 4, 9, 9, 9, 9], [5, 5, 5, 5]]
 tokens = st.lists(st.integers(0, 6), min_size=1, max_size=14)
 
 
-class BlockManagerMachine(RuleBasedStateMachine):
+class KVCacheManagerMachine(RuleBasedStateMachine):
     policy: EvictionPolicyName
 
     def __init__(self) -> None:
@@ -138,10 +138,10 @@ class BlockManagerMachine(RuleBasedStateMachine):
 
 
 def machine_for(policy: EvictionPolicyName):
-    return type(f"{policy.name}ManagerMachine", (BlockManagerMachine,), {"policy": policy})
+    return type(f"{policy.name}ManagerMachine", (KVCacheManagerMachine,), {"policy": policy})
 
 
-TestBlockManagerMachine = machine_for(EvictionPolicyName.LRU).TestCase
-TestReuseLruBlockManagerMachine = machine_for(EvictionPolicyName.REUSE_LRU).TestCase
-TestBlockManagerMachine.settings = settings(max_examples=100, stateful_step_count=40, deadline=None)
-TestReuseLruBlockManagerMachine.settings = TestBlockManagerMachine.settings
+TestKVCacheManagerMachine = machine_for(EvictionPolicyName.LRU).TestCase
+TestReuseLruKVCacheManagerMachine = machine_for(EvictionPolicyName.REUSE_LRU).TestCase
+TestKVCacheManagerMachine.settings = settings(max_examples=100, stateful_step_count=40, deadline=None)
+TestReuseLruKVCacheManagerMachine.settings = TestKVCacheManagerMachine.settings
