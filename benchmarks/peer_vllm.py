@@ -11,8 +11,10 @@ Cells: a 1,024-token shared prefix and 32-token suffixes (every request its own 
 submitted at once, M new tokens each. "cached": the prefix was computed by an earlier request (the
 cache is emptied, one request over prefix + another suffix runs untimed, then the timed batch);
 "cold": the cache is emptied first. Repeats are interleaved (this, vLLM, this, vLLM, ...) on the same
-prompts, and every repeat draws new prompts. Greedy outputs must be identical between the engines on
-every request; a difference is reported in the table's "same" column and makes the exit status 1.
+prompts, and every repeat draws new prompts. fp32 greedy outputs must be identical between the engines
+on every request (a difference makes the exit status 1); bf16 ones are reported in the table's "same"
+column only: the two engines' bf16 kernels round differently, and random-token prompts leave near-ties
+that a last-bit difference flips.
 
 Reported per cell: each engine's fastest-slowest wall seconds (submit to last token), the ratio of
 the medians (this / vLLM: above 1 means vLLM is faster) and the 1-minute load average over the cell's
@@ -241,9 +243,9 @@ def main() -> None:
             {"cell": r.cell.name, "dtype": r.cell.dtype, "seconds": r.seconds, "same": r.same, "total": r.total,
              "load": r.load} for r in rows
         ], indent=1))
-    different = sum(r.total - r.same for r in rows)
+    different = sum(r.total - r.same for r in rows if r.cell.dtype == "float32")
     if different:
-        sys.exit(f"{different} requests' greedy outputs differ between the engines")
+        sys.exit(f"{different} requests' fp32 greedy outputs differ between the engines")
 
 
 if __name__ == "__main__":
