@@ -7,7 +7,7 @@ PORT   ?= 8501
 # The OpenAI-compatible API beside the console, on 127.0.0.1 (`make run API_PORT=off`: none).
 API_PORT ?= 8000
 
-.PHONY: install native system-deps run test bench live-vllm
+.PHONY: install native system-deps run test bench live-vllm peer-vllm
 
 $(STAMP): requirements.txt requirements-interop.txt
 	python3 -m venv $(VENV)
@@ -76,3 +76,8 @@ $(VLLM_STAMP):
 
 live-vllm: install $(VLLM_STAMP)
 	$(PY) benchmarks/live_vllm.py --vllm-python $(VLLM_VENV)/bin/python
+
+# This engine side by side with vLLM's CPU build, interleaved, same weights and token ids (about 30 minutes
+# on 2 quiet cores, vLLM's first start compiles for several; not part of `make test`). PEER_ARGS=--quick: small cells.
+peer-vllm: install $(VLLM_STAMP)
+	$(PY) benchmarks/peer_vllm.py $(PEER_ARGS)
