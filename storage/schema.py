@@ -12,7 +12,8 @@ Tables:
                SGLang servers (revision 0006; see "Fleet" below); fleet_metrics their /metrics scrapes,
                and fleet_sources' link state and heartbeat (revision 0007).
     writer_progress  per writer process: the rows it has committed so far, updated in every one of its
-               transactions, so a writer started after a crash knows exactly what its predecessor wrote.
+               transactions, so a writer started after a crash knows exactly what its predecessor wrote
+               (the fleet's rows too, revision 0008).
 
 Invariants:
     * Times are float seconds since the epoch, so bucketing is plain arithmetic on every backend.
@@ -21,8 +22,8 @@ Invariants:
     * Strings are unbounded (VARCHAR without a length on PostgreSQL): an engine value that outgrew a
       length would otherwise fail its whole batch, or block a run row forever.
     * Every row but a run's belongs to a run (foreign key to ``runs.id``).
-    * After every commit of a writer process, its ``writer_progress`` row counts exactly the event rows
-      and request records it has committed (storage.write.progress).
+    * After every commit of a writer process, its ``writer_progress`` row counts exactly the event rows,
+      request records and other producers' rows (the fleet's) it has committed (storage.write.progress).
     * ``requests.block_keys`` and ``content_keys`` are NULL or hold ``prompt_tokens // runs.block_size``
       keys of 16 bytes each, set together when the request finished.
     * After every commit, each ``eviction_rollups`` row equals the aggregate of the ``evictions`` rows
@@ -196,6 +197,8 @@ class WriterProgress(Base):
     writer_id: Mapped[str] = mapped_column(String, primary_key=True)  # random, one per WriterProcess
     written_events: Mapped[int] = mapped_column(BigInteger)  # event rows committed
     written_requests: Mapped[int] = mapped_column(BigInteger)  # request records committed (coalesced ones too)
+    # Other producers' rows committed (`submit_rows`, the fleet's; revision 0008: 0 in older rows).
+    written_other: Mapped[int] = mapped_column(BigInteger, server_default="0")
     updated_at: Mapped[float] = mapped_column(Double, index=True)  # epoch seconds of the last commit; retention
 
 

@@ -44,6 +44,7 @@ from storage.schema import (
 )
 from storage.read.queries import Cursor, EvictionFilters
 from storage.write.retention import RetentionPolicy, prune
+from storage.write import progress
 from storage.write.rows import event_values, request_row
 from storage.write.writer import RunInfo, WriterOptions
 from storage.write.writer_process import WriterProcess
@@ -187,6 +188,29 @@ def test_a_migration_that_fails_part_way_leaves_the_schema_as_it_was(db_url: str
     assert migrate.current_revision(engine) == "0002"
     with engine.connect() as connection:
         assert "eviction_rollups" not in inspect(connection).get_table_names()
+
+
+def test_revision_0008_keeps_the_writer_progress_of_a_database_at_0007(db_url: str, engine_for) -> None:
+    """A writer's totals saved before the fleet's rows were counted stay as they were, the fleet's at 0;
+    from then on the fleet's rows are saved and read back with the rest."""
+    engine = engine_for(db_url)
+    migrate.upgrade(engine, "0007")
+    progress_at_0007 = sql_table(
+        "writer_progress", *map(sql_column, ("writer_id", "written_events", "written_requests", "updated_at"))
+    )
+    with engine.begin() as connection:
+        old = {"writer_id": "old", "written_events": 120, "written_requests": 7, "updated_at": BASE_TIME}
+        connection.execute(insert(progress_at_0007), [old])
+
+    migrate.upgrade(engine)
+
+    assert migrate.current_revision(engine) == LATEST_REVISION
+    with engine.begin() as connection:
+        assert compare_metadata(MigrationContext.configure(connection), Base.metadata) == []
+        assert progress.load(connection, "old") == progress.Written(events=120, requests=7, other=0)
+        progress.save(connection, "old", progress.Written(events=121, requests=7, other=5))
+    with engine.connect() as connection:
+        assert progress.load(connection, "old") == progress.Written(events=121, requests=7, other=5)
 
 
 # ---------------------------------------------------------------- the writer

@@ -22,7 +22,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
-from sqlalchemy import create_engine, func, make_url, select, text
+from sqlalchemy import Connection, Engine as Database, create_engine, event, func, make_url, select, text
 
 from engine.core.config import EngineConfig
 from engine.engine import Engine
@@ -30,10 +30,13 @@ from engine.core.events import Event, EventKind
 from engine.core.request import SamplingParams
 from storage import migrate
 from storage.read import queries
-from storage.schema import EVENTS, EventRecord, Eviction, Run
+from storage.schema import EVENTS, FLEET_BLOCKS, FLEET_EVENTS, FLEET_SOURCES, EventRecord, Eviction, Run
+from storage.write.fleet_bulk import write_fleet_rows
+from storage.write.fleet_rows import FleetRowBuilder, FleetRows
 from storage.write.recorder import record_engine
 from storage.write.writer import WriterOptions
 from storage.write.writer_process import WriterProcess
+from tests.fleet_history_support import batch, pod_source, stored
 from tests.storage_support import (
     BASE_TIME,
     FAST,
@@ -393,6 +396,85 @@ def test_a_writer_process_killed_again_and_again_keeps_its_counts_exact(tmp_path
     assert stats.written_events + stats.dropped == submitted
     assert count_rows(engine_for(url), EVENTS) == stats.written_events
     assert writer.close(timeout_s=30)
+
+
+# ---------------------------------------------------------------- the fleet's rows when the writer process dies
+
+
+def write_fleet_rows_then_die(connection: Connection, units: list[FleetRows]) -> None:
+    """`write_fleet_rows`, then SIGKILL of this process once the transaction has committed (as its connection
+    goes back to the pool): a writer process that dies with rows committed and never reported."""
+    write_fleet_rows(connection, units)
+    event.listen(connection.engine.pool, "checkin", lambda *_: os.kill(os.getpid(), signal.SIGKILL), once=True)
+
+
+def stored_batches(builder: FleetRowBuilder, first: int, count: int) -> list[FleetRows]:
+    """Batches `first`.. of pod "a", each storing two new blocks: three rows (an event, two lifetimes)."""
+    return [builder.batch(batch("a", seq, stored([2 * seq + 1, 2 * seq + 2]))) for seq in range(first, first + count)]
+
+
+def fleet_rows_in(db: Database) -> int:
+    """The rows of the tables that opened pods and stored batches fill."""
+    return sum(count_rows(db, table) for table in (FLEET_SOURCES, FLEET_EVENTS, FLEET_BLOCKS))
+
+
+def test_fleet_rows_a_killed_writer_process_had_committed_count_as_written(db_url: str, engine_for) -> None:
+    """Regression: the rows handed in through submit_rows (the fleet's) were not in the saved totals, so
+    those a killed writer process had committed, but not yet reported, counted as dropped. Here the child
+    dies right after committing a unit, before any report of it: every row is in the database, none is
+    counted as dropped."""
+    writer = WriterProcess(db_url, WriterOptions(**FAST))
+    builder = FleetRowBuilder("collector")
+    before = [builder.open(pod_source("a"), 50.0), *stored_batches(builder, 0, 5)]
+    for unit in before:
+        assert writer.submit_rows(unit, unit.num_rows, write_fleet_rows)
+    assert writer.flush(timeout_s=30)
+    first_pid = writer.pid
+    (last,) = stored_batches(builder, 5, 1)
+    assert writer.submit_rows(last, last.num_rows, write_fleet_rows_then_die)
+    assert wait_for(lambda: writer.stats().restarts == 1 and writer.stats().schema_ready, timeout_s=60)
+    after = stored_batches(builder, 6, 5)
+    for unit in after:
+        assert writer.submit_rows(unit, unit.num_rows, write_fleet_rows)
+    assert writer.flush(timeout_s=30)
+    assert writer.close(timeout_s=30)
+    stats = writer.stats()
+    assert writer.pid != first_pid and "exited (code -9)" in stats.last_error
+    handed_over = sum(unit.num_rows for unit in [*before, last, *after])
+    assert (stats.written_other, stats.dropped, stats.queued) == (handed_over, 0, 0)
+    assert fleet_rows_in(engine_for(db_url)) == handed_over == 1 + 11 * 3
+
+
+def test_a_writer_process_killed_while_fleet_rows_stream_in_keeps_their_counts_exact(
+    tmp_path: Path, engine_for
+) -> None:
+    """SIGKILL from outside, twice, after some commits and with more units in the pipe and the child's
+    queue: every fleet row handed over is written or counted as dropped, and the written ones are the
+    rows in the database."""
+    url = f"sqlite:///{tmp_path / 'history.sqlite'}"
+    writer = WriterProcess(url, WriterOptions(**FAST))
+    builder = FleetRowBuilder("collector")
+    opened = builder.open(pod_source("a"), 50.0)
+    assert writer.submit_rows(opened, opened.num_rows, write_fleet_rows, wait=True)
+    assert writer.flush(timeout_s=30)
+    handed_over, seq = opened.num_rows, 0
+    for restart in (1, 2):
+        committed = writer.stats().written_other
+        for unit in stored_batches(builder, seq, 10):
+            assert writer.submit_rows(unit, unit.num_rows, write_fleet_rows, wait=True)
+            handed_over += unit.num_rows
+        assert wait_for(lambda: writer.stats().written_other > committed, timeout_s=60)  # some are committed
+        for unit in stored_batches(builder, seq + 10, 10):  # and these are on their way
+            assert writer.submit_rows(unit, unit.num_rows, write_fleet_rows, wait=True)
+            handed_over += unit.num_rows
+        seq += 20
+        os.kill(writer.pid, signal.SIGKILL)
+        assert wait_for(lambda: writer.stats().restarts == restart and writer.stats().schema_ready, timeout_s=60)
+    assert writer.flush(timeout_s=30)
+    assert writer.close(timeout_s=30)
+    stats = writer.stats()
+    assert stats.queued == 0 and stats.written_other + stats.dropped == handed_over
+    assert fleet_rows_in(engine_for(url)) == stats.written_other
 
 
 # ---------------------------------------------------------------- the database locked, stopped, full, read-only

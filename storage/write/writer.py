@@ -37,8 +37,9 @@ Contract with the engine thread:
       Unlike the engine, such a producer may wait for room in the queue (`wait=True`) instead of
       dropping: it can be slowed down, and what its sources send meanwhile is theirs to buffer.
     * With a `progress_key` (in a writer process), every transaction also saves the writer's running
-      totals (storage.write.progress), and the counters start from the totals saved under that key: the
-      `written_*` counts are then those of every writer that ran under the key.
+      totals (storage.write.progress: events, request records and other producers' rows), and the
+      counters start from the totals saved under that key: the `written_*` counts are then those of
+      every writer that ran under the key.
 
 Only the writer thread touches the database; it also applies the retention policy every
 `prune_interval_s` seconds. A batch's rows go in through storage.write.batch and storage.write.bulk,
@@ -356,6 +357,7 @@ class EventWriter:
                     if self._progress_key is not None:
                         self._counters.written_events += written.events
                         self._counters.written_requests += written.requests
+                        self._counters.written_other += written.other
                     self._counters.schema_ready = True
                     self._counters.retrying = False
                 return True
@@ -393,6 +395,7 @@ class EventWriter:
             written = progress.Written(
                 self._counters.written_events + sum(item.num_events for item in items),
                 self._counters.written_requests + sum(item.num_requests for item in items),
+                self._counters.written_other + sum(item.num_other for item in items),
             )
         backoff = self._options.first_backoff_s
         give_up_at = None

@@ -26,7 +26,8 @@ Data flow, one way:
     * Counting, derived: `written_*` are the child's (saved in the database inside every transaction,
       storage.write.progress, so a replacement starts from them), `queued` is the rows of the messages
       in flight, and `dropped` is the rest of what was handed over. So written + queued + dropped ==
-      handed over, always, and exactly for the engine's events and request records.
+      handed over, always, and exactly: the engine's events and request records and the rows handed in
+      through `submit_rows` (the fleet's, `written_other`) alike.
 
 Visibility latency (benchmarks/storage.py section 4 measures it, tests/test_under_load.py holds it): a row
 is committed within `batch_interval_s` plus the child's transaction times once it is sent. The child
@@ -39,8 +40,7 @@ Faults:
       (at once; after the second child in a row that lived under `QUICK_EXIT_S`, with a backoff doubling
       up to `MAX_RESTART_DELAY_S`), which first reads what its predecessors committed: the messages they
       were sent are then done, their uncommitted rows counted as dropped, exactly. The runs are sent
-      again; history goes on. `stats().restarts` counts restarts, `last_error` says why. (The fleet's
-      rows, `written_other`, are not in the saved totals: those in flight at a crash count as dropped.)
+      again; history goes on. `stats().restarts` counts restarts, `last_error` says why.
     * This process dies: the child sees its connection end, writes everything it received and exits.
     * Database faults (locked, full, read-only, unreachable) are the child writer's: retried for up to
       `retry_for_s`, rows waiting in the child's queue meanwhile.
@@ -64,6 +64,7 @@ from typing import Any
 from engine.core.events import Event
 from engine.core.snapshot import RequestView
 from storage.db import db_engine
+from storage.write import progress
 from storage.write.rows import checked_events, checked_views, encode_events, view_without_prompt
 from storage.write.writer_types import RowWriter, RunInfo, WriterOptions, WriterStats, new_run_id
 
@@ -143,7 +144,7 @@ class WriterProcess:
         self._runs: dict[str, tuple[RunInfo, float | None]] = {}  # every run started: (info, stopped_at)
         self._current_run: str | None = None
         self._child_stats = NO_STATS  # the running child's latest report
-        self._written = (0, 0)  # events, request records: every child's, once one has read them back
+        self._written = progress.Written()  # every child's committed rows, once one has read them back
         self._past = NO_STATS  # the counters of the children that exited
         self._last_error: str | None = None
         self._restarts = 0
@@ -222,22 +223,21 @@ class WriterProcess:
     def stats(self) -> WriterStats:
         with self._lock:
             child, past = self._child_stats, self._past
-            written_events, written_requests = self._written
-            written_other = past.written_other + child.written_other
+            written = self._written
             oldest = next((message.since for message in self._in_flight.values() if message.num_rows), None)
             return WriterStats(
                 queued=self._queued_rows,
-                written_events=written_events,
-                written_requests=written_requests,
+                written_events=written.events,
+                written_requests=written.requests,
                 written_batches=past.written_batches + child.written_batches,
-                dropped=self._accepted_rows - written_events - written_requests - written_other - self._queued_rows,
+                dropped=self._accepted_rows - written.events - written.requests - written.other - self._queued_rows,
                 failed_batches=past.failed_batches + child.failed_batches,
                 retries=past.retries + child.retries,
                 retrying=child.retrying,
                 last_error=self._last_error,
                 schema_ready=child.schema_ready,
                 pruned_rows=past.pruned_rows + child.pruned_rows,
-                written_other=written_other,
+                written_other=written.other,
                 lag_s=0.0 if oldest is None else time.monotonic() - oldest,
                 done_mark=self._done_through(),
                 restarts=self._restarts,
@@ -373,7 +373,7 @@ class WriterProcess:
             self._child_stats = stats
             settled = [m for m in self._in_flight.values() if m.generation == child.generation and m.seq <= done_seq]
             if stats.schema_ready:  # it has read what every child before it committed
-                self._written = (stats.written_events, stats.written_requests)
+                self._written = progress.Written(stats.written_events, stats.written_requests, stats.written_other)
                 settled += [m for m in self._in_flight.values() if m.generation is not None and m.generation < child.generation]
             if kind == "closed":  # it got every message before close: what is still open went to a killed
                 child.answered_close = True  # predecessor the database could not tell about: dropped
@@ -394,7 +394,6 @@ class WriterProcess:
                 failed_batches=self._past.failed_batches + stats.failed_batches,
                 retries=self._past.retries + stats.retries,
                 pruned_rows=self._past.pruned_rows + stats.pruned_rows,
-                written_other=self._past.written_other + stats.written_other,
             )
             self._child_stats = NO_STATS
             if child.answered_close:
