@@ -45,7 +45,6 @@ VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
 PREFIX_TOKENS = 1024
 SUFFIX_TOKENS = 32
 VLLM_BLOCK_SIZE = 32  # its CPU attention wants a multiple of 32
-READY_TIMEOUT_S = 1800  # vLLM compiles its model at start: minutes on a busy 2-core machine
 
 
 @dataclass(frozen=True)
@@ -81,16 +80,18 @@ class Worker:
 
     def __init__(self, engine: str, python: Path, args: list[str], env: dict[str, str]) -> None:
         self.engine = engine
+        self.log = (ROOT / "artifacts" / f"peer-vllm-{engine}.log").open("w")  # the engine's own output
         self.process = subprocess.Popen(
             [str(python), str(WORKER), "--engine", engine, *args],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
-            stderr=open(ROOT / "artifacts" / f"peer-vllm-{engine}.log", "w"),  # noqa: SIM115 (lives with the process)
+            stderr=self.log,
             text=True,
             env=env,
         )
 
     def wait_ready(self) -> dict:
+        """Block until the worker has loaded (and, for vLLM, compiled) its model; returns its ready line."""
         return self._reply()
 
     def ask(self, command: dict) -> dict:
@@ -106,6 +107,7 @@ class Worker:
                 self.process.wait(timeout=120)
             except subprocess.TimeoutExpired:
                 self.process.kill()
+        self.log.close()
 
     def _reply(self) -> dict:
         line = self.process.stdout.readline()
@@ -156,6 +158,8 @@ def measure(worker: Worker, cell: Cell, warm: list[int], prompts: list[list[int]
 
 @dataclass
 class Row:
+    """One cell's measurements: each engine's seconds per repeat, matching outputs, load averages."""
+
     cell: Cell
     seconds: dict[str, list[float]]
     same: int  # requests whose greedy outputs were identical
