@@ -22,14 +22,14 @@ from sqlalchemy import insert, inspect, select
 
 from fleet.collector import Collector
 from fleet.config import CollectorConfig
-from fleet.events import AllBlocksCleared, PodReset, ResetReason
+from fleet.events import AllBlocksCleared, PodMetrics, PodReset, ResetReason
 from fleet.index import FleetIndex
 from storage.read import fleet_queries
 from storage import migrate
 from storage.write.fleet_bulk import write_fleet_rows
 from storage.write.fleet_rows import FleetRowBuilder, hash_text, parse_hash_text
 from storage.write.fleet_sink import FleetStore
-from storage.schema import FLEET_SOURCES, PRUNES, RUNS, Base
+from storage.schema import FLEET_METRICS, FLEET_SOURCES, PRUNES, RUNS, Base
 from storage.write.retention import RetentionPolicy, prune
 from storage.write.writer import EventWriter, WriterOptions
 from tests.fleet_history_support import (
@@ -389,6 +389,38 @@ def test_retention_prunes_old_fleet_history_but_never_a_watched_pods_blocks(db_u
     with engine.connect() as connection:
         logged = {tuple(row) for row in connection.execute(select(PRUNES.c.table_name, PRUNES.c.reason))}
     assert ("fleet_blocks", "age") in logged
+
+
+def scrape(pod: str, at: float) -> PodMetrics:
+    return PodMetrics(pod, at, 100.0, 40.0, 0.0, 0.5, 1.0, 0.0, num_gpu_blocks=128)
+
+
+def test_retention_bounds_fleet_metrics_by_count_and_by_age_keeping_the_newest(db_url: str, engine_for) -> None:
+    old = {"a": [1_000.0, 1_005.0, 1_010.0], "b": [1_000.0, 1_005.0]}  # day one
+    new = {"a": [100_000.0, 100_005.0, 100_010.0, 100_015.0], "b": [100_000.0, 100_005.0, 100_010.0]}
+    writer = EventWriter(db_url, WriterOptions(**FAST))
+    try:
+        store = opened_store(writer, "a", "b")
+        for scrapes in (old, new):
+            for pod, times in scrapes.items():
+                for at in times:
+                    store.apply_metrics(scrape(pod, at))
+        assert writer.flush(20)
+    finally:
+        writer.close(timeout_s=10)
+    engine = engine_for(db_url)
+
+    policy = RetentionPolicy(max_age_days=1.0, max_fleet_metrics=8, chunk_rows=2)
+    results = {(r.table_name, r.reason): r.rows_deleted for r in prune(engine, policy, now=100_000.0 + 3600)}
+
+    # The count keeps the newest 8 of 12 (a's three old scrapes and b's first go); the age takes b's other old one.
+    assert results[("fleet_metrics", "max_rows")] == 4 and results[("fleet_metrics", "age")] == 1
+    sources = store.source_ids()
+    with engine.connect() as connection:
+        kept = connection.execute(select(FLEET_METRICS.c.source_id, FLEET_METRICS.c.at)).all()
+        logged = {tuple(row) for row in connection.execute(select(PRUNES.c.table_name, PRUNES.c.reason))}
+    assert sorted(kept) == sorted((sources[pod], at) for pod, times in new.items() for at in times)
+    assert {("fleet_metrics", "max_rows"), ("fleet_metrics", "age")} <= logged
 
 
 # ---------------------------------------------------------------- vLLM's own feed into the database

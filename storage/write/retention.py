@@ -9,8 +9,8 @@ Invariants:
       write batch never wait behind one huge delete.
     * Every (table, reason) that lost rows in a pruning run gets one `prunes` row; runs that delete
       nothing leave no trace (the log stays about deletions, not about the clock).
-    * Fleet history: fleet_events and fleet_evictions by age (source by source, through their
-      (source_id, time) indexes) and by count; fleet_blocks (what sources hold now) only for sources
+    * Fleet history: fleet_events, fleet_evictions and fleet_metrics by age (source by source, through
+      their (source_id, time) indexes) and by count; fleet_blocks (what sources hold now) only for sources
       closed longer ago than the age limit, so a watched pod's blocks are never pruned; sources are
       never deleted.
 """
@@ -28,6 +28,7 @@ from storage.schema import (
     FLEET_BLOCKS,
     FLEET_EVENTS,
     FLEET_EVICTIONS,
+    FLEET_METRICS,
     FLEET_SOURCES,
     PROGRESS,
     PRUNES,
@@ -46,6 +47,7 @@ class RetentionPolicy:
     max_evictions: int | None = 1_000_000  # newest evictions rows kept
     max_fleet_events: int | None = 5_000_000  # newest fleet_events rows kept (max_age_days applies too)
     max_fleet_evictions: int | None = 5_000_000  # newest fleet_evictions rows kept
+    max_fleet_metrics: int | None = 1_000_000  # newest fleet_metrics rows kept (a row per pod per scrape)
     chunk_rows: int = 50_000  # rows deleted per transaction
 
 
@@ -80,6 +82,7 @@ def prune(engine: Engine, policy: RetentionPolicy, now: float) -> list[PruneResu
         (EVICTIONS, policy.max_evictions),
         (FLEET_EVENTS, policy.max_fleet_events),
         (FLEET_EVICTIONS, policy.max_fleet_evictions),
+        (FLEET_METRICS, policy.max_fleet_metrics),
     )
     for table, max_rows in bounded:
         if max_rows is not None:
@@ -99,15 +102,21 @@ def prune(engine: Engine, policy: RetentionPolicy, now: float) -> list[PruneResu
 
 
 def _prune_fleet_by_source(engine: Engine, policy: RetentionPolicy, now: float) -> list[PruneResult]:
-    """Fleet events and evictions older than the age limit, and the held blocks of sources closed before it."""
+    """Fleet events, evictions and metrics older than the age limit, and the held blocks of sources closed
+    before it."""
     if policy.max_age_days is None:
         return []
     cutoff = now - policy.max_age_days * SECONDS_PER_DAY
     with engine.connect() as connection:
         sources = connection.execute(select(FLEET_SOURCES.c.id, FLEET_SOURCES.c.closed_at)).all()
-    deleted = {FLEET_EVENTS.name: 0, FLEET_EVICTIONS.name: 0, FLEET_BLOCKS.name: 0}
+    aged = (
+        (FLEET_EVENTS, FLEET_EVENTS.c.ts),
+        (FLEET_EVICTIONS, FLEET_EVICTIONS.c.time),
+        (FLEET_METRICS, FLEET_METRICS.c.at),
+    )
+    deleted = {FLEET_EVENTS.name: 0, FLEET_EVICTIONS.name: 0, FLEET_METRICS.name: 0, FLEET_BLOCKS.name: 0}
     for source, closed_at in sources:
-        for table, time_column in ((FLEET_EVENTS, FLEET_EVENTS.c.ts), (FLEET_EVICTIONS, FLEET_EVICTIONS.c.time)):
+        for table, time_column in aged:
             condition = (table.c.source_id == source) & (time_column < cutoff)
             deleted[table.name] += _delete_chunked(engine, table, condition, time_column, policy.chunk_rows)
         if closed_at is not None and closed_at < cutoff:
