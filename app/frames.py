@@ -6,6 +6,7 @@ pages can call it on any thread and tests can call it without a server.
 
 from __future__ import annotations
 
+import io
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -359,3 +360,14 @@ def replay_sentence(view: RequestView, window: int, block_size: int, backtrack: 
         f"window needs [{need}, {h}) ({h - need} tokens); it recomputed [{r}, {h}) and saved {saved}. Ready "
         f"state needed " + " and ".join(missing or [f"the blocks of [{need}, {h}) cached together"]) + "."
     )
+
+
+def utc_csv(text: str, columns: Sequence[str] = ("time", "last_used")) -> str:
+    """A CSV export with its epoch-second `columns` written as UTC times to the millisecond
+    ("2026-03-01T09:14:05.123Z"), as the pages show them; an empty cell stays empty."""
+    frame = pd.read_csv(io.StringIO(text))
+    for column in columns:
+        if column in frame:
+            stamps = pd.to_datetime(frame[column], unit="s", utc=True)
+            frame[column] = stamps.dt.strftime("%Y-%m-%dT%H:%M:%S.%f").str[:-3].where(stamps.notna()) + "Z"
+    return frame.to_csv(index=False)

@@ -70,6 +70,8 @@ with st.sidebar:
         f"{console.config.block_size} tokens · {console.config.dtype} on {console.engine.loaded.device}  \n"
         f"run `{console.run_id}`"
     )
+    if console.engine.loaded.model_id.startswith("tiny-"):  # the test presets: seeded random weights
+        st.caption(f"**{console.engine.loaded.model_id}** has random weights: its output is gibberish by design.")
 with st.container():  # one element whatever it holds: the page's live fragments keep their place in the tree
     health_banners(host)
 navigation.run()

@@ -10,6 +10,7 @@ import pandas as pd
 import streamlit as st
 
 from app import charts
+from app.frames import utc_csv
 from app.hosting import get_host
 from app.ui import fmt_duration, fmt_time, kept, read_history, wait_for_history
 from engine.core.events import EvictReason
@@ -126,7 +127,7 @@ c[0].button("← Newer", key="evict_newer", on_click=newer, disabled=len(state["
 c[1].button("Older →", key="evict_older", on_click=older, disabled=page.next_cursor is None)
 c[2].download_button(
     "Export CSV (all matching rows)",
-    data=lambda: queries.export_evictions_csv(host.db, filters),
+    data=lambda: utc_csv(queries.export_evictions_csv(host.db, filters)),  # times in UTC, as the page shows them
     file_name=f"evictions-{int(time.time())}.csv",
     mime="text/csv",
     key="evict_export",

@@ -147,7 +147,8 @@ def history_charts() -> None:
     if len(frame) >= 2:
         left, right = st.columns(2)
         left.plotly_chart(charts.history_lines(frame, ["KV usage", "prefix hit rate", "fork sharing"], "KV usage and hit rate", percent=True))
-        right.plotly_chart(charts.history_lines(frame, ["free", "cached (evictable)", "referenced"], "Blocks by state"))
+        # Free blocks apart: on an idle pool they dwarf the lines that move (the KV usage chart has them as a share).
+        right.plotly_chart(charts.history_lines(frame, ["cached (evictable)", "referenced"], "Blocks by state (free: the rest of the pool)"))
         left, right = st.columns(2)
         left.plotly_chart(charts.history_lines(frame, ["evictions", "window drops", "cow copies", "preemptions"], "Evictions, window drops, copies, preemptions (totals)"))
         right.plotly_chart(charts.history_lines(frame, ["sharing ratio"], "Sharing ratio"))
@@ -157,20 +158,27 @@ def history_charts() -> None:
 
 history_charts()
 
-st.subheader("Reuse over time (history database)")
+st.subheader("Over time (history database)")
 st.caption(
-    "Per bucket of first-schedule time, from the stored request records: prefix-cache hits (vLLM's metric, "
-    "in tokens not computed) and fork sharing, each on its own."
+    "Per bucket, from the stored history: prefix-cache hits (vLLM's metric, in tokens not computed) and fork "
+    "sharing by first-schedule time, each on its own; evictions for room apart from sliding-window drops."
 )
-scope = st.radio("Runs", ["This run", "All runs"], horizontal=True, **kept("overview_hit_scope", "This run"))
+RANGES = {"Last 15 min": 900.0, "Last hour": 3600.0, "This run": None, "All runs": None}  # seconds back, or a scope
+if st.session_state.get("overview_hit_scope", "This run") not in RANGES:  # a choice an older page kept
+    st.session_state["overview_hit_scope"] = "This run"
+scope = st.radio("Range", list(RANGES), horizontal=True, **kept("overview_hit_scope", "This run"))
 bucket = st.select_slider("Bucket", options=[10, 60, 300, 3600], format_func=fmt_duration, **kept("overview_bucket", 60))
 
 
 @st.fragment(run_every=SLOW_REFRESH_S)
 def stored_hit_rate() -> None:
     run_id = host.console.run_id if scope == "This run" else None
+    since = None if RANGES[scope] is None else time.time() - RANGES[scope]
     wait_for_history(host)
-    frame = read_history(queries.hit_rate_over_time, host.db, bucket_seconds=float(bucket), run_id=run_id)
+    evicted = read_history(
+        queries.evictions_over_time, host.db, float(bucket), queries.EvictionFilters(since=since, run_id=run_id)
+    )
+    frame = read_history(queries.hit_rate_over_time, host.db, bucket_seconds=float(bucket), run_id=run_id, since=since)
     if frame is None:
         return
     if frame.empty:
@@ -181,6 +189,12 @@ def stored_hit_rate() -> None:
     width = fmt_duration(bucket)
     left.plotly_chart(charts.rate_bars(frame, "time", "hit_rate", f"Prefix-cache hit rate per {width} bucket", float(bucket)))
     right.plotly_chart(charts.rate_bars(frame, "time", "fork_share", f"Fork sharing per {width} bucket", float(bucket)))
+    if evicted is not None and not evicted.empty:
+        evicted["kind"] = ["window drop" if reason == "window" else "eviction (for room or reset)" for reason in evicted["reason"]]
+        evicted["time"] = pd.to_datetime(evicted["bucket_start"], unit="s", utc=True)
+        per_kind = evicted.groupby(["time", "kind"], as_index=False)["evictions"].sum()
+        st.plotly_chart(charts.stacked_bars(per_kind, "time", "evictions", "kind",
+                                            f"Evictions and window drops per {width} bucket", float(bucket)))  # fmt: skip
 
 
 stored_hit_rate()

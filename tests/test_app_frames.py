@@ -9,7 +9,7 @@ import pytest
 from app import charts
 from app.frames import (
     align_tables, block_category, evictions_per_minute, history_frame, prefill_seconds_per_token, prefix_chain, prefix_tree,
-    window_drops,
+    utc_csv, window_drops,
 )  # fmt: skip
 from app.hosting import config_from_env
 from app.prompting import TOKEN_IDS, parse_suffixes, parse_token_ids
@@ -160,3 +160,12 @@ def test_the_engine_counts_its_window_drops_among_its_evictions_and_apart(tmp_pa
     stats = engine.stats()
     assert stats.window_evictions > 0, "a long request leaves window state behind it"
     assert stats.evictions - stats.window_evictions == 0, "nothing was evicted for room in a 64-block pool"
+
+
+def test_csv_exports_write_times_in_utc_as_the_pages_show_them():
+    exported = "id,time,reason,last_used\n1,1764893519.265,lru,\n2,0,reset,5.5\n"
+    assert utc_csv(exported).splitlines() == [
+        "id,time,reason,last_used",
+        "1,2025-12-05T00:11:59.265Z,lru,",
+        "2,1970-01-01T00:00:00.000Z,reset,1970-01-01T00:00:05.500Z",
+    ]

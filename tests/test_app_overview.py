@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import time
 
 from app.hosting import HISTORY_INTERVAL_S
 from engine.core.request import SamplingParams
-from tests.test_app_support import console_env, host, no_exceptions, open_page, wait_for, wait_idle  # noqa: F401
+from tests.test_app_support import (  # noqa: F401
+    console_env, flush_history, host, no_exceptions, open_page, wait_for, wait_idle,
+)  # fmt: skip
 
 LABELS = [
     "KV usage", "Blocks free", "Blocks cached", "Blocks referenced", "Sharing ratio",
@@ -55,3 +58,20 @@ def test_overview_metrics_follow_the_engine(console_env):
     assert values["Retained"] == "2"
     assert values["Prefill time saved"] != "—"
     assert len(at.get("plotly_chart")) >= 4  # history charts from the in-process ring buffer
+
+
+def test_the_history_charts_take_a_range_and_chart_evictions_apart_from_window_drops(console_env):
+    engine = host().console.engine
+    engine.submit(list(range(10, 74)), SamplingParams(max_new_tokens=2, ignore_eos=True))
+    wait_idle()
+    engine.reset_cache()  # evictions with reason "reset"
+    flush_history()
+    at = open_page("overview")
+    scope = at.radio(key="overview_hit_scope")
+    assert scope.options == ["Last 15 min", "Last hour", "This run", "All runs"]
+    for choice in scope.options:
+        at.radio(key="overview_hit_scope").set_value(choice).run()
+        no_exceptions(at)
+        titles = [json.loads(c.proto.spec)["layout"].get("title", {}).get("text", "") for c in at.get("plotly_chart")]
+        evictions = [t for t in titles if t.startswith("Evictions and window drops per")]
+        assert evictions, f"{choice}: no evictions chart in {titles}"
