@@ -57,7 +57,7 @@ def hit_ratio_curves(lru: pd.DataFrame, points: pd.DataFrame, max_hit_ratio: flo
         )
     figure.add_hline(y=max_hit_ratio, line={"dash": "dash", "color": "#111827"},
                      annotation_text=f"maximum: hit ratio {max_hit_ratio:.1%} (infinite cache)",
-                     annotation_position="bottom right")  # fmt: skip
+                     annotation_position="top left")  # fmt: skip
     figure.add_trace(  # the pool marker as a legend entry too: the orange line says what it is
         go.Scatter(x=[engine_tokens, engine_tokens], y=[0, 1], mode="lines", name=f"this engine's pool ({engine_tokens:,} tokens)",
                    line={"dash": "dot", "color": ENGINE_COLOUR, "width": 2}, hoverinfo="name")

@@ -70,6 +70,8 @@ with st.sidebar:
         f"{console.config.block_size} tokens · {console.config.dtype} on {console.engine.loaded.device}  \n"
         f"run `{console.run_id}`"
     )
+    # Live panels rerun every second or so; Streamlit's "Running… / Stop" indicator would flicker with each.
+    st.markdown("<style>[data-testid='stStatusWidget'] {visibility: hidden;}</style>", unsafe_allow_html=True)
     if console.engine.loaded.model_id.startswith("tiny-"):  # the test presets: seeded random weights
         st.caption(f"**{console.engine.loaded.model_id}** has random weights: its output is gibberish by design.")
 with st.container():  # one element whatever it holds: the page's live fragments keep their place in the tree

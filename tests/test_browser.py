@@ -334,3 +334,104 @@ def wait_part_done(page, max_new_tokens: int, screenshot: str) -> None:
             f"no part-done count of {max_new_tokens} new tokens; counts shown: {counts}; frontend crashed: "
             f"{frontend_crashed(page)}; the page showed: {shown[:1500]}"
         ) from error
+
+
+BAD_MAX_NEW = ["0", "-1", "4097", "99999999", "100000"]  # each refused with its own value in the reason
+
+
+@pytest.mark.parametrize("console_server", [96], indirect=True)  # room for two retained requests of 40 tokens
+def test_bad_numbers_are_refused_outcomes_stay_and_another_tabs_request_names_its_owner(console_server: ConsoleServer) -> None:
+    """Regressions of the newcomer's walkthrough: out-of-range numbers ran with other values (bug 2); the
+    release message vanished in 0.4 s and the box defaulted to any tab's request (bug 3); the marker words
+    of a block's last event were cut off (bug 4); the fork parent stayed on an older request (bug 6); a tab
+    went blank after about 20 bad submits while live fragments redrew (bug 7)."""
+    from playwright.sync_api import expect, sync_playwright
+
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        page = browser.new_page(viewport={"width": 1400, "height": 1000})
+        page.set_default_timeout(TIMEOUT_MS)
+        expect.set_options(timeout=TIMEOUT_MS)
+        try:
+            main = page.locator("[data-testid='stMain']").first
+            page.goto(console_server.url)
+            expect(page.get_by_text("KV usage", exact=True).first).to_be_visible(timeout=4 * TIMEOUT_MS)
+            go(page, "Submit & fork")
+            apply_text(page, "Submit & fork", "Prompt", PROMPT, shown=main.get_by_text("full blocks of 16"))
+            max_new = page.get_by_role("spinbutton", name="Max new tokens")
+            top_p = page.get_by_role("spinbutton", name="Top-p")
+            submit = page.get_by_role("button", name="Submit", exact=True)
+            for index in range(20):  # bug 7: twenty bad submits in a row, the live fragments redrawing meanwhile
+                value = BAD_MAX_NEW[index % len(BAD_MAX_NEW)]
+                max_new.fill(value)
+                max_new.press("Enter")
+                expect(max_new).to_have_value(value)
+                submit.click()
+                expect(main.get_by_text(f"Not submitted: max_new_tokens must be an integer in [1, 4096], got {value}")).to_be_visible()
+                assert not frontend_crashed(page), f"the page went blank after {index + 1} bad submits"
+            max_new.fill("30")
+            max_new.press("Enter")
+            top_p.fill("-0.5")
+            top_p.press("Enter")
+            expect(top_p).to_have_value("-0.50")
+            submit.click()
+            expect(main.get_by_text("Not submitted: top_p must be in (0, 1], got -0.5")).to_be_visible()
+            top_p.fill("1")
+            top_p.press("Enter")
+            expect(top_p).to_have_value("1.00")
+            page.get_by_text("Ignore EOS").click()
+            page.get_by_text("Retain as fork base").click()
+            submit.click()
+            expect(main.get_by_text("Submitted req-0")).to_be_visible()
+            expect(main.get_by_text(re.compile(r"^req-0 · retained: holds"))).to_be_visible()
+            assert "Submitted req-" not in main.inner_text().replace("Submitted req-0", "")  # nothing else ran
+
+            apply_text(page, "Submit & fork", "Prompt", "A second retained prompt for this tab. " * 4,
+                       shown=main.get_by_text("full blocks of 16"))  # fmt: skip
+            submit.click()
+            expect(main.get_by_text("Submitted req-1")).to_be_visible()
+            expect(main.get_by_text(re.compile(r"^req-1 · retained: holds"))).to_be_visible()  # the fork parent moved on
+
+            # Another tab sees req-0 and req-1 as tab 1's: releasing one names the owner and asks first.
+            other = browser.new_context(viewport={"width": 1400, "height": 1000}).new_page()
+            other.set_default_timeout(TIMEOUT_MS)
+            other.goto(console_server.url)
+            go(other, "Submit & fork")
+            other_main = other.locator("[data-testid='stMain']").first
+            expect(other_main.get_by_text(re.compile(r"^req-1 · submitted by tab 1$"))).to_be_visible()
+            other.get_by_role("button", name="Release", exact=True).click()
+            expect(other_main.get_by_text("req-1 was submitted by tab 1, not this tab. Release it anyway?")).to_be_visible()
+            other.get_by_role("button", name="Cancel").click()
+            other.context.close()
+
+            # This tab's release: the box defaults to its newest retained request, and the outcome stays.
+            expect(main.get_by_text(re.compile(r"^req-1 · submitted by this tab$"))).to_be_visible()
+            page.get_by_role("button", name="Release", exact=True).click()
+            released = main.get_by_text("Released req-1: its blocks return to the pool (cached blocks stay for hits).")
+            expect(released).to_be_visible()
+            page.wait_for_timeout(3_000)  # three redraws of the live release box later
+            expect(released).to_be_visible()
+
+            # Bug 4: req-1's blocks over time end with the release; every marker's words are whole on screen.
+            go(page, "Blocks")
+            expect(main.get_by_role("combobox", name="Request", exact=True)).to_have_value("req-1")  # the newest
+            expect(main.get_by_text(re.compile(r"^1 request\(s\): req-1 "))).to_be_visible()
+            chart = main.locator("[data-testid='stPlotlyChart']").filter(has_text="no holder left: safe to reuse").first
+            expect(chart).to_be_visible()
+            chart.scroll_into_view_if_needed()
+            boxes = chart.locator(".js-plotly-plot").first.evaluate(MARKER_BOXES)
+            assert boxes and all(b["right"] <= b["svg_right"] + 0.5 for b in boxes), f"a marker runs off the figure: {boxes}"
+        except Exception:
+            page.screenshot(path=str(ARTIFACTS / "browser-walkthrough-failure.png"), full_page=True)
+            raise
+        finally:
+            browser.close()
+
+
+# Every marker's words in one Plotly figure with the right edge of its text and of the figure's SVG.
+MARKER_BOXES = """plot => {
+    const svg = plot.querySelector('svg.main-svg').getBoundingClientRect();
+    return Array.from(plot.querySelectorAll('g.annotation')).filter(a => /safe to reuse|evictable from here on/
+        .test(a.textContent)).map(a => ({text: a.textContent, right: a.querySelector('text').getBoundingClientRect().right,
+        svg_right: svg.right}));
+}"""
