@@ -8,8 +8,13 @@ page. The timeline's screenshot lands in artifacts/ (docs/console-sharing-timeli
 
 from __future__ import annotations
 
-from tests.browser_support import ARTIFACTS, CHROMIUM, CHROMIUM_ARGS, ConsoleServer
-from tests.test_browser import TIMEOUT_MS, go
+import re
+import shutil
+
+from tests.browser_support import ARTIFACTS, CHROMIUM, CHROMIUM_ARGS, ROOT, ConsoleServer
+from tests.test_browser import TIMEOUT_MS, go, shot
+
+DOCS = ROOT / "docs"
 
 SAFE = "no holder left: safe to reuse"
 EVICTABLE = "evictable from here on"
@@ -71,3 +76,69 @@ def play_scenario(page, url: str, expect) -> None:
     page.wait_for_timeout(500)
     scenario = main.locator("[data-testid='stVerticalBlock']").filter(has_text="Guided scenario").last
     scenario.screenshot(path=str(ARTIFACTS / "browser-scenario.png"))  # the timeline and its sentences
+
+
+def test_the_blocks_page_after_the_scenario_keeps_every_marker_whole(console_server: ConsoleServer) -> None:
+    """After the exercise the Blocks page (docs/console-blocks.png) draws every marker's words inside its
+    figure, the scenario's four rows titled as before."""
+    from playwright.sync_api import expect, sync_playwright
+
+    from tests.test_browser import MARKER_BOXES
+
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        page = browser.new_page(viewport={"width": 1400, "height": 1100})
+        page.set_default_timeout(TIMEOUT_MS)
+        expect.set_options(timeout=TIMEOUT_MS)
+        try:
+            play_scenario(page, console_server.url, expect)
+            main = page.locator("[data-testid='stMain']").first
+            for chart in main.locator("[data-testid='stPlotlyChart']").filter(has_text=SAFE).all():
+                boxes = chart.locator(".js-plotly-plot").first.evaluate(MARKER_BOXES)
+                assert all(b["right"] <= b["svg_right"] + 0.5 for b in boxes), f"a marker runs off the figure: {boxes}"
+            page.set_viewport_size({"width": 1400, "height": 1100})
+            shot(page, "console-blocks")
+            shutil.copy(ARTIFACTS / "console-blocks.png", DOCS / "console-blocks.png")
+        except Exception:
+            page.screenshot(path=str(ARTIFACTS / "browser-scenario-failure.png"), full_page=True)
+            raise
+        finally:
+            browser.close()
+
+
+def test_the_replay_page_says_why_an_exact_replay_saved_nothing(tmp_path) -> None:
+    """A hybrid model (every other layer sliding, W = 64): a second prompt sharing the first's 96 tokens hits
+    them, but the window state kept was not the window's; the page says so in a sentence (docs/console-replay.png)."""
+    from playwright.sync_api import expect, sync_playwright
+
+    from tests.browser_support import serve_console
+    from tests.test_browser import PROMPT, apply_text
+
+    with serve_console(tmp_path, {"PREFIX_CONSOLE_ATTENTION": "hybrid:64"}, num_blocks=64) as server:
+        with sync_playwright() as playwright:
+            browser = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+            page = browser.new_page(viewport={"width": 1400, "height": 1000})
+            page.set_default_timeout(TIMEOUT_MS)
+            expect.set_options(timeout=TIMEOUT_MS)
+            try:
+                main = page.locator("[data-testid='stMain']").first
+                page.goto(server.url)
+                expect(page.get_by_text("KV usage", exact=True).first).to_be_visible(timeout=4 * TIMEOUT_MS)
+                go(page, "Submit & fork")
+                preview = main.get_by_text("full blocks of 16")
+                for number, text in enumerate((PROMPT * 2, PROMPT * 2 + " And one more question.")):
+                    apply_text(page, "Submit & fork", "Prompt", text, shown=preview.filter(has_text="tokens"))
+                    page.get_by_role("button", name="Submit", exact=True).click()
+                    expect(main.get_by_text(f"Submitted req-{number}")).to_be_visible()
+                    expect(main.get_by_text(re.compile(rf"^req-{number} · finished"))).to_be_visible()
+                go(page, "Replay")
+                said = main.get_by_text(re.compile(r"^req-1 · exact replay: the hit reached h = \d+"))
+                expect(said).to_be_visible()
+                expect(said).to_contain_text("Ready state needed")
+                shot(page, "console-replay")
+                shutil.copy(ARTIFACTS / "console-replay.png", DOCS / "console-replay.png")
+            except Exception:
+                page.screenshot(path=str(ARTIFACTS / "browser-replay-failure.png"), full_page=True)
+                raise
+            finally:
+                browser.close()
