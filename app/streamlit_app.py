@@ -51,7 +51,8 @@ navigation = st.navigation(
             st.Page(PAGES / "fleet_route.py", title="Route a prompt", icon=":material/alt_route:"),
         ],
         "Admin": [st.Page(PAGES / "settings.py", title="Settings", icon=":material/settings:")],
-    }
+    },
+    expanded=True,  # every page listed: Streamlit would fold those past the tenth under "View N more"
 )
 
 try:

@@ -63,11 +63,8 @@ def metric(page, label: str):
 
 
 def go(page, link: str, title: str) -> None:
-    """Open a page from the sidebar (shown in full first: Streamlit folds a long list of pages under
-    "View N more"); click again if a rerun in flight swallowed the first click."""
-    more = page.get_by_text(re.compile(r"^View \d+ more$"))
-    if more.count() and more.first.is_visible():
-        more.first.click()
+    """Open a page from the sidebar (every page is listed); click again if a rerun in flight swallowed
+    the first click."""
     click_until(page.get_by_role("link", name=link, exact=True), page_heading(page, title))
 
 
