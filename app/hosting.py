@@ -17,6 +17,8 @@ views of the current run) and a bounded ring of `PoolStats` samples for the Over
 histories are read back from the database (storage.read.queries.block_timelines), not kept here. Nothing here
 calls `st.*` except the cached constructor at the bottom, so the engine thread never touches Streamlit.
 The engine is warmed up (one throwaway forward) before it serves, so the first request is not slower.
+Each engine numbers its generated request ids ("req-N") on from the highest one in the history, so the ids
+of all runs (also of earlier console processes on the same database) never repeat.
 
 Configuration comes from environment variables (see `config_from_env`) and, after a restart, from the
 Settings page. The history database is `storage.db.default_db_url(data_dir)`: $PREFIX_CONSOLE_DB_URL, else
@@ -38,6 +40,7 @@ from pathlib import Path
 
 import streamlit as st
 from sqlalchemy import Engine as DbEngine
+from sqlalchemy.exc import SQLAlchemyError
 
 from app.loading import ENV_MODEL, HOST_STARTED
 from engine.core.config import DEFAULT_MODEL, EngineConfig
@@ -48,6 +51,7 @@ from serving.server import ApiServer
 from engine.core.snapshot import PoolStats, RequestView
 from storage import migrate
 from storage.db import db_engine, default_db_url
+from storage.read.queries import next_request_number
 from storage.write.recorder import persistence_listener, run_info
 from storage.write.writer import WriterStats
 from storage.write.writer_process import WriterProcess
@@ -212,15 +216,19 @@ class ConsoleHost:
         The new engine is built first: when that fails (a bad model path, not enough memory) the old
         one keeps serving and the error propagates. The old engine's unfinished requests end aborted
         (retained ones released), recorded under the old run, so no block of it stays held; a session
-        that still holds it is refused with a message when it submits.
+        that still holds it is refused with a message when it submits. The new engine's generated ids
+        continue past the old one's and the history's.
         """
         with self._lock:
             if self._closed:
                 raise RuntimeError("the console host is shut down")
             old = self._console
-            engine = Engine(config)
+            engine = Engine(config, first_request_number=self._first_request_number())
             old.engine.stop()
             old.engine.retire(RESTART_REASON)  # its listener is still active: the ends are recorded
+            # Past the old engine's ids too, now that it claims no more: it served while the new one loaded,
+            # and its newest requests may not be written yet.
+            engine.next_request_number = max(engine.next_request_number, old.engine.next_request_number)
             old.active = False
             if old.feeds is not None:
                 old.feeds.close()  # after the ends are published; frees the endpoints for the new engine's feeds
@@ -242,8 +250,17 @@ class ConsoleHost:
         self.writer.close(timeout_s=10)
         self.db.dispose()
 
+    def _first_request_number(self) -> int:
+        """Where a new engine's generated ids start: past every "req-N" in the history, so that no id repeats
+        across its runs (0 when the history cannot be read; the pages show why)."""
+        try:
+            return next_request_number(self.db)
+        except SQLAlchemyError:
+            logger.exception("the history's request ids could not be read; new ids may repeat older runs'")
+            return 0
+
     def _launch(self, config: EngineConfig, engine: Engine | None = None) -> Console:
-        engine = engine or Engine(config)
+        engine = engine or Engine(config, first_request_number=self._first_request_number())
         engine.warm_up()  # the first request would otherwise pay a first forward's one-time costs
         started = time.time()
         run_id = self.writer.start_run(run_info(engine, started))

@@ -16,7 +16,6 @@ Listeners get each step's events and the requests that changed, on the engine th
 
 from __future__ import annotations
 
-import itertools
 import logging
 import threading
 import time
@@ -70,7 +69,12 @@ def pool_size(config: EngineConfig, loaded: LoadedModel) -> int:
 
 
 class Engine:
-    def __init__(self, config: EngineConfig, *, loaded: LoadedModel | None = None) -> None:
+    def __init__(
+        self, config: EngineConfig, *, loaded: LoadedModel | None = None, first_request_number: int = 0
+    ) -> None:
+        """`first_request_number`: N of the first generated id "req-N" (past the ids already in a shared history)."""
+        if first_request_number < 0:
+            raise ValueError(f"first_request_number must be non-negative, got {first_request_number}")
         self.config = config
         self.loaded = loaded or load_model(config)
         num_blocks = pool_size(config, self.loaded)
@@ -94,7 +98,7 @@ class Engine:
         self.max_model_len = int(self.loaded.max_position_embeddings)
         self._requests: dict[str, Request] = {}
         self._generators: dict[str, torch.Generator] = {}  # seeded sampling of running requests
-        self._ids = itertools.count()
+        self.next_request_number = first_request_number  # the N of the next generated id "req-N"
         self._listeners: list[Listener] = []
         self._lock = threading.RLock()
         self._work = threading.Condition(self._lock)
@@ -459,10 +463,10 @@ class Engine:
         yet recorded (the other children of one `fork_many`). A retired engine claims none (ValueError)."""
         if self._retired is not None:
             raise ValueError(f"this engine takes no new requests: {self._retired}; reload the page for the new one")
-        if request_id is None:
-            request_id = f"req-{next(self._ids)}"
-            while request_id in self._requests:
-                request_id = f"req-{next(self._ids)}"
+        if request_id is None:  # the next "req-N" that no request holds (a caller may have named one so)
+            while (request_id := f"req-{self.next_request_number}") in self._requests:
+                self.next_request_number += 1
+            self.next_request_number += 1
         check_request_id(request_id)
         if request_id in self._requests or request_id in taken:
             raise ValueError(f"request id {request_id!r} is already taken")

@@ -73,6 +73,28 @@ def test_restart_asks_for_confirmation_then_starts_a_new_run(console_env):
     assert [s.value for s in at.success] == [f"Engine restarted: run {new.run_id}, 32 blocks."]
 
 
+def test_after_a_restart_request_ids_continue_past_the_previous_runs(console_env):
+    """Regression: every engine numbered its ids from req-0, so "All runs" mixed requests of different runs."""
+    old = host().console
+    assert [old.engine.submit([5, 6, 7], PARAMS) for _ in range(2)] == ["req-0", "req-1"]
+    wait_idle()
+    at = open_page("settings")
+    next(b for b in at.button if b.label == "Restart with these settings…").click().run()
+    at.button(key="settings_restart_confirm").click().run()
+    no_exceptions(at)
+    new = host().console
+    assert new is not old and new.engine.submit([5, 6, 7], PARAMS) == "req-2"
+
+
+def test_a_new_console_on_the_same_history_continues_its_request_ids(console_env):
+    engine = host().console.engine
+    assert [engine.submit([5, 6, 7], PARAMS) for _ in range(3)] == ["req-0", "req-1", "req-2"]
+    wait_idle()
+    console_env()  # the host shuts down (its history written) and a new one starts on the same database
+    assert host().console.engine is not engine
+    assert host().console.engine.submit([5, 6, 7], PARAMS) == "req-3"
+
+
 def test_a_bad_configuration_shows_an_error_and_changes_nothing(console_env):
     old = host().console
     at = open_page("settings")

@@ -170,6 +170,22 @@ def test_bad_input_is_a_clear_error_and_changes_nothing(tmp_path, call, message)
     assert engine.requests() == []
 
 
+def test_generated_ids_start_at_the_first_request_number_and_skip_a_named_one(tmp_path):
+    fresh, _ = make_engine(tmp_path)
+    assert fresh.submit(tokens(5, 1), GREEDY) == "req-0"
+    config = EngineConfig(model="tiny-llama", device="cpu", block_size=4, num_blocks=64, data_dir=tmp_path)
+    engine = Engine(config, loaded=fresh.loaded, first_request_number=10)
+    assert engine.submit(tokens(5, 2), GREEDY, request_id="req-11") == "req-11"
+    assert [engine.submit(tokens(5, 3 + i), GREEDY) for i in range(2)] == ["req-10", "req-12"]
+    assert engine.next_request_number == 13
+
+
+def test_a_negative_first_request_number_is_refused(tmp_path):
+    config = EngineConfig(model="tiny-llama", device="cpu", block_size=4, num_blocks=64, data_dir=tmp_path)
+    with pytest.raises(ValueError, match="first_request_number must be non-negative, got -1"):
+        Engine(config, first_request_number=-1)
+
+
 def test_fork_of_finished_request_is_refused(tmp_path):
     engine, _ = make_engine(tmp_path)
     a = engine.submit(tokens(10, 1), GREEDY)

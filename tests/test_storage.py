@@ -241,6 +241,25 @@ def test_history_survives_a_restart(db_url: str, make_writer, engine_for) -> Non
     assert first.stats().written_events == 15 and first.stats().dropped == 0
 
 
+def test_the_next_run_numbers_its_requests_past_the_highest_req_n_of_every_run(
+    db_url: str, make_writer, engine_for
+) -> None:
+    engine = engine_for(db_url)
+    assert queries.next_request_number(engine) == 0  # no schema yet
+    migrate.upgrade(engine)
+    assert queries.next_request_number(engine) == 0  # no requests yet: a fresh engine starts at req-0
+
+    writer = make_writer(db_url)
+    writer.start_run(RUN_INFO)
+    ignored = ("a", "req-x", "req-", "xreq-50", "req-40b", "req-5-1", "req-" + "9" * 19)  # not of the form req-N
+    writer.record_requests([request_view(rid) for rid in ("req-3", "req-12", *ignored)])
+    writer.start_run(RunInfo(**{**vars(RUN_INFO), "started_at": BASE_TIME + 100}))
+    writer.record_requests([request_view("req-9")])  # lower than the first run's highest
+    assert writer.flush(timeout_s=10)
+    assert count_rows(engine, REQUESTS) == 2 + len(ignored) + 1
+    assert queries.next_request_number(engine) == 13
+
+
 def test_request_views_are_stored_with_their_window_fields(db_url: str, make_writer, engine_for) -> None:
     writer = make_writer(db_url)
     run_id = writer.start_run(RUN_INFO)

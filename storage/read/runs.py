@@ -1,14 +1,17 @@
-"""Runs and their requests: listings, one request's event timeline, retention's log, prompt keys."""
+"""Runs and their requests: listings, one request's event timeline, retention's log, prompt keys, where the
+next run's request ids start."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
 import pandas as pd
-from sqlalchemy import func, select
+from sqlalchemy import BigInteger, cast, func, inspect, select
 
 from storage.read.access import Readable, connect, frame
 from storage.schema import EVENTS, PRUNES, REQUESTS, RUNS
+
+_REQ_N = "^req-[0-9]{1,18}$"  # an id the engine generates; 18 digits always fit a BIGINT
 
 
 def runs(db: Readable, limit: int = 100) -> pd.DataFrame:
@@ -49,6 +52,21 @@ def has_run(db: Readable, run_id: str) -> bool:
     """Whether the history holds a run with this id."""
     with connect(db) as connection:
         return connection.scalar(select(func.count()).select_from(RUNS).where(RUNS.c.id == run_id)) > 0
+
+
+def next_request_number(db: Readable) -> int:
+    """One past the highest N among the request ids of the form "req-N" in every run, or 0 when there are
+    none: the first number an engine writing into this history gives, so that ids stay unique across runs.
+
+    Ids of other forms ("a", "req-x", "req-" with more than 18 digits) are ignored; a database whose
+    schema is not created yet reads as an empty history.
+    """
+    with connect(db) as connection:
+        if not inspect(connection).has_table(REQUESTS.name):
+            return 0
+        number = cast(func.substr(REQUESTS.c.request_id, len("req-") + 1), BigInteger)
+        highest = connection.scalar(select(func.max(number)).where(REQUESTS.c.request_id.regexp_match(_REQ_N)))
+    return 0 if highest is None else highest + 1
 
 
 def request_timeline(db: Readable, request_id: str, run_id: str | None = None) -> pd.DataFrame:
