@@ -16,8 +16,7 @@ import json
 import sys
 from typing import Any
 
-from engine.core.config import DEFAULT_MODEL, EngineConfig
-from engine.core.eviction import EvictionPolicyName
+from cli.engine_options import add_engine_options, engine_config
 
 NAME = "run-trace"
 
@@ -25,18 +24,8 @@ NAME = "run-trace"
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(NAME, help="replay a JSONL workload and print one JSON line per request")
     parser.add_argument("trace", help="path to the JSONL trace ('-' for stdin)")
-    parser.add_argument("--model", default=DEFAULT_MODEL, help="preset name or local model directory")
-    parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--num-blocks", type=int, default=None)
-    parser.add_argument(
-        "--eviction-policy", choices=[p.value for p in EvictionPolicyName], default=EvictionPolicyName.LRU.value,
-        help="which evictable block the pool gives up first (engine/core/eviction.py)",
-    )  # fmt: skip
-    parser.add_argument("--device", default="auto")
-    parser.add_argument("--dtype", default="float32")
-    parser.add_argument("--seed", type=int, default=0)
+    add_engine_options(parser)
     parser.add_argument("--db", default=None, help="SQLAlchemy URL: persist everything the replay ran there")
-    parser.add_argument("--attention-override", default=None, help="'sliding:W' or 'hybrid:W' (even layers sliding)")
     parser.add_argument("--window-backtrack", type=int, default=0, help="extra window state kept when caching")
     parser.add_argument("--allow-approximate-replay", action="store_true")
     parser.add_argument(
@@ -48,7 +37,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     """Replay `args.trace`; returns the exit status (see the module docstring)."""
     try:
-        config = engine_config(args)
+        config = engine_config(
+            args,
+            window_backtrack=args.window_backtrack,
+            allow_approximate_replay=args.allow_approximate_replay,
+            verify_replay=args.verify_replay,
+        )
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -97,27 +91,6 @@ def run(args: argparse.Namespace) -> int:
               f"(last error: {stats.last_error})", file=sys.stderr)  # fmt: skip
         status = status or 1
     return status
-
-
-def engine_config(args: argparse.Namespace) -> EngineConfig:
-    """The engine configuration the options name.
-
-    Raises:
-        ValueError: an option out of its bounds (EngineConfig's message).
-    """
-    return EngineConfig(
-        model=args.model,
-        device=args.device,
-        dtype=args.dtype,
-        block_size=args.block_size,
-        num_blocks=args.num_blocks,
-        eviction_policy=EvictionPolicyName(args.eviction_policy),
-        seed=args.seed,
-        attention_override=args.attention_override,
-        window_backtrack=args.window_backtrack,
-        allow_approximate_replay=args.allow_approximate_replay,
-        verify_replay=args.verify_replay,
-    )
 
 
 def _emit(record: dict[str, Any]) -> None:

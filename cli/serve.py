@@ -18,8 +18,8 @@ import socket
 import sys
 from typing import TYPE_CHECKING, Any
 
-from engine.core.config import DEFAULT_MODEL, DTYPES, EngineConfig
-from engine.core.eviction import EvictionPolicyName
+from cli.engine_options import add_engine_options, engine_config
+from engine.core.config import EngineConfig
 
 if TYPE_CHECKING:
     from serving.api import ApiLimits
@@ -31,40 +31,13 @@ DEFAULT_PORT = 8000
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(NAME, help="serve the OpenAI-compatible API (completions, chat, tokenize, metrics)")
-    parser.add_argument("--model", default=DEFAULT_MODEL, help="preset name or local model directory")
+    add_engine_options(parser)
     parser.add_argument("--host", default=DEFAULT_HOST, help="address to bind (default 127.0.0.1: this machine only)")
     parser.add_argument("--port", type=int, default=DEFAULT_PORT)
     parser.add_argument("--db", default=None, help="SQLAlchemy URL: write the history there, as the console does")
-    parser.add_argument("--num-blocks", type=int, default=None)
-    parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--dtype", choices=DTYPES, default="float32")
-    parser.add_argument("--device", default="auto")
-    parser.add_argument("--attention", default=None, help="'sliding:W' or 'hybrid:W' (even layers sliding)")
-    parser.add_argument(
-        "--eviction-policy", choices=[p.value for p in EvictionPolicyName], default=EvictionPolicyName.LRU.value,
-    )  # fmt: skip
-    parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--max-in-flight", type=int, default=64, help="unfinished requests before 429")
     parser.add_argument("--max-body-bytes", type=int, default=4 * 2**20, help="larger bodies get 413")
     parser.set_defaults(run=run)
-
-
-def engine_config(args: argparse.Namespace) -> EngineConfig:
-    """The engine configuration the options name.
-
-    Raises:
-        ValueError: an option out of its bounds (EngineConfig's message).
-    """
-    return EngineConfig(
-        model=args.model,
-        device=args.device,
-        dtype=args.dtype,
-        block_size=args.block_size,
-        num_blocks=args.num_blocks,
-        eviction_policy=EvictionPolicyName(args.eviction_policy),
-        seed=args.seed,
-        attention_override=args.attention,
-    )
 
 
 def run(args: argparse.Namespace) -> int:
