@@ -496,7 +496,8 @@ def measure_single_ttft(hf: HFGenerate, eng: EngineSystem, work: Workload, reps:
 
 
 PROFILE_CATEGORIES = {
-    "matmul (linear layers)": ("aten::mm", "aten::addmm", "aten::bmm"),
+    # oneDNN's packed linears (engine/runner/packed_linear.py) are the linear layers too
+    "matmul (linear layers)": ("aten::mm", "aten::addmm", "aten::bmm", "mkldnn::_linear_pointwise"),
     "attention (SDPA)": ("scaled_dot_product", "flash_attention", "_efficient_attention", "aten::_softmax"),
     "paged gather (index_select)": ("aten::index_select",),
     "KV write + row scatter (index_copy_)": ("aten::index_copy",),
