@@ -23,6 +23,7 @@ from tests.ports import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 ARTIFACTS = ROOT / "artifacts"
+TIMEOUT_MS = 60_000  # every wait of a browser test's page
 CHROMIUM = os.environ.get("PREFIX_CONSOLE_CHROMIUM", "/usr/bin/chromium")
 CHROMIUM_ARGS = [
     "--no-sandbox",
@@ -34,6 +35,16 @@ CHROMIUM_ARGS = [
 ]
 TEST_DATA_DIR = Path(os.environ.get("PREFIX_CONSOLE_TEST_DATA_DIR", ROOT / "data" / "test-cache"))
 START_TIMEOUT_S = 60
+
+
+def launch_page(playwright, expect, height: int = 1000):
+    """Debian's chromium, headless, and one page of 1400 x `height` pixels; every wait of the page and of
+    Playwright's `expect` is bounded by TIMEOUT_MS. Returns (browser, page): close the browser."""
+    browser = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+    page = browser.new_page(viewport={"width": 1400, "height": height})
+    page.set_default_timeout(TIMEOUT_MS)
+    expect.set_options(timeout=TIMEOUT_MS)
+    return browser, page
 
 
 def require_chromium() -> None:

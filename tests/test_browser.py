@@ -18,10 +18,9 @@ import urllib.request
 
 import pytest
 
-from tests.browser_support import ARTIFACTS, CHROMIUM, CHROMIUM_ARGS, ConsoleServer, open_connections
+from tests.browser_support import ARTIFACTS, CHROMIUM, CHROMIUM_ARGS, TIMEOUT_MS, ConsoleServer, launch_page, open_connections
 from tests.storage_support import wait_for
 
-TIMEOUT_MS = 60_000
 # Streams for several seconds on an idle machine (600 tokens once finished between two of the live output's
 # one-second redraws, before the test saw it part done) to a minute or two on a loaded one; with the
 # prompt it fits tiny-chat's 2,048 positions.
@@ -33,10 +32,7 @@ def test_submit_fork_inspect_evict_in_a_real_browser(console_server: ConsoleServ
     from playwright.sync_api import expect, sync_playwright
 
     with sync_playwright() as playwright:
-        browser = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
-        page = browser.new_page(viewport={"width": 1400, "height": 1000})
-        page.set_default_timeout(TIMEOUT_MS)
-        expect.set_options(timeout=TIMEOUT_MS)
+        browser, page = launch_page(playwright, expect)
         try:
             walk(page, console_server.url, expect)
         except Exception:
@@ -348,10 +344,7 @@ def test_bad_numbers_are_refused_outcomes_stay_and_another_tabs_request_names_it
     from playwright.sync_api import expect, sync_playwright
 
     with sync_playwright() as playwright:
-        browser = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
-        page = browser.new_page(viewport={"width": 1400, "height": 1000})
-        page.set_default_timeout(TIMEOUT_MS)
-        expect.set_options(timeout=TIMEOUT_MS)
+        browser, page = launch_page(playwright, expect)
         try:
             main = page.locator("[data-testid='stMain']").first
             page.goto(console_server.url)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.browser_support import ARTIFACTS, CHROMIUM, CHROMIUM_ARGS, ConsoleServer
+from tests.browser_support import ARTIFACTS, ConsoleServer, launch_page
 from tests.test_browser import TIMEOUT_MS, go, shot
 
 ANALYSIS_TIMEOUT_MS = 5 * TIMEOUT_MS  # the 223-request sample under lru, reuse-lru and opt (see the wait below)
@@ -16,10 +16,7 @@ def test_the_capacity_planner_analyses_a_sample_in_a_real_browser(console_server
     from playwright.sync_api import expect, sync_playwright
 
     with sync_playwright() as playwright:
-        browser = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
-        page = browser.new_page(viewport={"width": 1400, "height": 1000})
-        page.set_default_timeout(TIMEOUT_MS)
-        expect.set_options(timeout=TIMEOUT_MS)
+        browser, page = launch_page(playwright, expect)
         try:
             page.goto(console_server.url)
             expect(page.get_by_text("KV usage", exact=True).first).to_be_visible(timeout=4 * TIMEOUT_MS)
@@ -49,10 +46,7 @@ def test_a_second_analysis_shows_its_own_points_figures_and_prices_them(console_
     from playwright.sync_api import expect, sync_playwright
 
     with sync_playwright() as playwright:
-        browser = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
-        page = browser.new_page(viewport={"width": 1400, "height": 1000})
-        page.set_default_timeout(TIMEOUT_MS)
-        expect.set_options(timeout=TIMEOUT_MS)
+        browser, page = launch_page(playwright, expect)
         try:
             page.goto(console_server.url)
             expect(page.get_by_text("KV usage", exact=True).first).to_be_visible(timeout=4 * TIMEOUT_MS)

@@ -15,7 +15,7 @@ import re
 
 import pytest
 
-from tests.browser_support import ARTIFACTS, CHROMIUM, CHROMIUM_ARGS
+from tests.browser_support import ARTIFACTS, launch_page
 from tests.fleet_support import fleet_console  # noqa: F401 (the fixture)
 from tests.test_browser import TIMEOUT_MS, click_until, page_heading, shot
 
@@ -45,10 +45,7 @@ def test_the_fleet_pages_show_vllm_pods_in_a_real_browser(fleet_console) -> None
     held = sum(sum(pod.cached().values()) for pod in pods)
     shared = len(set(pods[0].cached()) & set(pods[1].cached()))
     with sync_playwright() as playwright:
-        browser = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
-        page = browser.new_page(viewport={"width": 1400, "height": 1000})
-        page.set_default_timeout(TIMEOUT_MS)
-        expect.set_options(timeout=TIMEOUT_MS)
+        browser, page = launch_page(playwright, expect)
         try:
             walk(page, url, expect, (held, shared))
         except Exception:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 import shutil
 
-from tests.browser_support import ARTIFACTS, CHROMIUM, CHROMIUM_ARGS, ROOT, ConsoleServer
+from tests.browser_support import ARTIFACTS, ROOT, ConsoleServer, launch_page
 from tests.test_browser import TIMEOUT_MS, go, shot
 
 DOCS = ROOT / "docs"
@@ -29,10 +29,7 @@ def test_the_guided_scenario_marks_the_old_tail_safe_to_reuse_in_a_real_browser(
     from playwright.sync_api import expect, sync_playwright
 
     with sync_playwright() as playwright:
-        browser = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
-        page = browser.new_page(viewport={"width": 1400, "height": 1100})
-        page.set_default_timeout(TIMEOUT_MS)
-        expect.set_options(timeout=TIMEOUT_MS)
+        browser, page = launch_page(playwright, expect, height=1100)
         try:
             play_scenario(page, console_server.url, expect)
         except Exception:
@@ -86,10 +83,7 @@ def test_the_blocks_page_after_the_scenario_keeps_every_marker_whole(console_ser
     from tests.test_browser import MARKER_BOXES
 
     with sync_playwright() as playwright:
-        browser = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
-        page = browser.new_page(viewport={"width": 1400, "height": 1100})
-        page.set_default_timeout(TIMEOUT_MS)
-        expect.set_options(timeout=TIMEOUT_MS)
+        browser, page = launch_page(playwright, expect, height=1100)
         try:
             play_scenario(page, console_server.url, expect)
             main = page.locator("[data-testid='stMain']").first
@@ -116,10 +110,7 @@ def test_the_replay_page_says_why_an_exact_replay_saved_nothing(tmp_path) -> Non
 
     with serve_console(tmp_path, {"PREFIX_CONSOLE_ATTENTION": "hybrid:64"}, num_blocks=64) as server:
         with sync_playwright() as playwright:
-            browser = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
-            page = browser.new_page(viewport={"width": 1400, "height": 1000})
-            page.set_default_timeout(TIMEOUT_MS)
-            expect.set_options(timeout=TIMEOUT_MS)
+            browser, page = launch_page(playwright, expect)
             try:
                 main = page.locator("[data-testid='stMain']").first
                 page.goto(server.url)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import openai
 
-from tests.browser_support import ARTIFACTS, CHROMIUM, CHROMIUM_ARGS, serve_console
+from tests.browser_support import ARTIFACTS, launch_page, serve_console
 from tests.ports import free_port
 from tests.test_browser import TIMEOUT_MS, go
 
@@ -19,10 +19,7 @@ def test_sdk_chat_requests_show_in_the_console_and_the_why_page_shows_the_dates(
     api_port = free_port()
     with serve_console(tmp_path, extra_env={"PREFIX_CONSOLE_API_PORT": str(api_port)}) as server:
         with sync_playwright() as playwright:
-            browser = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
-            page = browser.new_page(viewport={"width": 1400, "height": 1100})
-            page.set_default_timeout(TIMEOUT_MS)
-            expect.set_options(timeout=TIMEOUT_MS)
+            browser, page = launch_page(playwright, expect, height=1100)
             main = page.locator("[data-testid='stMain']").first
             try:
                 page.goto(server.url)  # the console is open (and its engine up) before the client sends
