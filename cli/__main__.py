@@ -16,10 +16,11 @@ light; what a command runs it imports in `run`.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from collections.abc import Sequence
 from types import ModuleType
+
+from engine.openmp import set_openmp_defaults
 
 from cli import analyze, block_history, fleet, run_trace, serve, why
 
@@ -28,9 +29,8 @@ COMMANDS: tuple[ModuleType, ...] = (run_trace, analyze, block_history, fleet, se
 
 def main(argv: Sequence[str] | None = None, *, prog: str = "python -m cli", commands=COMMANDS) -> int:
     """Parse `argv` (default: sys.argv[1:]), run the chosen command and return its exit status."""
-    # OpenMP threads that spin at barriers made forwards many times slower whenever another process
-    # shared the cores (benchmarks/first_request.py); torch reads this when a command first loads it.
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    # How OpenMP workers wait (engine/openmp.py); torch reads it when a command first loads it.
+    set_openmp_defaults()
     parser = argparse.ArgumentParser(prog=prog)
     subparsers = parser.add_subparsers(dest="command", required=True)
     for command in commands:

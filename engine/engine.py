@@ -37,6 +37,7 @@ from engine.core.namespace import CacheNamespace
 from engine.core.request import HitSource, Request, RequestStatus, SamplingParams, can_release
 from engine.core.scheduler import SchedulerOutput
 from engine.forward import StepForward
+from engine.runner.thread_governor import ThreadGovernor
 from engine.core.snapshot import EngineSnapshot, PoolStats, RequestView, block_views, pool_stats
 from engine.runner.verify import ReplayVerifier
 
@@ -94,6 +95,7 @@ class Engine:
         # Only when asked for: it keeps logits of approximate replays and recomputes them when they finish.
         self._verifier = ReplayVerifier(self.runner, self.log) if config.verify_replay else None
         self._forward = StepForward(self.runner, self.kv, self._verifier)
+        self.threads = ThreadGovernor.for_device(self.loaded.device)  # None: the thread count stays as set
         self.vocab_size = int(self.loaded.model.config.vocab_size)
         self.max_model_len = int(self.loaded.max_position_embeddings)
         self._requests: dict[str, Request] = {}
@@ -345,6 +347,8 @@ class Engine:
     def step(self) -> list[RequestView]:
         """Run one scheduling step and one forward. Returns the requests that ended in it (finished or failed)."""
         with self._lock:
+            if self.threads is not None:
+                self.threads.before_step()
             self.log.step += 1
             out = self.scheduler.schedule()
             sampled, failed = self._forward.run(out, self._generators)

@@ -34,7 +34,7 @@ def test_the_first_visit_says_the_model_is_loading_and_what_is_happening():
 def test_the_notice_comes_before_anything_loads_torch():
     entry = ast.parse((ROOT / "app" / "streamlit_app.py").read_text())
     order = [ast.unparse(node) for node in entry.body]
-    passive = next(i for i, line in enumerate(order) if "OMP_WAIT_POLICY" in line)
+    passive = next(i for i, line in enumerate(order) if "set_openmp_defaults()" in line)
     notice = next(i for i, line in enumerate(order) if "loading_notice()" in line)
     hosting = next(i for i, line in enumerate(order) if line.startswith("from app.hosting import"))
     assert passive < notice < hosting

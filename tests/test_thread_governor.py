@@ -1,0 +1,140 @@
+"""The forward's thread count follows CPU pressure (engine/runner/thread_governor.py), and OpenMP's wait
+policy is chosen before torch loads (engine/openmp.py).
+
+The governor reads the kernel's pressure counter and a clock; here both are driven by the test, as the
+kernel would move them: `Machine.run(seconds, stalled)` advances the clock and adds the stalled share.
+"""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from engine.openmp import SPIN_COUNT, cpu_stall_us, set_openmp_defaults
+from engine.runner.thread_governor import MAX_HOLD_S, MIN_HOLD_S, WINDOW_S, ThreadGovernor
+
+
+class Machine:
+    """A clock and a CPU-pressure counter that the test moves; records every thread count set."""
+
+    def __init__(self) -> None:
+        self.now = 100.0
+        self.stall_us = 5_000_000
+        self.set_calls: list[int] = []
+
+    def governor(self, max_threads: int = 2) -> ThreadGovernor:
+        return ThreadGovernor(
+            max_threads, read_stall_us=lambda: self.stall_us, set_threads=self.set_calls.append, clock=lambda: self.now
+        )
+
+    def run(self, governor: ThreadGovernor, seconds: float, stalled: float, step_s: float = 0.05) -> None:
+        """Steps of `step_s` for `seconds`, some task waiting for a CPU `stalled` of the time."""
+        for _ in range(round(seconds / step_s)):
+            governor.before_step()
+            self.now += step_s
+            self.stall_us += round(step_s * stalled * 1e6)
+
+    def run_until(self, governor: ThreadGovernor, threads: int, stalled: float, limit_s: float) -> float:
+        """Steps until the governor sets `threads`; returns the seconds it took (fails past `limit_s`)."""
+        started = self.now
+        while governor.threads != threads:
+            assert self.now - started <= limit_s, f"still {governor.threads} threads after {limit_s} s"
+            self.run(governor, 0.05, stalled)
+        return self.now - started
+
+
+def test_a_quiet_machine_keeps_every_thread():
+    machine = Machine()
+    governor = machine.governor()
+    machine.run(governor, 60, stalled=0.01)
+    assert governor.threads == 2 and machine.set_calls == []
+
+
+def test_contention_drops_a_thread_within_two_windows_and_quiet_brings_it_back_after_the_hold():
+    machine = Machine()
+    governor = machine.governor()
+    machine.run(governor, 2 * WINDOW_S + 0.05, stalled=0.9)
+    assert governor.threads == 1 and machine.set_calls == [1]
+    machine.run(governor, MIN_HOLD_S + 2 * WINDOW_S, stalled=0.0)  # the other task ended
+    assert governor.threads == 2 and machine.set_calls == [1, 2]
+
+
+def test_a_try_that_meets_contention_doubles_the_hold_up_to_its_cap():
+    """At one thread the pressure is zero even while another task runs (two tasks, two cores): each try
+    at two threads meets it again, and the tries grow rarer."""
+    machine = Machine()
+    governor = machine.governor()
+    holds, waits = [], []
+    for _ in range(10):
+        machine.run_until(governor, 1, stalled=0.9, limit_s=2 * WINDOW_S + 0.05)  # at two threads: contention
+        holds.append(governor.hold_s)
+        # at one thread: no pressure, until the hold is over and a try goes back to two
+        waits.append(machine.run_until(governor, 2, stalled=0.0, limit_s=governor.hold_s + WINDOW_S + 0.05))
+    assert all(hold <= wait for hold, wait in zip(holds, waits))
+    assert holds == [MIN_HOLD_S, 2, 4, 8, 16, 32, 32, 32, 32, 32] and MAX_HOLD_S == 32
+
+
+def test_a_try_that_survives_resets_the_hold():
+    machine = Machine()
+    governor = machine.governor()
+    for _ in range(3):  # hold grows to 4 s
+        machine.run_until(governor, 1, stalled=0.9, limit_s=2 * WINDOW_S + 0.05)
+        machine.run_until(governor, 2, stalled=0.0, limit_s=governor.hold_s + WINDOW_S + 0.05)
+    assert governor.hold_s == 4 and governor.threads == 2
+    machine.run(governor, 5 * WINDOW_S, stalled=0.0)  # the try survives
+    machine.run(governor, 2 * WINDOW_S + 0.05, stalled=0.9)  # new contention, later
+    assert governor.threads == 1 and governor.hold_s == MIN_HOLD_S
+
+
+def test_without_a_pressure_counter_the_count_never_moves():
+    calls: list[int] = []
+    clock = iter(range(1000))
+    governor = ThreadGovernor(4, read_stall_us=lambda: None, set_threads=calls.append, clock=lambda: next(clock))
+    for _ in range(100):
+        governor.before_step()
+    assert governor.threads == 4 and calls == []
+    with pytest.raises(ValueError, match="max_threads"):
+        ThreadGovernor(0)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.floats(0.0, 3.0), st.floats(0.0, 1.0)), max_size=40), st.integers(1, 8))
+def test_the_count_stays_in_range_and_moves_one_thread_at_a_time(phases, max_threads):
+    machine = Machine()
+    governor = machine.governor(max_threads)
+    for seconds, stalled in phases:
+        machine.run(governor, seconds, stalled)
+        assert 1 <= governor.threads <= max_threads
+        assert MIN_HOLD_S <= governor.hold_s <= MAX_HOLD_S
+    counts = [max_threads, *machine.set_calls]
+    assert all(abs(a - b) == 1 for a, b in zip(counts, counts[1:]))
+    assert governor.threads == counts[-1] and governor.changes == len(machine.set_calls)
+
+
+PRESSURE_FILE = """some avg10=1.50 avg60=5.98 avg300=19.48 total=246063068
+full avg10=0.00 avg60=0.00 avg300=0.00 total=0
+"""
+
+
+def test_the_pressure_counter_is_the_some_lines_total(tmp_path):
+    path = tmp_path / "cpu"
+    path.write_text(PRESSURE_FILE)
+    assert cpu_stall_us(path) == 246063068
+    assert cpu_stall_us(tmp_path / "absent") is None
+    path.write_text("garbage\n")
+    assert cpu_stall_us(path) is None
+
+
+def test_openmp_workers_spin_briefly_only_where_pressure_is_reported_and_the_operator_decides_first(tmp_path):
+    reported, absent = tmp_path / "cpu", tmp_path / "absent"
+    reported.write_text(PRESSURE_FILE)
+    environ: dict[str, str] = {}
+    assert set_openmp_defaults(environ, reported) == f"GOMP_SPINCOUNT={SPIN_COUNT}"
+    assert environ == {"GOMP_SPINCOUNT": str(SPIN_COUNT)}
+    environ = {}
+    assert set_openmp_defaults(environ, absent) == "OMP_WAIT_POLICY=PASSIVE"
+    assert environ == {"OMP_WAIT_POLICY": "PASSIVE"}
+    for own in ({"OMP_WAIT_POLICY": "ACTIVE"}, {"GOMP_SPINCOUNT": "0"}):
+        environ = dict(own)
+        assert set_openmp_defaults(environ, reported) == "operator" and environ == own
