@@ -59,6 +59,11 @@ class ThisEngine:
         self.engine.run_until_idle()
         return [list(self.engine.get(rid).output_token_ids) for rid in ids]
 
+    def threads(self) -> str:
+        """The forward's thread count now, and how often the engine's thread governor moved it."""
+        governor = self.engine.threads
+        return "fixed" if governor is None else f"{governor.threads} ({governor.changes} changes)"
+
     def reset(self) -> None:
         if not self.engine.reset_cache().ok:
             raise RuntimeError("this engine kept cached blocks on reset")
@@ -150,6 +155,8 @@ def main() -> None:
             started = time.perf_counter()
             outputs = backend.run(command["prompts"], command["max_tokens"])
             reply = {"outputs": outputs, "seconds": time.perf_counter() - started}
+            if isinstance(backend, ThisEngine):
+                reply["threads"] = backend.threads()
         replies.write(json.dumps(reply) + "\n")
 
 

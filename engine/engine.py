@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Callable
 
@@ -347,11 +348,10 @@ class Engine:
     def step(self) -> list[RequestView]:
         """Run one scheduling step and one forward. Returns the requests that ended in it (finished or failed)."""
         with self._lock:
-            if self.threads is not None:
-                self.threads.before_step()
             self.log.step += 1
             out = self.scheduler.schedule()
-            sampled, failed = self._forward.run(out, self._generators)
+            with self.threads.step() if self.threads is not None else nullcontext():
+                sampled, failed = self._forward.run(out, self._generators)
             finished = self.scheduler.postprocess(out, sampled, failed)
             self._end_step(out, finished)
             return [self._view(r) for r in finished]

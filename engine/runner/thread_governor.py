@@ -2,33 +2,36 @@
 
 With OpenMP workers that spin briefly (engine/openmp.py), a forward on every core is fastest while the
 machine is quiet and 2.5x slower than on one thread as soon as another task wants a core. The governor
-reads the kernel's CPU pressure (time during which some runnable task waited for a CPU) over windows of
-at least `WINDOW_S` and moves the thread count one at a time:
+reads the kernel's CPU pressure (time during which some runnable task waited for a CPU) while the
+engine steps, never while it idles (another engine or a compile running then says nothing about the
+forward), and moves the thread count one at a time once it has `WINDOW_S` of stepping to judge by:
 
-    down    a window with pressure above `PRESSURE` and more than one thread: one thread fewer.
-    up      after `hold_s` at the lower count, a window without pressure: one thread more (a try).
+    down    pressure above `PRESSURE` with more than one thread: one thread fewer.
+    up      `hold_s` after the last move down, a window without pressure: one thread more (a try).
 
-At fewer threads the pressure cannot say whether more would fit (with one thread and one other busy
-task, two tasks share two cores without waiting), so going up is a try: a try that meets pressure
-within its first two windows doubles the hold (1 s up to 32 s); a drop after a try that survived
-starts again from 1 s. Under steady contention the engine spends at most one window in 32 s at the
-count that does not fit.
+Measured on 2 cores (SmolLM2 steps, 0.25 s windows): 0.01-0.06 quiet, a rare window at 0.2; 0.40-0.47
+beside one busy task at two threads; 0.01 at one thread. At fewer threads the pressure cannot say
+whether more would fit (one thread and one busy task share two cores without waiting), so going up is
+a try: a try that meets pressure within its first two windows doubles the hold (1 s up to 32 s), and
+a drop after a try that survived starts again from 1 s. Under steady contention the engine spends at
+most one window in 32 s at the count that does not fit.
 
-Invariants: 1 <= threads <= max_threads; the governor changes the thread count only in
-`before_step`, on the thread that runs the forward (OpenMP's thread count is per calling thread).
+Invariants: 1 <= threads <= max_threads; the count changes only at the end of a step, on the thread
+that runs the forward (OpenMP's thread count belongs to the calling thread).
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import torch
 
 from engine.openmp import cpu_stall_us
 
-WINDOW_S = 0.25  # seconds of evidence before any change
-PRESSURE = 0.10  # share of a window during which some task waited for a CPU
+WINDOW_S = 0.25  # seconds of stepping before any judgement
+PRESSURE = 0.30  # share of the stepping time during which some task waited for a CPU
 MIN_HOLD_S = 1.0
 MAX_HOLD_S = 32.0
 
@@ -51,28 +54,34 @@ class ThreadGovernor:
         self.hold_s = MIN_HOLD_S
         self.changes = 0  # how many times the count moved (reported by benchmarks)
         self._read_stall_us, self._set_threads, self._clock = read_stall_us, set_threads, clock
-        self._window_start, self._stall_start = clock(), read_stall_us()
-        self._lowered_at = self._window_start
+        self._stepping_s = 0.0  # stepping time in the open window
+        self._stalled_us = 0  # pressure counted during it
+        self._lowered_at = clock()
         self._try_windows: int | None = None  # windows closed since the last try, while it can still fail
 
     @classmethod
     def for_device(cls, device: torch.device) -> ThreadGovernor | None:
-        """A governor for a CPU forward where the kernel reports CPU pressure; None otherwise."""
+        """A governor for a CPU forward on several threads where the kernel reports CPU pressure; else None."""
         if device.type != "cpu" or cpu_stall_us() is None or torch.get_num_threads() < 2:
             return None
         return cls(torch.get_num_threads())
 
-    def before_step(self) -> None:
-        """Close the window if it is long enough and move the thread count if it says so."""
-        now = self._clock()
-        elapsed = now - self._window_start
-        if elapsed < WINDOW_S:
-            return
-        stall = self._read_stall_us()
-        if stall is None or self._stall_start is None:
-            return
-        pressure = (stall - self._stall_start) / (elapsed * 1e6)
-        self._window_start, self._stall_start = now, stall
+    @contextmanager
+    def step(self) -> Iterator[None]:
+        """Count the pressure during one step; at its end, judge the window if it is long enough."""
+        started, stall = self._clock(), self._read_stall_us()
+        try:
+            yield
+        finally:
+            ended, stall_after = self._clock(), self._read_stall_us()
+            if stall is not None and stall_after is not None:
+                self._stepping_s += ended - started
+                self._stalled_us += stall_after - stall
+                if self._stepping_s >= WINDOW_S:
+                    self._judge(self._stalled_us / (self._stepping_s * 1e6), ended)
+                    self._stepping_s, self._stalled_us = 0.0, 0
+
+    def _judge(self, pressure: float, now: float) -> None:
         if pressure > PRESSURE and self.threads > 1:
             failed_try = self._try_windows is not None
             self.hold_s = min(self.hold_s * 2, MAX_HOLD_S) if failed_try else MIN_HOLD_S
