@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -29,7 +28,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as `python -m cli serve` and the console run torch
+from engine.openmp import set_openmp_defaults  # noqa: E402  (stdlib only)
+
+set_openmp_defaults()  # as `python -m cli serve` and the console run torch
 
 import openai  # noqa: E402
 
