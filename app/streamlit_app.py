@@ -69,7 +69,8 @@ with st.sidebar:
     st.caption(  # named as this console's own engine: the Fleet pages show other servers
         "This console's own engine (not a fleet pod): "
         f"**{console.engine.loaded.model_id}** · {console.engine.num_blocks} blocks × "
-        f"{console.config.block_size} tokens · {console.config.dtype} on {console.engine.loaded.device}  \n"
+        f"{console.config.block_size} tokens · {console.config.dtype} on {console.engine.loaded.device}, "
+        f"{console.engine.forward_threads()} threads  \n"
         f"run `{console.run_id}`"
     )
     # Live panels rerun every second or so; Streamlit's "Running… / Stop" indicator would flicker with each.

@@ -426,6 +426,10 @@ class Engine:
         with self._lock:
             return [self._view(r) for r in self._requests.values()]
 
+    def forward_threads(self) -> int:
+        """Threads the forward runs on now: the thread governor's count, or torch's where none governs."""
+        return self.threads.threads if self.threads is not None else torch.get_num_threads()
+
     def stats(self) -> PoolStats:
         """Counters summed over the KV groups, with each group's own numbers in `groups`."""
         with self._lock:

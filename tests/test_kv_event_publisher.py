@@ -367,3 +367,4 @@ def test_metrics_under_vllms_names_scrape_like_a_vllm_server(tmp_path) -> None:
     labels = families["vllm:prefix_cache_queries"].samples[0].labels
     assert labels == {"model_name": engine.loaded.model_id, "engine": "0"}  # vLLM's label names
     assert "vllm:prefix_cache_queries_total" in text  # a counter, exposed as vLLM's are
+    assert families["prefix_console:forward_threads"].samples[0].value == engine.forward_threads() >= 1

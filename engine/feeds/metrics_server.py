@@ -7,6 +7,7 @@
     vllm:kv_cache_usage_perc       gauge      referenced blocks / blocks, 0..1
     vllm:num_requests_running      gauge      requests running
     vllm:num_requests_waiting      gauge      requests waiting
+    prefix_console:forward_threads gauge      threads the forward runs on now (engine/runner/thread_governor.py)
     vllm:kv_block_lifetime_seconds           histogram  allocation -> eviction, per evicted block
     vllm:kv_block_idle_before_evict_seconds  histogram  last allocation, hit or release -> eviction
     vllm:kv_block_reuse_gap_seconds          histogram  between consecutive prefix hits of a block
@@ -144,6 +145,11 @@ class _EngineCollector:
         yield gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", stats.kv_usage)
         yield gauge("vllm:num_requests_running", "Number of requests in model execution batches.", stats.num_running)
         yield gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.", stats.num_waiting)
+        yield gauge(
+            "prefix_console:forward_threads",
+            "Threads the engine's forward runs on now (fewer while other tasks wait for a CPU).",
+            self._engine.forward_threads(),
+        )
         yield from self._residency.families(labels)
 
 
