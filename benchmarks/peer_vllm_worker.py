@@ -61,7 +61,7 @@ class ThisEngine:
 
     def threads(self) -> str:
         """The forward's thread count now, and how often the engine's thread governor moved it."""
-        governor = self.engine.threads
+        governor = self.engine.thread_governor
         return "fixed" if governor is None else f"{governor.threads} ({governor.changes} changes)"
 
     def reset(self) -> None:

@@ -96,7 +96,7 @@ class Engine:
         # Only when asked for: it keeps logits of approximate replays and recomputes them when they finish.
         self._verifier = ReplayVerifier(self.runner, self.log) if config.verify_replay else None
         self._forward = StepForward(self.runner, self.kv, self._verifier)
-        self.threads = ThreadGovernor.for_device(self.loaded.device)  # None: the thread count stays as set
+        self.thread_governor = ThreadGovernor.for_device(self.loaded.device)  # None: the thread count stays as set
         self.vocab_size = int(self.loaded.model.config.vocab_size)
         self.max_model_len = int(self.loaded.max_position_embeddings)
         self._requests: dict[str, Request] = {}
@@ -350,7 +350,7 @@ class Engine:
         with self._lock:
             self.log.step += 1
             out = self.scheduler.schedule()
-            with self.threads.step() if self.threads is not None else nullcontext():
+            with self.thread_governor.step() if self.thread_governor is not None else nullcontext():
                 sampled, failed = self._forward.run(out, self._generators)
             finished = self.scheduler.postprocess(out, sampled, failed)
             self._end_step(out, finished)
@@ -428,7 +428,7 @@ class Engine:
 
     def forward_threads(self) -> int:
         """Threads the forward runs on now: the thread governor's count, or torch's where none governs."""
-        return self.threads.threads if self.threads is not None else torch.get_num_threads()
+        return self.thread_governor.threads if self.thread_governor is not None else torch.get_num_threads()
 
     def stats(self) -> PoolStats:
         """Counters summed over the KV groups, with each group's own numbers in `groups`."""

@@ -5,7 +5,7 @@ two of them the worker threads wait. Measured on 2 cores with SmolLM2 (8 request
 over a 1,024-token prefix, fp32):
 
     machine        threads sleep (OMP_WAIT_POLICY=PASSIVE)   spin ~0.1 ms (GOMP_SPINCOUNT=10000)   1 thread
-    quiet          5.5-6.3 s                                  4.1-4.3 s                             -
+    quiet          5.5-6.3 s                                  4.1-4.5 s                             -
     one busy task  6.4-6.7 s                                  15.4-15.8 s                           5.6-5.9 s
 
 A sleeping worker takes 50-100 us to wake at every region, so spinning is 25-35 % faster on a quiet
