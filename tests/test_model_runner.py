@@ -268,3 +268,27 @@ def test_a_cpu_runner_packs_every_decoder_linear_and_the_lm_head_without_changin
                 assert torch.equal(got, want)
             else:
                 torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_forwards_results_depend_on_its_thread_count_only_in_the_last_bits(tmp_path, dtype):
+    """The thread governor (engine/runner/thread_governor.py) changes the count between steps; a cached
+    prefix computed at two threads and a suffix at one give the logits of an all-two-thread run up to
+    rounding (PyTorch's CPU flash kernel with a mask rounds differently at one thread for this model's
+    16-wide heads; SmolLM2's linears and attention shapes measured bit-identical)."""
+    loaded = load_model(EngineConfig(model="tiny-llama", device="cpu", dtype=dtype, data_dir=tmp_path))
+    runner = ModelRunner(loaded, NUM_BLOCKS, BLOCK_SIZE)
+    context = tokens(3 * BLOCK_SIZE + 5, 11)
+    before = torch.get_num_threads()
+    results = []
+    try:
+        for threads in ((2, 2), (2, 1), (1, 2)):
+            table = list(range(9, 9 + -(-len(context) // BLOCK_SIZE)))
+            torch.set_num_threads(threads[0])
+            runner.execute([chunk(runner, context[:-3], 0, table)])
+            torch.set_num_threads(threads[1])
+            results.append(runner.execute([chunk(runner, context[-3:], len(context) - 3, table)]))
+    finally:
+        torch.set_num_threads(before)
+    for other in results[1:]:
+        torch.testing.assert_close(other, results[0], rtol=1e-5, atol=1e-5)

@@ -16,6 +16,10 @@ a try: a try that meets pressure within its first two windows doubles the hold (
 a drop after a try that survived starts again from 1 s. Under steady contention the engine spends at
 most one window in 32 s at the count that does not fit.
 
+A change of count can move fp32 results in the last bits, as a change of batch can: PyTorch's CPU flash
+kernel with a mask rounds differently at one thread for 16-wide heads; SmolLM2's linears (every shape,
+1-1,056 rows) and attention calls measured bit-identical at one and two threads.
+
 Invariants: 1 <= threads <= max_threads; the count changes only at the end of a step, on the thread
 that runs the forward (OpenMP's thread count belongs to the calling thread).
 """
