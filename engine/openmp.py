@@ -26,6 +26,7 @@ from collections.abc import MutableMapping
 from pathlib import Path
 
 CPU_PRESSURE = Path("/proc/pressure/cpu")  # Linux pressure stall information (kernel 4.20+, CONFIG_PSI)
+OPENMP_SETTINGS = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")  # what an operator (or a benchmark) sets itself
 SPIN_COUNT = 10_000  # libgomp spins before sleeping: about 0.1 ms (its documentation: ~100,000 spins a ms)
 
 
@@ -51,7 +52,7 @@ def set_openmp_defaults(environ: MutableMapping[str, str] = os.environ, path: Pa
     Must run before torch loads (libgomp reads its environment once). Returns the setting in force, as
     "NAME=value" ("operator" when the operator's own setting stands).
     """
-    if "OMP_WAIT_POLICY" in environ or "GOMP_SPINCOUNT" in environ:
+    if any(name in environ for name in OPENMP_SETTINGS):
         return "operator"
     if cpu_stall_us(path) is None:
         environ["OMP_WAIT_POLICY"] = "PASSIVE"
