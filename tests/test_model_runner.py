@@ -250,13 +250,14 @@ def test_clear_slots_zeroes_exactly_what_a_chunk_wrote(runner_pair):
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_a_cpu_runner_packs_every_decoder_linear_and_the_lm_head_without_changing_what_they_compute(tmp_path, dtype):
+    """On transformers' modules (the path of models the decoder forward does not know)."""
     loaded = load_model(EngineConfig(model="tiny-qwen2", device="cpu", dtype=dtype, data_dir=tmp_path))
     plain = {name: module.weight.clone() for name, module in loaded.model.named_modules()
              if isinstance(module, torch.nn.Linear) and (name.startswith("model.layers.") or name == "lm_head")}
-    runner = ModelRunner(loaded, NUM_BLOCKS, BLOCK_SIZE)
+    runner = ModelRunner(loaded, NUM_BLOCKS, BLOCK_SIZE, decoder_forward=False)
     packed = dict(loaded.model.named_modules())
     assert runner.num_packed_linears == len(plain) == 7 * loaded.num_layers + 1
-    assert ModelRunner(loaded, NUM_BLOCKS, BLOCK_SIZE).num_packed_linears == 0  # already packed
+    assert ModelRunner(loaded, NUM_BLOCKS, BLOCK_SIZE, decoder_forward=False).num_packed_linears == 0  # already packed
     for name, weight in plain.items():
         module = packed[name]
         assert isinstance(module, PackedLinear)

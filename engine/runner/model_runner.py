@@ -13,9 +13,11 @@ model's new K/V ([kv_head, tokens, head_dim]) is written without a transpose. Me
 token-major layout (block, slot, kv_head) on SmolLM2, 8 decodes over a shared 1,024-token prefix: the
 step's gathers took 1.2 ms instead of 3.9.
 
-`execute` packs the tokens of every chunk into one sequence (batch 1, per-token position ids) and runs
-the transformers model with a paged attention function registered through `AttentionInterface`; the
-per-step plan travels to it through the forward's keyword arguments. Layers are split into KV groups
+`execute` packs the tokens of every chunk into one sequence (per-token positions) and runs one forward
+over it with paged attention (`attend_paged`): a Llama-family model (Llama, Mistral, Qwen2, Qwen3) through
+engine/runner/decoder_forward.py, written out over its weights; any other model through transformers'
+modules, with `attend_paged` registered as an attention function (`AttentionInterface`) and the per-step
+plan passed through the forward's keyword arguments. Layers are split into KV groups
 (full and sliding, engine/core/kv_groups.py), each with its own block memory and tables, and one plan
 (engine/runner/attention_plan.py). In each layer the function first writes the new K/V of all tokens into
 their slots, then runs the plan's kernel calls: decodes in one padded batch, prefill chunks whose keys
@@ -33,6 +35,7 @@ another chunk of the same call writes (copy-on-write happens before, through `co
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -53,6 +56,7 @@ from engine.runner.attention_plan import (
 )
 from engine.core.kv_groups import kv_groups
 from engine.core.kv_memory import kv_bytes_per_block
+from engine.runner.decoder_forward import DecoderForward, unsupported_reason
 from engine.runner.model_loading import LoadedModel
 from engine.runner.packed_linear import pack_linears
 
@@ -101,10 +105,11 @@ class ModelRunner:
 
         kv[g][group layer, 0 = K | 1 = V, kv_head, block, slot, head_dim]
 
-    Creating a runner switches `loaded.model` to paged attention and, on the CPU, its decoder layers'
-    linears to oneDNN-packed weights (engine/runner/packed_linear.py): from then on the model only runs
-    through this runner. `cascade` says when chunks sharing leading blocks read them once (default: the
-    rule measured for the device, `CPU_CASCADE` or `CUDA_CASCADE`).
+    A Llama-family model runs through `DecoderForward` (unless `decoder_forward=False`) and `loaded.model`
+    is left as it was. Any other model is switched to paged attention and, on the CPU, its decoder layers'
+    linears to oneDNN-packed weights (engine/runner/packed_linear.py): from then on it only runs through
+    this runner. `forward_path` says which. `cascade` says when chunks sharing leading blocks read them
+    once (default: the rule measured for the device, `CPU_CASCADE` or `CUDA_CASCADE`).
     """
 
     def __init__(
@@ -114,6 +119,7 @@ class ModelRunner:
         block_size: int,
         *,
         cascade: CascadeRule | None = None,
+        decoder_forward: bool = True,
     ) -> None:
         self.loaded = loaded
         self.groups = kv_groups(loaded.attention_spec)
@@ -137,11 +143,16 @@ class ModelRunner:
         self.num_heads = int(loaded.model.config.num_attention_heads)
         self.cascade = cascade if cascade is not None else CPU_CASCADE if loaded.device.type == "cpu" else CUDA_CASCADE
         self.kernels = choose_kernels(loaded.device, loaded.dtype, self.num_heads, loaded.num_kv_heads, loaded.head_dim)
-        self.num_packed_linears = pack_linears(loaded.model, loaded.device, loaded.dtype)
-        AttentionInterface.register(PAGED_ATTENTION, paged_attention)
-        loaded.model.set_attn_implementation(PAGED_ATTENTION)
-        if loaded.model.config._attn_implementation != PAGED_ATTENTION:
-            raise ValueError(f"{type(loaded.model).__name__} does not accept a custom attention function")
+        why_not = unsupported_reason(loaded.model) if decoder_forward else "decoder_forward=False"
+        self.decoder = DecoderForward(loaded.model, loaded.device, loaded.dtype) if why_not is None else None
+        self.forward_path = "decoder" if why_not is None else f"transformers ({why_not})"
+        self.num_packed_linears = 0
+        if self.decoder is None:
+            self.num_packed_linears = pack_linears(loaded.model, loaded.device, loaded.dtype)
+            AttentionInterface.register(PAGED_ATTENTION, paged_attention)
+            loaded.model.set_attn_implementation(PAGED_ATTENTION)
+            if loaded.model.config._attn_implementation != PAGED_ATTENTION:
+                raise ValueError(f"{type(loaded.model).__name__} does not accept a custom attention function")
 
     @staticmethod
     def bytes_per_block(loaded: LoadedModel, block_size: int, num_layers: int | None = None) -> int:
@@ -215,6 +226,9 @@ class ModelRunner:
             lse=torch.empty(len(token_ids), self.num_heads, dtype=torch.float32, device=device),
         )
         token_field, position_field, rows_field = (packed[field] for field in inputs)
+        if self.decoder is not None:
+            attention = functools.partial(attend_paged, context)
+            return self.decoder(token_field, position_field, rows_field, attention).float()
         output = self.loaded.model(
             input_ids=token_field.view(1, -1),
             position_ids=position_field.view(1, -1),
@@ -253,12 +267,13 @@ class ModelRunner:
         Reads and writes no block; used to measure approximate replays. Returns float32 [len, vocab].
         """
         model = self.loaded.model
+        implementation = model.config._attn_implementation
         model.set_attn_implementation("sdpa")
         try:
             ids = torch.tensor([token_ids], device=self.loaded.device)
             return model(input_ids=ids, use_cache=False).logits[0].float()
         finally:
-            model.set_attn_implementation(PAGED_ATTENTION)
+            model.set_attn_implementation(implementation)
 
     def _check_chunk(self, chunk: SeqChunk) -> None:
         end = chunk.start_pos + len(chunk.token_ids)
@@ -288,7 +303,7 @@ def paged_attention(
     scaling: float,
     **kwargs: object,
 ) -> tuple[torch.Tensor, None]:
-    """Attention over paged K/V for one layer (the `AttentionInterface` signature).
+    """`attend_paged` as a transformers attention function (the `AttentionInterface` signature).
 
     Args:
         module: the attention module; its `layer_idx` selects the cache layer and window.
@@ -303,28 +318,51 @@ def paged_attention(
     Returns:
         ([1, T, num_heads, head_dim] attention output, None).
     """
-    g, local = paged_context.layers[module.layer_idx]
+    g = paged_context.layers[module.layer_idx][0]
     window = paged_context.windows[g]
     if kwargs.get("sliding_window", window) != window:
         raise RuntimeError(f"layer {module.layer_idx}: model window {kwargs['sliding_window']} != attention spec {window}")
+    rows_first = (tensor[0].transpose(0, 1) for tensor in (query, key, value))
+    return attend_paged(paged_context, module.layer_idx, *rows_first, scaling).unsqueeze(0), None
+
+
+def attend_paged(
+    paged_context: PagedContext,
+    layer: int,
+    queries: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    scaling: float,
+) -> torch.Tensor:
+    """Attention over paged K/V for one layer: write the packed tokens' K/V into their slots, then run
+    the plan's kernel calls.
+
+    Args:
+        paged_context: the plan built by `ModelRunner.execute`.
+        layer: the model layer (selects its KV group, cache layer and window).
+        queries: [T, num_heads, head_dim] for the packed tokens.
+        keys: [T, num_kv_heads, head_dim], written into the cache before any read.
+        values: like `keys`.
+        scaling: softmax scale.
+
+    Returns:
+        [T, num_heads, head_dim] attention output.
+    """
+    g, local = paged_context.layers[layer]
     key_cache, value_cache = paged_context.kv[g][local]
     slots = paged_context.slots[g]
     num_kv_heads, head_dim = key_cache.shape[0], key_cache.shape[-1]
-    key_cache.view(num_kv_heads, -1, head_dim).index_copy_(1, slots, key[0])
-    value_cache.view(num_kv_heads, -1, head_dim).index_copy_(1, slots, value[0])
+    key_cache.view(num_kv_heads, -1, head_dim).index_copy_(1, slots, keys.transpose(0, 1))
+    value_cache.view(num_kv_heads, -1, head_dim).index_copy_(1, slots, values.transpose(0, 1))
 
-    num_heads = query.shape[1]
-    queries = query[0].transpose(0, 1)  # [T, num_heads, head_dim]
-    output = torch.empty_like(queries)
+    num_heads = queries.shape[1]
+    output = torch.empty(queries.shape, dtype=queries.dtype, device=queries.device)
     lse = paged_context.lse
     for call in paged_context.calls[g]:
         n, rows = call.num_queries, call.rows
         q = _take_rows(queries, rows).view(-1, n, num_heads, head_dim).transpose(1, 2)
         if call.keys is KeySource.OWN:  # the chunks' own tokens: read the fresh K/V, no gather
-            k, v = (
-                _take_rows(fresh[0].transpose(0, 1), rows).view(-1, n, num_kv_heads, head_dim).transpose(1, 2)
-                for fresh in (key, value)
-            )
+            k, v = (_take_rows(fresh, rows).view(-1, n, num_kv_heads, head_dim).transpose(1, 2) for fresh in (keys, values))
         elif call.keys is KeySource.VIEW:  # consecutive blocks: read in place
             k, v = (
                 cache[:, call.blocks].view(1, num_kv_heads, -1, head_dim)[:, :, : call.num_keys]
@@ -346,7 +384,7 @@ def paged_attention(
         else:
             _put_rows(lse, rows, partial_lse)
         _put_rows(output, rows, attended)
-    return output.unsqueeze(0), None
+    return output
 
 
 def _take_rows(tensor: torch.Tensor, rows: slice | torch.Tensor) -> torch.Tensor:

@@ -40,10 +40,20 @@ class PackedLinear(nn.Module):
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight = linear.weight
         self.bias = linear.bias
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), BATCH_HINT)
+        self.packed = pack_weight(linear.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+
+
+def pack_weight(weight: torch.Tensor) -> torch.Tensor:
+    """A oneDNN-packed copy of a linear layer's [out_features, in_features] weight (CPU, fp32 or bf16)."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), BATCH_HINT)
+
+
+def packs_linears(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether linears on this device and dtype run on packed weights (the CPU with oneDNN, fp32 or bf16)."""
+    return device.type == "cpu" and dtype in PACKED_DTYPES and torch.backends.mkldnn.is_available()
 
 
 def pack_linears(model: nn.Module, device: torch.device, dtype: torch.dtype) -> int:
@@ -52,7 +62,7 @@ def pack_linears(model: nn.Module, device: torch.device, dtype: torch.dtype) -> 
     Idempotent (packed layers are skipped). Does nothing off the CPU, for dtypes other than fp32/bf16,
     or without oneDNN. Returns how many layers were packed.
     """
-    if device.type != "cpu" or dtype not in PACKED_DTYPES or not torch.backends.mkldnn.is_available():
+    if not packs_linears(device, dtype):
         return 0
     layers = getattr(getattr(model, "model", None), "layers", None)
     if layers is None:

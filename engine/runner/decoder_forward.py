@@ -1,0 +1,196 @@
+"""A Llama-family decoder's forward written out over its weights: what the runner runs instead of
+transformers' modules for the model types it knows (Llama, Mistral, Qwen2, Qwen3).
+
+Those four share one block: pre-norm RMSNorm, rotary attention (q/k/v biases optional, Qwen3 adds a
+per-head RMSNorm on queries and keys) and a SiLU-gated MLP::
+
+    h = embed(tokens)
+    every layer:  x = rms_norm(h);  q|k|v = x W_qkv (+ b);  q, k = rope(q, k);  h = h + attention(q, k, v) W_o
+                  x = rms_norm(h);  g|u = x W_gate_up;  h = h + (silu(g) * u) W_down
+    logits = rms_norm(h[rows]) W_lm_head
+
+Run through transformers' modules, a one-row decode step of SmolLM2 spent about 13 ms of its 47 in module
+calls, keyword plumbing and small tensor ops around the linears and the attention kernels. Here a layer is
+a short run of tensor ops: q/k/v and gate/up are each one linear over one weight (packed once for oneDNN on
+the CPU, engine/runner/packed_linear.py), the rotary embedding of queries and keys is one set of
+elementwise ops over both, and only the rows that reach the LM head are normalized for it.
+
+What it computes is transformers' own arithmetic: the same formulas in the same dtype (RMSNorm in float32,
+cast back, then scaled by its weight), cos/sin from the model's own rotary module (so every rope scaling
+type transformers supports), the same weights. Results equal transformers' up to the summation order of
+the fused linears. Any other model type, activation or layer layout runs through transformers' modules
+instead; `unsupported_reason` says why.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from engine.runner.packed_linear import pack_weight, packs_linears
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+
+# (layer index, queries [T, heads, head_dim], keys [T, kv_heads, head_dim], values like keys, softmax scale)
+#   -> attention output [T, heads, head_dim]; writes the layer's new K/V into the cache first.
+Attention = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor]
+
+
+class FusedLinear:
+    """Linears over the same input computed as one, in groups: `__call__` returns one output per group (a
+    group's linears' outputs side by side).
+
+    On the CPU (fp32/bf16 with oneDNN) every weight is concatenated and packed once, so a call reads one
+    weight; elsewhere each linear keeps its own weight (no copy in device memory) and runs `F.linear`.
+    """
+
+    def __init__(self, groups: Sequence[Sequence[nn.Linear]], packed: bool) -> None:
+        self.groups = [list(group) for group in groups]
+        self.sizes = [sum(linear.out_features for linear in group) for group in self.groups]
+        self.packed = packed
+        if packed:
+            linears = [linear for group in self.groups for linear in group]
+            self.weight = pack_weight(torch.cat([linear.weight for linear in linears]))
+            self.bias = None if all(linear.bias is None for linear in linears) else torch.cat(
+                [linear.weight.new_zeros(linear.out_features) if linear.bias is None else linear.bias for linear in linears]
+            )
+
+    def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:
+        if self.packed:
+            out = torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
+            return list(out.split(self.sizes, dim=-1)) if len(self.sizes) > 1 else [out]
+        outputs = [[F.linear(x, linear.weight, linear.bias) for linear in group] for group in self.groups]
+        return [parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1) for parts in outputs]
+
+
+@dataclass(frozen=True)
+class _Layer:
+    input_norm: torch.Tensor
+    post_norm: torch.Tensor
+    eps: float
+    qk_norm: torch.Tensor | None  # [heads + kv_heads, head_dim]: Qwen3's per-head q and k norm weights
+    qk_norm_eps: float
+    qkv: FusedLinear  # -> queries and keys side by side, values
+    o: FusedLinear
+    gate_up: FusedLinear
+    down: FusedLinear
+    scaling: float
+
+
+def unsupported_reason(model: nn.Module) -> str | None:
+    """Why `DecoderForward` cannot run this model (None when it can)."""
+    config = getattr(model, "config", None)
+    model_type = getattr(config, "model_type", None)
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        return f"model type {model_type!r} is not one of {SUPPORTED_MODEL_TYPES}"
+    if getattr(config, "hidden_act", None) != "silu":
+        return f"activation {getattr(config, 'hidden_act', None)!r} is not silu"
+    inner = getattr(model, "model", None)
+    for name in ("embed_tokens", "layers", "norm", "rotary_emb"):
+        if not hasattr(inner, name):
+            return f"the model has no model.{name}"
+    if type(getattr(model, "lm_head", None)) is not nn.Linear:
+        return "the LM head is not a plain linear layer"
+    for layer in inner.layers:
+        attention, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+        linears = [getattr(attention, n, None) for n in ("q_proj", "k_proj", "v_proj", "o_proj")]
+        linears += [getattr(mlp, n, None) for n in ("gate_proj", "up_proj", "down_proj")]
+        if any(type(linear) is not nn.Linear for linear in linears):
+            return f"layer {layer.self_attn.layer_idx}: its projections are not plain linear layers"
+        if not all(hasattr(layer, n) for n in ("input_layernorm", "post_attention_layernorm")):
+            return "a layer has no input or post-attention RMSNorm"
+    return None
+
+
+class DecoderForward:
+    """The forward of one Llama-family model over its weights (see the module docstring).
+
+    Holds references to the model's weights and, on the CPU, packed copies of its linears (the model
+    itself stays usable, e.g. for the reference forward).
+    """
+
+    def __init__(self, model: nn.Module, device: torch.device, dtype: torch.dtype) -> None:
+        reason = unsupported_reason(model)
+        if reason is not None:
+            raise ValueError(f"DecoderForward cannot run this model: {reason}")
+        packed = packs_linears(device, dtype)
+        inner = model.model
+        config = model.config
+        self.num_heads = int(config.num_attention_heads)
+        self.num_kv_heads = int(config.num_key_value_heads)
+        self.head_dim = int(inner.layers[0].self_attn.head_dim)
+        self.embed = inner.embed_tokens.weight
+        self.rotary = inner.rotary_emb
+        self.norm = inner.norm.weight
+        self.norm_eps = float(inner.norm.variance_epsilon)
+        self.lm_head = FusedLinear([[model.lm_head]], packed)
+        self.layers = tuple(self._layer(layer, packed) for layer in inner.layers)
+
+    def _layer(self, layer: nn.Module, packed: bool) -> _Layer:
+        attention, mlp = layer.self_attn, layer.mlp
+        q_norm, k_norm = getattr(attention, "q_norm", None), getattr(attention, "k_norm", None)
+        qk_norm = None
+        if q_norm is not None and k_norm is not None:
+            dim = q_norm.weight.shape[0]
+            qk_norm = torch.cat([q_norm.weight.expand(self.num_heads, dim), k_norm.weight.expand(self.num_kv_heads, dim)])
+        return _Layer(
+            input_norm=layer.input_layernorm.weight,
+            post_norm=layer.post_attention_layernorm.weight,
+            eps=float(layer.input_layernorm.variance_epsilon),
+            qk_norm=qk_norm,
+            qk_norm_eps=float(q_norm.variance_epsilon) if q_norm is not None else 0.0,
+            # queries and keys as one output: they get the same rotary ops
+            qkv=FusedLinear([[attention.q_proj, attention.k_proj], [attention.v_proj]], packed),
+            o=FusedLinear([[attention.o_proj]], packed),
+            gate_up=FusedLinear([[mlp.gate_proj], [mlp.up_proj]], packed),
+            down=FusedLinear([[mlp.down_proj]], packed),
+            scaling=float(attention.scaling),
+        )
+
+    def __call__(
+        self, token_ids: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor, attention: Attention
+    ) -> torch.Tensor:
+        """Logits of the tokens at `rows`.
+
+        Args:
+            token_ids: [T] the packed tokens of the step.
+            positions: [T] each token's position in its sequence.
+            rows: [R] indices into the T tokens whose logits are wanted.
+            attention: the paged attention of one layer (see `Attention`).
+
+        Returns:
+            [R, vocab_size] logits in the model's dtype.
+        """
+        num_tokens, heads, kv_heads, head_dim = token_ids.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
+        hidden = F.embedding(token_ids, self.embed)
+        cos, sin = self.rotary(hidden.unsqueeze(0), positions.unsqueeze(0))
+        cos, sin = cos[0].unsqueeze(1), sin[0].unsqueeze(1)  # [T, 1, head_dim]: every head alike
+        for index, layer in enumerate(self.layers):
+            qk, values = layer.qkv(_rms_norm(hidden, layer.input_norm, layer.eps))
+            qk = qk.view(num_tokens, heads + kv_heads, head_dim)
+            if layer.qk_norm is not None:
+                qk = _rms_norm(qk, layer.qk_norm, layer.qk_norm_eps)
+            qk = qk * cos + _rotate_half(qk) * sin
+            values = values.view(num_tokens, kv_heads, head_dim)
+            attended = attention(index, qk[:, :heads], qk[:, heads:], values, layer.scaling)
+            (out,) = layer.o(attended.reshape(num_tokens, heads * head_dim))
+            hidden = hidden + out
+            gate, up = layer.gate_up(_rms_norm(hidden, layer.post_norm, layer.eps))
+            (out,) = layer.down(F.silu(gate) * up)
+            hidden = hidden + out
+        (logits,) = self.lm_head(_rms_norm(hidden[rows], self.norm, self.norm_eps))
+        return logits
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' Llama RMSNorm: normalized in float32, cast back to x's dtype, then scaled."""
+    return weight * torch.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
