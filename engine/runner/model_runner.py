@@ -57,6 +57,7 @@ from engine.runner.attention_plan import (
 from engine.core.kv_groups import kv_groups
 from engine.core.kv_memory import kv_bytes_per_block
 from engine.runner.decoder_forward import DecoderForward, unsupported_reason
+from engine.runner.host_memory import keep_freed_memory
 from engine.runner.model_loading import LoadedModel
 from engine.runner.packed_linear import pack_linears
 
@@ -147,6 +148,8 @@ class ModelRunner:
         self.decoder = DecoderForward(loaded.model, loaded.device, loaded.dtype) if why_not is None else None
         self.forward_path = "decoder" if why_not is None else f"transformers ({why_not})"
         self.num_packed_linears = 0
+        if loaded.device.type == "cpu":
+            keep_freed_memory()  # the forward's temporaries live in host memory (engine/runner/host_memory.py)
         if self.decoder is None:
             self.num_packed_linears = pack_linears(loaded.model, loaded.device, loaded.dtype)
             AttentionInterface.register(PAGED_ATTENTION, paged_attention)
