@@ -17,9 +17,14 @@ on every request (a difference makes the exit status 1); bf16 ones are reported 
 column only: the two engines' bf16 kernels round differently, and random-token prompts leave near-ties
 that a last-bit difference flips.
 
+Before each engine's turn the machine is let settle (`wait_until_quiet`): after a run vLLM's processes
+keep one core about a quarter busy for up to 2 s (measured: 25 % of the machine in the 2 s after a run,
+under 1 % later), and this engine's thread governor, stepping into that, dropped to one thread on an
+otherwise quiet machine (a cold request 3.2 s instead of 2.0).
+
 Reported per cell: each engine's fastest-slowest wall seconds (submit to last token), the ratio of
-the medians (this / vLLM: above 1 means vLLM is faster) and the 1-minute load average over the cell's
-runs. On a shared 2-core machine only quiet, interleaved runs mean much: a busy machine slows vLLM's
+the medians (this / vLLM: above 1 means vLLM is faster), the 1-minute load average over the cell's
+runs, and this engine's forward thread count after each run (with its governor's changes so far). On a shared 2-core machine only quiet, interleaved runs mean much: a busy machine slows vLLM's
 three processes more than this engine's one.
 
 Run: `make peer-vllm`, or `.venv/bin/python benchmarks/peer_vllm.py [--quick] [--repeats 3]
@@ -153,12 +158,38 @@ def prompts_for(cell: Cell, repeat: int, vocab: int) -> tuple[list[int], list[li
     return prefix + draw(SUFFIX_TOKENS), [prefix + draw(SUFFIX_TOKENS) for _ in range(cell.num_requests)]
 
 
-def measure(worker: Worker, cell: Cell, warm: list[int], prompts: list[list[int]]) -> tuple[float, list[list[int]]]:
+def machine_busy(seconds: float) -> float | None:
+    """The fraction of the machine's CPU time spent busy over the next `seconds` (None without /proc/stat)."""
+    def sample() -> tuple[int, int]:
+        with open("/proc/stat") as stat:
+            ticks = [int(value) for value in stat.readline().split()[1:]]
+        return sum(ticks) - ticks[3] - ticks[4], sum(ticks)  # busy (all but idle and iowait), total
+
+    try:
+        busy_before, total_before = sample()
+        time.sleep(seconds)
+        busy_after, total_after = sample()
+    except OSError:
+        return None
+    return (busy_after - busy_before) / max(1, total_after - total_before)
+
+
+def wait_until_quiet(max_busy: float = 0.05, window_s: float = 0.25, timeout_s: float = 10.0) -> None:
+    """Return once a `window_s` window finds the machine at most `max_busy` busy (or after `timeout_s`)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        busy = machine_busy(window_s)
+        if busy is None or busy <= max_busy:
+            return
+
+
+def measure(worker: Worker, cell: Cell, warm: list[int], prompts: list[list[int]]) -> dict:
+    """The worker's reply to the timed run: seconds, outputs and (this engine) its forward's thread count."""
+    wait_until_quiet()
     worker.ask({"op": "reset"})
     if cell.cached:
         worker.ask({"op": "run", "prompts": [warm], "max_tokens": 1})
-    reply = worker.ask({"op": "run", "prompts": prompts, "max_tokens": cell.new_tokens})
-    return reply["seconds"], reply["outputs"]
+    return worker.ask({"op": "run", "prompts": prompts, "max_tokens": cell.new_tokens})
 
 
 @dataclass
@@ -170,6 +201,7 @@ class Row:
     same: int  # requests whose greedy outputs were identical
     total: int
     load: list[float]
+    threads: list[str]  # this engine's forward threads after each repeat (the thread governor's count)
 
     def ratio(self) -> float:
         return statistics.median(self.seconds["this"]) / statistics.median(self.seconds["vllm"])
@@ -181,27 +213,31 @@ class Row:
         dtype = {"float32": "fp32", "bfloat16": "bf16"}[self.cell.dtype]
         return (
             f"| {self.cell.name} | {dtype} | {span(self.seconds['this'])} | {span(self.seconds['vllm'])} | "
-            f"{self.ratio():.2f}x | {self.same}/{self.total} | {min(self.load):.1f}-{max(self.load):.1f} |"
+            f"{self.ratio():.2f}x | {self.same}/{self.total} | {min(self.load):.1f}-{max(self.load):.1f} | "
+            f"{', '.join(sorted(set(self.threads)))} |"
         )
 
 
 HEADER = (
-    "| cell | dtype | this engine | vLLM CPU | this / vLLM | same outputs | load avg |\n"
-    "|---|---|---|---|---|---|---|"
+    "| cell | dtype | this engine | vLLM CPU | this / vLLM | same outputs | load avg | this engine's threads |\n"
+    "|---|---|---|---|---|---|---|---|"
 )
 
 
 def run_cells(cells: tuple[Cell, ...], workers: dict[str, Worker], repeats: int, vocab: int) -> list[Row]:
     rows = []
     for cell in cells:
-        row = Row(cell, {"this": [], "vllm": []}, 0, 0, [])
+        row = Row(cell, {"this": [], "vllm": []}, 0, 0, [], [])
         for repeat in range(repeats):
             warm, prompts = prompts_for(cell, repeat, vocab)
             outputs = {}
             for name in ("this", "vllm"):
-                seconds, outputs[name] = measure(workers[name], cell, warm, prompts)
-                row.seconds[name].append(seconds)
+                reply = measure(workers[name], cell, warm, prompts)
+                outputs[name] = reply["outputs"]
+                row.seconds[name].append(reply["seconds"])
                 row.load.append(os.getloadavg()[0])
+                if name == "this":
+                    row.threads.append(reply["threads"])
             row.same += sum(a == b for a, b in zip(outputs["this"], outputs["vllm"]))
             row.total += len(prompts)
         print(row.format(), flush=True)
@@ -250,7 +286,7 @@ def main() -> None:
     if args.json:
         args.json.write_text(json.dumps([
             {"cell": r.cell.name, "dtype": r.cell.dtype, "seconds": r.seconds, "same": r.same, "total": r.total,
-             "load": r.load} for r in rows
+             "load": r.load, "threads": r.threads} for r in rows
         ], indent=1))
     different = sum(r.total - r.same for r in rows if r.cell.dtype == "float32")
     if different:
