@@ -24,8 +24,9 @@ otherwise quiet machine (a cold request 3.2 s instead of 2.0).
 
 Reported per cell: each engine's fastest-slowest wall seconds (submit to last token), the ratio of
 the medians (this / vLLM: above 1 means vLLM is faster), the 1-minute load average over the cell's
-runs, and this engine's forward thread count after each run (with its governor's changes so far). On a shared 2-core machine only quiet, interleaved runs mean much: a busy machine slows vLLM's
-three processes more than this engine's one.
+runs, and this engine's forward thread count after each run (with its governor's changes so far). On a
+shared 2-core machine only quiet, interleaved runs mean much: a busy machine slows vLLM's three
+processes more than this engine's one.
 
 Run: `make peer-vllm`, or `.venv/bin/python benchmarks/peer_vllm.py [--quick] [--repeats 3]
 [--block-size 16] [--dtype float32 --dtype bfloat16]`.

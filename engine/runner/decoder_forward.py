@@ -31,7 +31,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from engine.runner.packed_linear import pack_weight, packs_linears
+from engine.runner.packed_linear import pack_weight, packed_linear, packs_linears
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
@@ -61,7 +61,7 @@ class FusedLinear:
 
     def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:
         if self.packed:
-            out = torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
+            out = packed_linear(x, self.weight, self.bias)
             return list(out.split(self.sizes, dim=-1)) if len(self.sizes) > 1 else [out]
         outputs = [[F.linear(x, linear.weight, linear.bias) for linear in group] for group in self.groups]
         return [parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1) for parts in outputs]
@@ -95,14 +95,14 @@ def unsupported_reason(model: nn.Module) -> str | None:
             return f"the model has no model.{name}"
     if type(getattr(model, "lm_head", None)) is not nn.Linear:
         return "the LM head is not a plain linear layer"
-    for layer in inner.layers:
+    for index, layer in enumerate(inner.layers):
         attention, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
         linears = [getattr(attention, n, None) for n in ("q_proj", "k_proj", "v_proj", "o_proj")]
         linears += [getattr(mlp, n, None) for n in ("gate_proj", "up_proj", "down_proj")]
         if any(type(linear) is not nn.Linear for linear in linears):
-            return f"layer {layer.self_attn.layer_idx}: its projections are not plain linear layers"
-        if not all(hasattr(layer, n) for n in ("input_layernorm", "post_attention_layernorm")):
-            return "a layer has no input or post-attention RMSNorm"
+            return f"layer {index}: its projections are not plain linear layers"
+        if not all(hasattr(getattr(layer, n, None), "variance_epsilon") for n in ("input_layernorm", "post_attention_layernorm")):
+            return f"layer {index}: its input or post-attention norm is not an RMSNorm"
     return None
 
 

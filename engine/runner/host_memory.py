@@ -6,7 +6,7 @@ a block above its mmap threshold with a fresh mapping, unmapped again when freed
 above its trim threshold to the kernel; either way the next layer page-faults the same memory in again.
 Its thresholds adapt, but only after the fact. Fixed once (`keep_freed_memory`: mmap threshold at glibc's
 maximum, 32 MB; trim threshold 1 GB), freed memory stays in the heap for the next allocation. Measured on
-SmolLM2, fp32, two threads, the engine end to end: a cold 1,056-token prefill took 1.48-1.50 s instead of
+SmolLM2, fp32, two threads, the engine end to end: a cold 1,056-token prefill took 1.48-1.51 s instead of
 1.54-1.63 s. The cost: the process keeps its peak heap (a forward's working set; the KV blocks, one large
 allocation, are mapped separately and unaffected).
 
