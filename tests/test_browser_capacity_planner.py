@@ -71,9 +71,11 @@ def test_a_second_analysis_shows_its_own_points_figures_and_prices_them(console_
             expect(main.get_by_role("heading", name="What to buy")).to_be_visible()
             bought = main.locator("[data-testid='stTable']").filter(has_text="accelerators")
             expect(bought).to_contain_text("this engine's pool")
-            page.get_by_text("Upload", exact=True).click()
+            trace_source = page.get_by_role("radiogroup", name="Trace")
+            trace_source.get_by_text("Upload", exact=True).click()
             expect(main.get_by_text("16MB per file")).to_be_visible()  # the server's bound is the page's
-            page.get_by_text("Sample", exact=True).click()
+            # Scoped to the radio: while the page reruns, the "Sample" selectbox's label can still be on screen.
+            trace_source.get_by_text("Sample", exact=True).click()
             main.get_by_role("heading", name="What to buy").scroll_into_view_if_needed()
             shot(page, "console-capacity-planner")
         except Exception:
