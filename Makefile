@@ -29,12 +29,22 @@ $(NATIVE_STAMP): $(STAMP) $(NATIVE_SOURCES)
 	$(PY) build_native.py > .build/native/build.log 2>&1 || { cat .build/native/build.log; exit 1; }
 	touch $(NATIVE_STAMP)
 
-# Builds again whatever the stamp says: after the compiled modules were deleted, or to be sure.
-native: $(STAMP)
-	rm -f $(NATIVE_STAMP)
-	$(MAKE) --no-print-directory $(NATIVE_STAMP)
+# The engine's CPU decode-attention kernel (build_kernels.py), compiled beside its source for this machine's
+# vector instructions; g++ comes from Debian when it is missing and we are root.
+KERNEL_LIB := engine/runner/csrc/paged_decode.so
 
-install: $(STAMP) $(NATIVE_STAMP)
+$(KERNEL_LIB): $(STAMP) build_kernels.py engine/runner/csrc/paged_decode.cpp
+	@command -v g++ >/dev/null || { [ "$$(id -u)" = 0 ] && apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q g++; } \
+	  || { echo "g++ is needed to build $(KERNEL_LIB)" >&2; exit 1; }
+	mkdir -p .build
+	$(PY) build_kernels.py > .build/kernels.log 2>&1 || { cat .build/kernels.log; exit 1; }
+
+# Builds again whatever the stamps say: after the compiled modules were deleted, or to be sure.
+native: $(STAMP)
+	rm -f $(NATIVE_STAMP) $(KERNEL_LIB)
+	$(MAKE) --no-print-directory $(NATIVE_STAMP) $(KERNEL_LIB)
+
+install: $(STAMP) $(NATIVE_STAMP) $(KERNEL_LIB)
 
 # Debian packages the tests use: chromium for the browser test, postgresql for the shared-history tests.
 system-deps:

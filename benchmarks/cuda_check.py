@@ -185,7 +185,12 @@ def environment(report: Report, s: Settings) -> None:
     for dtype_name in s.dtypes:
         dtype = getattr(torch, dtype_name)
         choice = choose_kernels(torch.device(s.device), dtype, 32, 8, 64)
-        value = {"unmasked": choice.unmasked.value, "masked": choice.masked.value, "notes": list(choice.notes)}
+        value = {
+            "unmasked": choice.unmasked.value,
+            "masked": choice.masked.value,
+            "decodes": None if choice.decodes is None else choice.decodes.value,
+            "notes": list(choice.notes),
+        }
         report.add("environment", f"kernels_{dtype_name}", value, f"  kernels for {dtype_name}: {value}")
 
 

@@ -60,7 +60,7 @@ st.table(
     pd.DataFrame(
         {
             "setting": [
-                "model", "weights revision", "device", "dtype", "forward", "pool", "eviction policy", "KV pool memory",
+                "model", "weights revision", "device", "dtype", "forward", "attention kernels", "pool", "eviction policy", "KV pool memory",
                 "max batched tokens", "max running requests", "seed", "data directory", "run", "started",
             ],
             "value": [
@@ -69,6 +69,7 @@ st.table(
                 str(loaded.device),
                 config.dtype,
                 engine.runner.forward_path,
+                engine.runner.kernels.summary(),
                 f"{engine.num_blocks:,} blocks × {config.block_size} tokens"
                 + (f" per KV group ({', '.join(groups)})" if len(groups) > 1 else ""),
                 config.eviction_policy.value,

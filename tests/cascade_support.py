@@ -6,6 +6,7 @@ its own cached tokens, then one step mixing decodes and prefill chunks of every 
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -86,16 +87,18 @@ def run_scenario(runner: ModelRunner, families, sequences, sliding_offset: int) 
 
 @pytest.fixture(scope="module")
 def runners(test_data_dir):
-    """(plain, cascade, reference) per model, on the same seeded weights; each example rewrites what it reads."""
+    """(plain, cascade, reference) per model, on the same seeded weights; each example rewrites what it reads.
+    The plain runner also runs its decodes as a padded, masked batch; the cascade one reads them in place."""
 
     def load(name, override):
         return load_model(EngineConfig(model=name, device="cpu", data_dir=test_data_dir, attention_override=override))
 
     built = {}
     for name, override in SCENARIO_MODELS:
-        built[name, override] = (
-            ModelRunner(load(name, override), NUM_BLOCKS, BLOCK_SIZE, cascade=NO_CASCADE),
-            ModelRunner(load(name, override), NUM_BLOCKS, BLOCK_SIZE, cascade=ALWAYS_CASCADE),
-            load(name, override),
-        )
+        plain = ModelRunner(load(name, override), NUM_BLOCKS, BLOCK_SIZE, cascade=NO_CASCADE)
+        plain.kernels = dataclasses.replace(plain.kernels, decodes=None)
+        cascade = ModelRunner(load(name, override), NUM_BLOCKS, BLOCK_SIZE, cascade=ALWAYS_CASCADE)
+        if cascade.kernels.decodes is None:
+            raise RuntimeError(f"the paged decode kernel is not in use: {cascade.kernels.notes}")
+        built[name, override] = (plain, cascade, load(name, override))
     return built

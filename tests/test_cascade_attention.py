@@ -104,6 +104,7 @@ def test_head_layout_for_cuda_kernels_preserves_results(queries, keys, causal, w
 def test_cpu_runner_uses_the_fused_cpu_kernel_for_every_call():
     choice = choose_kernels(torch.device("cpu"), torch.float32, 9, 3, 64)
     assert (choice.unmasked, choice.masked, choice.notes) == (Kernel.CPU_FLASH, Kernel.CPU_FLASH, ())
+    assert choice.decodes is Kernel.CPU_PAGED_DECODE
 
 
 # ---------------------------------------------------------------------------------------------- plan
@@ -172,6 +173,21 @@ def test_consecutive_blocks_are_read_in_place_and_scattered_ones_gathered():
     assert [(c.keys, c.blocks) for c in calls] == [(KeySource.VIEW, range(3, 6))]
 
 
+def test_decodes_read_in_place_list_their_blocks_and_mask_fields_padded_with_their_first():
+    # Two forks over a shared run of 2 blocks: each keeps its private [20] / [21, 22]; a lone decode keeps all.
+    chunks = queries_of([[8, 9, 20], [8, 9, 21, 22], [5, 3, 7]], [9, 13, 10], [1, 1, 1])
+    pack = IndexPack()
+    calls = plan_group(chunks, None, BLOCK_SIZE, CascadeRule(True, 1), pack, decodes_in_place=True)
+    packed = pack.to(torch.device("cpu"))
+    assert [c.keys for c in calls] == [KeySource.PAGED, KeySource.VIEW]
+    assert rows_of(calls[0].rows, packed) == [0, 1, 2]
+    call = calls[0].realize(packed, BLOCK_SIZE, None, torch.float32)
+    assert call.num_keys == 3 * BLOCK_SIZE and call.bias is None
+    assert call.blocks.tolist() == [[20, 20, 20], [21, 22, 21], [5, 3, 7]]
+    # [query position, valid slots, logical blocks]: 9 is slot 1 of logical 2; 13 slot 1 of logical 3
+    assert call.fields.tolist() == [[9, 2, 2, 2, 2], [13, 6, 2, 3, 2], [10, 11, 0, 1, 2]]
+
+
 def test_a_block_the_chunk_still_writes_is_never_shared():
     # Both read block 3 (logical 1), but the second chunk's queries start inside it: only logical 0 is shared.
     chunks = queries_of([[7, 3, 20], [7, 3, 21]], [9, 6], [1, 2])
@@ -212,8 +228,8 @@ def test_forks_decoding_together_take_the_shared_path(make_model, monkeypatch):
     runner.execute([SeqChunk.of_table(prefix, 0, parent)])
     merging_calls = []
 
-    def counting_plan(*args):
-        calls = plan_group(*args)
+    def counting_plan(*args, **kwargs):
+        calls = plan_group(*args, **kwargs)
         merging_calls.append(sum(c.merges for c in calls))
         return calls
 
@@ -237,8 +253,8 @@ def test_forks_and_prefix_hits_through_the_engine_match_the_reference(tmp_path, 
     spy = LogitSpy(engine)
     merging_calls = []
 
-    def counting_plan(*args):
-        calls = plan_group(*args)
+    def counting_plan(*args, **kwargs):
+        calls = plan_group(*args, **kwargs)
         merging_calls.append(sum(c.merges for c in calls))
         return calls
 

@@ -20,6 +20,14 @@ chosen once per runner (`choose_kernels`) and is explicit, never left to SDPA's 
     CUDA, fp32             aten::_scaled_dot_product_efficient_attention for every call (flash has no fp32).
     anything else          MATH: matmul + logsumexp in fp32 (also the fallback when a probe fails).
 
+Decodes on the CPU have a kernel of their own (engine/runner/csrc/paged_decode.cpp, `attend_decodes`): one
+query per element over that element's blocks, read in place from the cache, so a batch of decodes needs
+no gather, no padding and no mask. The fused kernel above is built for many queries per key block; a
+decode batch through it first copied every element's blocks into a padded buffer (64 decodes: 12 ms of
+index_select per step) and then scored the padding. It is used when its library is built and loaded
+(engine/runner/native_kernels.py) and its probe matches MATH; otherwise decodes take the padded, masked
+call.
+
 FlexAttention (a block mask built from block tables) was the alternative: on the CPU it needs
 torch.compile to be usable, and on a GPU it compiles one kernel per mask shape family, which a step
 whose batch shapes change every step would pay again and again; the fused kernels above need no
@@ -44,10 +52,12 @@ from typing import NamedTuple
 import torch
 
 from engine.core.arith import ceil_div
+from engine.runner.native_kernels import load_paged_decode
 
 
 class Kernel(Enum):
     CPU_FLASH = "cpu-flash"  # aten::_scaled_dot_product_flash_attention_for_cpu
+    CPU_PAGED_DECODE = "cpu-paged-decode"  # prefix_console::paged_decode (decodes only, K/V read in place)
     CUDA_FLASH = "cuda-flash"  # aten::_scaled_dot_product_flash_attention (bf16/fp16, no bias)
     CUDA_EFFICIENT = "cuda-efficient"  # aten::_scaled_dot_product_efficient_attention
     MATH = "math"  # matmul + logsumexp in fp32
@@ -59,10 +69,17 @@ class KernelChoice:
 
     unmasked: Kernel  # calls without a bias (shared prefixes, causal own tokens, lone decodes)
     masked: Kernel  # calls with an additive bias (padded decode batches, windows, partial causality)
-    notes: tuple[str, ...] = ()  # why a preferred kernel was replaced by MATH, if one was
+    notes: tuple[str, ...] = ()  # why a preferred kernel was replaced by MATH, or not used, if one was
+    decodes: Kernel | None = None  # CPU_PAGED_DECODE: decodes read their blocks in place; None: a padded masked call
 
     def kernel(self, masked: bool) -> Kernel:
         return self.masked if masked else self.unmasked
+
+    def summary(self) -> str:
+        """One line for an operator: which kernel runs which calls, and why any fell back."""
+        decodes = self.decodes.value if self.decodes is not None else f"{self.masked.value} (padded batch)"
+        text = f"{self.unmasked.value}; masked calls {self.masked.value}; decodes {decodes}"
+        return text + "".join(f"; {note}" for note in self.notes)
 
 
 def attend(
@@ -89,6 +106,35 @@ def attend(
     if kernel is Kernel.MATH:
         return _math(q, k, v, scale, causal, bias)
     return _cuda(q, k, v, scale, causal, bias, kernel)
+
+
+def attend_decodes(
+    q: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    blocks: torch.Tensor,
+    fields: torch.Tensor,
+    *,
+    window: int | None,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Decode attention with its log-sum-exp, each element's keys read in place from its blocks.
+
+    Args:
+        q: [B, H, d], one query per element.
+        key_cache, value_cache: one layer's [KV, N, block_size, d] block memory.
+        blocks: [B, M] int64 physical blocks per element, in key order (padding: any block of the cache).
+        fields: [B, 2 + M] int64 per element: query position, valid slots, the logical block of each block.
+        window: the sliding window, or None.
+        scale: softmax scale.
+
+    Returns:
+        out [B, H, d] in q's dtype and lse [B, H] in float32.
+    """
+    paged_decode, why_not = load_paged_decode()
+    if paged_decode is None:
+        raise RuntimeError(f"the paged decode kernel is not available: {why_not}")
+    return paged_decode(q, key_cache, value_cache, blocks, fields, key_cache.shape[2], window or 0, scale)
 
 
 def merge_partials(
@@ -123,7 +169,8 @@ def choose_kernels(device: torch.device, dtype: torch.dtype, num_heads: int, num
     shape = _ProbeShape(device, dtype, num_heads, num_kv_heads, head_dim)
     unmasked = preferred[0] if _probe(preferred[0], False, shape, notes) else Kernel.MATH
     masked = preferred[1] if _probe(preferred[1], True, shape, notes) else Kernel.MATH
-    return KernelChoice(unmasked, masked, tuple(notes))
+    decodes = Kernel.CPU_PAGED_DECODE if device.type == "cpu" and _probe_decodes(shape, notes) else None
+    return KernelChoice(unmasked, masked, tuple(notes), decodes)
 
 
 # Probe tolerance on outputs of magnitude ~1: a few units in the last place of the dtype's mantissa.
@@ -169,6 +216,43 @@ def _probe(kernel: Kernel, masked: bool, shape: _ProbeShape, notes: list[str]) -
                 return False
     except (RuntimeError, NotImplementedError, AttributeError) as error:  # a kernel missing or refusing these shapes
         notes.append(f"{kernel.value} ({'masked' if masked else 'unmasked'}) unavailable: {str(error).splitlines()[0][:200]}")
+        return False
+    return True
+
+
+def _probe_decodes(shape: _ProbeShape, notes: list[str]) -> bool:
+    """Run the paged decode kernel on a batch with scattered blocks, padding, a partial last block and a
+    window, and compare it with MATH over the same keys gathered and masked."""
+    paged_decode, why_not = load_paged_decode()
+    if paged_decode is None:
+        notes.append(f"{Kernel.CPU_PAGED_DECODE.value} unavailable: {why_not}")
+        return False
+    device, dtype, num_heads, num_kv_heads, head_dim = shape
+    block_size, num_blocks = 4, 12
+    generator = torch.Generator().manual_seed(0)
+    cache = torch.randn(2, num_kv_heads, num_blocks, block_size, head_dim, generator=generator).to(device=device, dtype=dtype)
+    q = torch.randn(3, num_heads, head_dim, generator=generator).to(device=device, dtype=dtype)
+    # per element: physical blocks (padded to 3 with its first), query position, valid slots, logical blocks
+    elements = (([7, 2, 9], 10, 11, [0, 1, 2]), ([5, 5, 5], 2, 3, [0, 0, 0]), ([3, 11, 3], 21, 6, [4, 5, 4]))
+    blocks = torch.tensor([physical for physical, *_ in elements], device=device)
+    fields = torch.tensor([[position, valid, *logical] for _, position, valid, logical in elements], device=device)
+    try:
+        for window in (None, 5):
+            out, lse = paged_decode(q, cache[0], cache[1], blocks, fields, block_size, window or 0, head_dim**-0.5)
+            for b, (physical, position, valid, logical) in enumerate(elements):
+                key_pos = (torch.tensor(logical)[:, None] * block_size + torch.arange(block_size)).flatten()
+                visible = (torch.arange(key_pos.numel()) < valid) & (key_pos <= position)
+                if window is not None:
+                    visible &= key_pos > position - window
+                bias = torch.zeros(visible.shape).masked_fill(~visible, float("-inf")).to(device=device, dtype=dtype)
+                k, v = (c[:, physical].reshape(1, num_kv_heads, -1, head_dim) for c in cache)
+                want_out, want_lse = _math(q[b : b + 1, :, None], k, v, head_dim**-0.5, False, bias.view(1, 1, 1, -1))
+                error = max((out[b].float() - want_out[0, :, 0].float()).abs().max().item(), (lse[b] - want_lse[0, :, 0]).abs().max().item())
+                if not error <= _PROBE_ATOL.get(dtype, 5e-2):
+                    notes.append(f"{Kernel.CPU_PAGED_DECODE.value} differs from math by {error:.3g}")
+                    return False
+    except RuntimeError as error:  # the kernel refusing these shapes or this dtype
+        notes.append(f"{Kernel.CPU_PAGED_DECODE.value} unavailable: {str(error).splitlines()[0][:200]}")
         return False
     return True
 

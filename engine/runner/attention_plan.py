@@ -19,7 +19,9 @@ and each query's two partial results are merged exactly by their log-sum-exps (e
 A group has one shared run: when some members share deeper than all of them, the extra depth is private.
 
 Calls (every query row is in exactly one non-shared call, and in at most one shared call after it):
-  * decodes (one query) form one batch, keys padded to the longest and masked;
+  * decodes (one query) form one batch: read in place by the paged decode kernel when the runner has it
+    (`KeySource.PAGED`: each element's block list and mask fields, nothing gathered), else gathered,
+    keys padded to the longest and masked;
   * prefill chunks whose keys are exactly their own tokens (block-aligned start, nothing earlier visible,
     all written now, no window shorter than the chunk) read those keys from the fresh K/V tensors with
     a causal kernel, one batch per query length, no gather and no mask;
@@ -123,6 +125,7 @@ class KeySource(Enum):
     OWN = "own"  # the fresh K/V of the call's own tokens (causal, nothing read from the blocks)
     VIEW = "view"  # one element over consecutive physical blocks: a view of the block memory
     GATHER = "gather"  # blocks gathered into the step's buffer (element-major, padded)
+    PAGED = "paged"  # decodes: each element's blocks read in place by the paged decode kernel
 
 
 @dataclass(frozen=True)
@@ -132,10 +135,10 @@ class HostCall:
     rows: range | slice  # query rows, element-major: a range when consecutive, else their place in the pack
     num_queries: int  # n: queries per batch element
     keys: KeySource
-    blocks: range | slice | None  # VIEW: the physical blocks; GATHER: their place in the pack; OWN: None
+    blocks: range | slice | None  # VIEW: the physical blocks; GATHER, PAGED: their place in the pack; OWN: None
     num_keys: int  # keys kept per element (the own rows' count for OWN)
     causal: bool  # keys are the element's own tokens: query i sees keys 0..i
-    mask: slice | None  # per element [first query position, valid key slots, logical block of each gathered block]
+    mask: slice | None  # per element [first query position, valid key slots, logical block of each listed block]
     merges: bool  # a shared call: its partial results merge into the rows' earlier ones
 
     @property
@@ -147,6 +150,11 @@ class HostCall:
         """The call on the device: views into the packed tensor and, if masked, its additive bias."""
         rows = slice(self.rows.start, self.rows.stop) if isinstance(self.rows, range) else packed[self.rows]
         num_rows = self.rows.stop - self.rows.start
+        if self.keys is KeySource.PAGED:
+            blocks_per_element = self.num_keys // block_size
+            blocks = packed[self.blocks].view(num_rows, blocks_per_element)
+            fields = packed[self.mask].view(num_rows, 2 + blocks_per_element)
+            return AttentionCall(rows, num_rows, 1, self.keys, blocks, self.num_keys, False, None, False, fields)
         bias = None
         if self.mask is not None:
             blocks_per_element = ceil_div(self.num_keys, block_size)
@@ -168,11 +176,12 @@ class AttentionCall:
     num_rows: int  # B * n
     num_queries: int  # n
     keys: KeySource
-    blocks: slice | torch.Tensor | None  # VIEW: physical blocks as a slice; GATHER: [B * M] block ids
+    blocks: slice | torch.Tensor | None  # VIEW: physical blocks as a slice; GATHER: [B * M] block ids; PAGED: [B, M]
     num_keys: int  # keys per element
     causal: bool  # own tokens, query i sees keys 0..i
     bias: torch.Tensor | None  # [B, 1, n, num_keys] additive (0 visible, -inf hidden), in the model's dtype
     merges: bool  # merge into the rows' earlier partial results
+    fields: torch.Tensor | None = None  # PAGED: [B, 2 + M] query position, valid slots, logical blocks
 
 
 def plan_group(
@@ -181,8 +190,11 @@ def plan_group(
     block_size: int,
     rule: CascadeRule,
     pack: IndexPack,
+    *,
+    decodes_in_place: bool = False,
 ) -> tuple[HostCall, ...]:
-    """The calls of one KV group for one step: non-shared calls first, then the shared ones that merge."""
+    """The calls of one KV group for one step: non-shared calls first, then the shared ones that merge.
+    With `decodes_in_place` the decodes are one PAGED call (the runner has the paged decode kernel)."""
     bs = block_size
     shared_runs = _sharing_groups(chunks, window, bs, rule)
     run_of = {member: (first, end) for members, first, end in shared_runs for member in members}
@@ -207,7 +219,7 @@ def plan_group(
         rows = [chunks[i].row + q for i in members for q in range(num_queries)]
         calls.append(HostCall(_rows(rows, pack), num_queries, KeySource.OWN, None, num_queries, True, None, False))
     if decodes:
-        calls.append(_gathered_call(decodes, 1, window, bs, pack))
+        calls.append(_paged_call(decodes, bs, pack) if decodes_in_place else _gathered_call(decodes, 1, window, bs, pack))
     for members, first, end in shared_runs:
         rows = [chunks[i].row + q for i in members for q in range(chunks[i].num_queries)]
         keys, blocks = _blocks(_blocks_from(chunks[members[0]].table, first, end - first), pack)
@@ -284,6 +296,19 @@ def _gathered_call(
             fields += [e.start, e.num_valid, *e.logical, *[e.logical[0]] * (blocks_per_element - len(e.logical))]
         mask = pack.add(fields)
     return HostCall(_rows(rows, pack), num_queries, keys, blocks, num_keys, False, mask, False)
+
+
+def _paged_call(elements: list[_Keys], bs: int, pack: IndexPack) -> HostCall:
+    """Decodes read in place: per element its physical blocks and mask fields, padded with its first block
+    (never read: the kernel stops at the valid slots)."""
+    blocks_per_element = max(len(e.logical) for e in elements)
+    physical, fields = [], []
+    for e in elements:
+        padding = blocks_per_element - len(e.logical)
+        physical += e.physical + [e.physical[0]] * padding
+        fields += [e.start, e.num_valid, *e.logical, *[e.logical[0]] * padding]
+    rows = _rows([e.row for e in elements], pack)
+    return HostCall(rows, 1, KeySource.PAGED, pack.add(physical), blocks_per_element * bs, False, pack.add(fields), False)
 
 
 def _bias(

@@ -42,7 +42,7 @@ from dataclasses import dataclass
 import torch
 from transformers import AttentionInterface
 
-from engine.runner.attention_kernels import KernelChoice, attend, choose_kernels, merge_partials
+from engine.runner.attention_kernels import KernelChoice, attend, attend_decodes, choose_kernels, merge_partials
 from engine.runner.attention_plan import (
     CPU_CASCADE,
     CUDA_CASCADE,
@@ -94,7 +94,7 @@ class PagedContext:
     windows: tuple[int | None, ...]  # per KV group: None (full) or the sliding window
     slots: tuple[torch.Tensor, ...]  # per KV group: [T] cache slot every packed token writes
     calls: tuple[tuple[AttentionCall, ...], ...]  # per KV group: the kernel calls, shared (merging) ones last
-    kernels: KernelChoice  # which kernel runs unmasked and masked calls
+    kernels: KernelChoice  # which kernel runs unmasked, masked and decode calls
     gather: tuple[torch.Tensor, torch.Tensor]  # flat K and V buffers the gathers of every layer reuse
     lse: torch.Tensor  # [T, num_heads] float32: each row's partial log-sum-exp, rewritten by every layer
 
@@ -208,7 +208,11 @@ class ModelRunner:
         pack = IndexPack()
         inputs = pack.add(token_ids), pack.add(positions), pack.add(last_rows)
         slot_fields = [pack.add(group_slots) for group_slots in slots]
-        plans = [plan_group(queries[g], spec.window, size, self.cascade, pack) for g, spec in enumerate(self.groups)]
+        in_place = self.kernels.decodes is not None
+        plans = [
+            plan_group(queries[g], spec.window, size, self.cascade, pack, decodes_in_place=in_place)
+            for g, spec in enumerate(self.groups)
+        ]
         packed = pack.to(device)  # the step's one host-to-device transfer
         calls = tuple(
             tuple(call.realize(packed, size, spec.window, self.loaded.dtype) for call in plan)
@@ -363,6 +367,14 @@ def attend_paged(
     lse = paged_context.lse
     for call in paged_context.calls[g]:
         n, rows = call.num_queries, call.rows
+        if call.keys is KeySource.PAGED:  # decodes, each over its own blocks in place
+            attended, partial_lse = attend_decodes(
+                _take_rows(queries, rows), key_cache, value_cache, call.blocks, call.fields,
+                window=paged_context.windows[g], scale=scaling,
+            )  # fmt: skip
+            _put_rows(lse, rows, partial_lse)
+            _put_rows(output, rows, attended)
+            continue
         q = _take_rows(queries, rows).view(-1, n, num_heads, head_dim).transpose(1, 2)
         if call.keys is KeySource.OWN:  # the chunks' own tokens: read the fresh K/V, no gather
             k, v = (_take_rows(fresh, rows).view(-1, n, num_kv_heads, head_dim).transpose(1, 2) for fresh in (keys, values))

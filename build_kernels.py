@@ -1,0 +1,79 @@
+"""Compile the engine's CPU attention kernel (engine/runner/csrc/paged_decode.cpp) against the installed torch.
+
+The library lands beside its source (engine/runner/csrc/paged_decode.so) and registers the op
+`torch.ops.prefix_console.paged_decode` when engine/runner/native_kernels.py loads it. It is built for the
+vector instructions of the machine that builds it (AVX-512, else AVX2 with FMA, else none: ATen's
+`Vectorized` then falls back to plain loops), which is the machine that runs it: `make install` builds
+it in place. A library older than its source is not loaded (the engine then runs the portable path and
+says so).
+
+OpenMP: the kernel's `at::parallel_for` compiles to OpenMP regions, linked against `libgomp.so.1` by
+soname, the same name torch's own copy carries, so at run time the process's one OpenMP runtime (torch's,
+loaded first) serves both and the kernel uses the engine's thread settings.
+
+Run: `.venv/bin/python build_kernels.py` (g++ and the installed torch's headers).
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+SOURCE = Path("engine/runner/csrc/paged_decode.cpp")
+LIBRARY = SOURCE.with_suffix(".so")
+
+# (cpuinfo flags required, compiler flags, ATen's name for the instruction set), best first.
+INSTRUCTION_SETS = (
+    ({"avx512f", "avx512bw", "avx512vl", "avx512dq", "fma"}, ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma"], "AVX512"),
+    ({"avx2", "fma"}, ["-mavx2", "-mfma"], "AVX2"),
+)
+
+
+def instruction_set(cpu_flags: set[str]) -> tuple[list[str], str]:
+    """Compiler flags and ATen's capability name for the best instruction set these CPU flags allow."""
+    for required, flags, name in INSTRUCTION_SETS:
+        if required <= cpu_flags:
+            return flags + [f"-DCPU_CAPABILITY={name}", f"-DCPU_CAPABILITY_{name}"], name
+    return ["-DCPU_CAPABILITY=DEFAULT"], "DEFAULT"
+
+
+def cpu_flags() -> set[str]:
+    """This machine's CPU flags (from /proc/cpuinfo's first `flags` line; empty where there is none)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    line = next((line for line in text.splitlines() if line.startswith("flags")), "")
+    return set(line.partition(":")[2].split())
+
+
+def compile_command(isa_flags: list[str]) -> list[str]:
+    import torch
+    from torch.utils import cpp_extension
+
+    torch_lib = Path(torch.__file__).parent / "lib"
+    return [
+        "g++", "-O3", "-std=c++20", "-shared", "-fPIC", "-fopenmp", *isa_flags,
+        f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
+        *(f"-I{path}" for path in cpp_extension.include_paths()),
+        str(SOURCE), "-o", str(LIBRARY),
+        f"-L{torch_lib}", f"-Wl,-rpath,{torch_lib}", "-ltorch_cpu", "-lc10",
+    ]  # fmt: skip
+
+
+def main() -> None:
+    import os
+
+    os.chdir(Path(__file__).resolve().parent)  # the paths here are relative to the repository
+    flags, name = instruction_set(cpu_flags())
+    command = compile_command(flags)
+    LIBRARY.unlink(missing_ok=True)  # unlinked, not overwritten: a running console keeps its mapped copy
+    print(" ".join(command), flush=True)
+    if subprocess.run(command).returncode != 0:
+        sys.exit(f"building {LIBRARY} failed (see the compiler's output above)")
+    print(f"built {LIBRARY} for {name}")
+
+
+if __name__ == "__main__":
+    main()
