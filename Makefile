@@ -29,11 +29,11 @@ $(NATIVE_STAMP): $(STAMP) $(NATIVE_SOURCES)
 	$(PY) build_native.py > .build/native/build.log 2>&1 || { cat .build/native/build.log; exit 1; }
 	touch $(NATIVE_STAMP)
 
-# The engine's CPU decode-attention kernel (build_kernels.py), compiled beside its source for this machine's
-# vector instructions; g++ comes from Debian when it is missing and we are root.
-KERNEL_LIB := engine/runner/csrc/paged_decode.so
+# The engine's CPU kernels (build_kernels.py: paged decode attention, a decoder layer's fused steps), compiled
+# beside their sources for this machine's vector instructions; g++ comes from Debian when missing and we are root.
+KERNEL_LIB := engine/runner/csrc/prefix_console_ops.so
 
-$(KERNEL_LIB): $(STAMP) build_kernels.py engine/runner/csrc/paged_decode.cpp
+$(KERNEL_LIB): $(STAMP) build_kernels.py $(wildcard engine/runner/csrc/*.cpp)
 	@command -v g++ >/dev/null || { [ "$$(id -u)" = 0 ] && apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q g++; } \
 	  || { echo "g++ is needed to build $(KERNEL_LIB)" >&2; exit 1; }
 	mkdir -p .build

@@ -1,11 +1,13 @@
-"""Compile the engine's CPU attention kernel (engine/runner/csrc/paged_decode.cpp) against the installed torch.
+"""Compile the engine's CPU kernels (engine/runner/csrc/*.cpp) into one library against the installed torch.
 
-The library lands beside its source (engine/runner/csrc/paged_decode.so) and registers the op
-`torch.ops.prefix_console.paged_decode` when engine/runner/native_kernels.py loads it. It is built for the
+The library lands beside its sources (engine/runner/csrc/prefix_console_ops.so) and registers the ops
+`torch.ops.prefix_console.*` when engine/runner/native_kernels.py loads it: the paged decode attention
+(paged_decode.cpp) and a decoder layer's fused elementwise steps (decoder_ops.cpp). It is built for the
 vector instructions of the machine that builds it (AVX-512, else AVX2 with FMA, else none: ATen's
 `Vectorized` then falls back to plain loops), which is the machine that runs it: `make install` builds
-it in place. A library older than its source is not loaded (the engine then runs the portable path and
-says so).
+it in place. A library older than any of its sources is not loaded (the engine then runs torch's ops
+and says so). `-ffp-contract=off`: no product and sum are fused into one rounding that torch's eager
+ops do not have.
 
 OpenMP: the kernel's `at::parallel_for` compiles to OpenMP regions, linked against `libgomp.so.1` by
 soname, the same name torch's own copy carries, so at run time the process's one OpenMP runtime (torch's,
@@ -20,8 +22,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-SOURCE = Path("engine/runner/csrc/paged_decode.cpp")
-LIBRARY = SOURCE.with_suffix(".so")
+SOURCES = sorted(Path("engine/runner/csrc").glob("*.cpp"))
+LIBRARY = Path("engine/runner/csrc/prefix_console_ops.so")
 
 # (cpuinfo flags required, compiler flags, ATen's name for the instruction set), best first.
 INSTRUCTION_SETS = (
@@ -54,10 +56,10 @@ def compile_command(isa_flags: list[str]) -> list[str]:
 
     torch_lib = Path(torch.__file__).parent / "lib"
     return [
-        "g++", "-O3", "-std=c++20", "-shared", "-fPIC", "-fopenmp", *isa_flags,
+        "g++", "-O3", "-std=c++20", "-shared", "-fPIC", "-fopenmp", "-ffp-contract=off", *isa_flags,
         f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
         *(f"-I{path}" for path in cpp_extension.include_paths()),
-        str(SOURCE), "-o", str(LIBRARY),
+        *map(str, SOURCES), "-o", str(LIBRARY),
         f"-L{torch_lib}", f"-Wl,-rpath,{torch_lib}", "-ltorch_cpu", "-lc10",
     ]  # fmt: skip
 

@@ -18,7 +18,7 @@ from transformers import GemmaConfig, GemmaForCausalLM
 
 from engine.core.config import EngineConfig
 from engine.runner.attention_plan import ALWAYS_CASCADE
-from engine.runner.decoder_forward import FusedLinear, unsupported_reason
+from engine.runner.decoder_forward import DecoderForward, FusedLinear, TorchSteps, unsupported_reason
 from engine.runner.model_loading import _describe, load_model
 from engine.runner.model_runner import GroupSlots, ModelRunner, SeqChunk
 from tests.engine_support import RUNNER_BLOCK_SIZE as BLOCK_SIZE
@@ -52,16 +52,21 @@ def scenario(runner: ModelRunner) -> list[torch.Tensor]:
     return results
 
 
+@pytest.mark.parametrize("fused_steps", [True, False])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("name", ARCHITECTURES)
-def test_the_decoder_forward_computes_what_transformers_modules_compute(tmp_path, name, dtype):
+def test_the_decoder_forward_computes_what_transformers_modules_compute(tmp_path, name, dtype, fused_steps):
     runners = [
         ModelRunner(load_model(EngineConfig(model=name, device="cpu", dtype=dtype, data_dir=tmp_path)),
                     NUM_BLOCKS, BLOCK_SIZE, cascade=ALWAYS_CASCADE, decoder_forward=decoder)
         for decoder in (True, False)
     ]
-    assert runners[0].forward_path == "decoder" and runners[0].decoder is not None
+    assert runners[0].forward_path == "decoder, fused CPU ops" and runners[0].decoder is not None
     assert runners[1].forward_path.startswith("transformers") and runners[1].decoder is None
+    if not fused_steps:  # the steps every other device runs
+        runners[0].decoder = DecoderForward(runners[0].loaded.model, runners[0].loaded.device, runners[0].loaded.dtype,
+                                            fused_steps=False)
+        assert isinstance(runners[0].decoder.steps, TorchSteps)
     for ours, theirs in zip(*(scenario(runner) for runner in runners)):
         if dtype == "float32":
             torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-5)

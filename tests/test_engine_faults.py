@@ -211,3 +211,27 @@ class EngineFaultMachine(RuleBasedStateMachine):
 
 TestEngineFaultMachine = EngineFaultMachine.TestCase
 TestEngineFaultMachine.settings = settings(max_examples=30, stateful_step_count=30, deadline=None)
+
+
+def test_only_rows_holding_a_nan_or_an_infinity_fail_not_finite_rows_whose_sum_overflows():
+    """The check sums each row first (one pass) and re-reads a row only when its sum is not finite."""
+    from types import SimpleNamespace
+
+    from engine.forward import StepForward
+
+    cleared = []
+    runner = SimpleNamespace(clear_slots=cleared.append)
+    scheduled = [
+        SimpleNamespace(request=SimpleNamespace(request_id=f"r{i}"), start_pos=10 * i, token_ids=[1, 2])
+        for i in range(4)
+    ]
+    logits = torch.zeros(4, 8)
+    logits[1, :] = 3e38  # finite values whose float32 sum overflows
+    logits[2, 3] = float("nan")
+    logits[3, 0], logits[3, 1] = float("inf"), float("-inf")
+    failed = StepForward(runner, kv=None, verifier=None)._non_finite(scheduled, ["c0", "c1", "c2", "c3"], logits)
+    assert failed == {
+        "r2": "non-finite logits (NaN or inf) at position 21",
+        "r3": "non-finite logits (NaN or inf) at position 31",
+    }
+    assert cleared == ["c2", "c3"]

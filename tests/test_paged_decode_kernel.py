@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from engine.runner.attention_kernels import Kernel, attend, attend_decodes, choose_kernels
-from engine.runner.native_kernels import load_paged_decode
+from engine.runner.native_kernels import load_ops
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE, NUM_BLOCKS = 6, 2, 32, 4, 24
 
@@ -112,8 +112,8 @@ def test_bad_block_lists_are_refused_before_anything_is_read(blocks, fields, mes
 
 def test_the_kernel_is_built_and_a_cpu_runner_reads_decodes_in_place():
     """`make install` builds it: a CPU runner that fell back to padded decode batches would be a regression."""
-    op, why = load_paged_decode()
-    assert op is not None, why
+    ops, why = load_ops()
+    assert ops is not None, why
     for dtype in (torch.float32, torch.bfloat16):
         choice = choose_kernels(torch.device("cpu"), dtype, 9, 3, 64)
         assert (choice.decodes, choice.notes) == (Kernel.CPU_PAGED_DECODE, ())

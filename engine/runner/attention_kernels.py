@@ -52,7 +52,7 @@ from typing import NamedTuple
 import torch
 
 from engine.core.arith import ceil_div
-from engine.runner.native_kernels import load_paged_decode
+from engine.runner.native_kernels import load_ops
 
 
 class Kernel(Enum):
@@ -131,10 +131,10 @@ def attend_decodes(
     Returns:
         out [B, H, d] in q's dtype and lse [B, H] in float32.
     """
-    paged_decode, why_not = load_paged_decode()
-    if paged_decode is None:
+    ops, why_not = load_ops()
+    if ops is None:
         raise RuntimeError(f"the paged decode kernel is not available: {why_not}")
-    return paged_decode(q, key_cache, value_cache, blocks, fields, key_cache.shape[2], window or 0, scale)
+    return ops.paged_decode(q, key_cache, value_cache, blocks, fields, key_cache.shape[2], window or 0, scale)
 
 
 def merge_partials(
@@ -223,8 +223,8 @@ def _probe(kernel: Kernel, masked: bool, shape: _ProbeShape, notes: list[str]) -
 def _probe_decodes(shape: _ProbeShape, notes: list[str]) -> bool:
     """Run the paged decode kernel on a batch with scattered blocks, padding, a partial last block and a
     window, and compare it with MATH over the same keys gathered and masked."""
-    paged_decode, why_not = load_paged_decode()
-    if paged_decode is None:
+    ops, why_not = load_ops()
+    if ops is None:
         notes.append(f"{Kernel.CPU_PAGED_DECODE.value} unavailable: {why_not}")
         return False
     device, dtype, num_heads, num_kv_heads, head_dim = shape
@@ -238,7 +238,7 @@ def _probe_decodes(shape: _ProbeShape, notes: list[str]) -> bool:
     fields = torch.tensor([[position, valid, *logical] for _, position, valid, logical in elements], device=device)
     try:
         for window in (None, 5):
-            out, lse = paged_decode(q, cache[0], cache[1], blocks, fields, block_size, window or 0, head_dim**-0.5)
+            out, lse = ops.paged_decode(q, cache[0], cache[1], blocks, fields, block_size, window or 0, head_dim**-0.5)
             for b, (physical, position, valid, logical) in enumerate(elements):
                 key_pos = (torch.tensor(logical)[:, None] * block_size + torch.arange(block_size)).flatten()
                 visible = (torch.arange(key_pos.numel()) < valid) & (key_pos <= position)

@@ -20,6 +20,14 @@ cast back, then scaled by its weight), cos/sin from the model's own rotary modul
 type transformers supports), the same weights. Results equal transformers' up to the summation order of
 the fused linears. Any other model type, activation or layer layout runs through transformers' modules
 instead; `unsupported_reason` says why.
+
+The elementwise steps between the linears (residual add and RMSNorm, SiLU-and-multiply, the rotary
+embedding) run as torch ops (`TorchSteps`) or, on the CPU when the engine's library is loaded, as one op
+each (`FusedSteps`, engine/runner/csrc/decoder_ops.cpp): a torch RMSNorm is six ops (15 us for 8 rows, 3
+fused), and a layer had about 20 such small ops. The fused steps round where the torch ops round, so
+their results are the torch ops' except where the RMSNorm's mean, summed in another order, changes the
+last bit of its float32 scale factor: float32 outputs then move by an ulp or two, and in bf16 that flips a
+rounding now and then.
 """
 
 from __future__ import annotations
@@ -31,6 +39,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from engine.runner.native_kernels import load_ops
 from engine.runner.packed_linear import pack_weight, packed_linear, packs_linears
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
@@ -65,6 +74,65 @@ class FusedLinear:
             return list(out.split(self.sizes, dim=-1)) if len(self.sizes) > 1 else [out]
         outputs = [[F.linear(x, linear.weight, linear.bias) for linear in group] for group in self.groups]
         return [parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1) for parts in outputs]
+
+
+class TorchSteps:
+    """A layer's elementwise steps as torch ops (any device)."""
+
+    name = "torch ops"
+    joined_gate_up = False  # gate and up come as two tensors
+
+    @staticmethod
+    def norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        return _rms_norm(x, weight, eps)
+
+    @staticmethod
+    def add_norm(hidden: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """(hidden + delta, its RMSNorm)."""
+        hidden = hidden + delta
+        return hidden, _rms_norm(hidden, weight, eps)
+
+    @staticmethod
+    def silu_and_mul(gate_up: Sequence[torch.Tensor]) -> torch.Tensor:
+        gate, up = gate_up
+        return F.silu(gate) * up
+
+    @staticmethod
+    def rope(qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """qk [T, heads, head_dim] rotated by cos, sin [T, head_dim] (a new tensor)."""
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # every head alike
+        return qk * cos + _rotate_half(qk) * sin
+
+
+class FusedSteps:
+    """A layer's elementwise steps as the engine's CPU ops (engine/runner/csrc/decoder_ops.cpp), one pass each.
+    `add_norm` adds into `hidden` in place and `rope` rotates `qk` in place (both are the forward's own tensors)."""
+
+    name = "fused CPU ops"
+    joined_gate_up = True  # gate|up as one [T, 2I] tensor
+
+    def __init__(self, ops: object) -> None:
+        self.ops = ops
+
+    def norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        return self.ops.rms_norm(x, weight, eps)
+
+    def add_norm(self, hidden: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        return hidden, self.ops.add_rms_norm_(hidden, delta, weight, eps)
+
+    def silu_and_mul(self, gate_up: Sequence[torch.Tensor]) -> torch.Tensor:
+        (joined,) = gate_up
+        return self.ops.silu_and_mul(joined)
+
+    def rope(self, qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        self.ops.rope_(qk, cos, sin)
+        return qk
+
+
+def layer_steps(device: torch.device, fused: bool = True) -> TorchSteps | FusedSteps:
+    """The fused CPU steps where they can run (a CPU device, the library loaded), else torch's."""
+    ops, _ = load_ops() if fused and device.type == "cpu" else (None, "")
+    return FusedSteps(ops) if ops is not None else TorchSteps()
 
 
 @dataclass(frozen=True)
@@ -113,11 +181,12 @@ class DecoderForward:
     itself stays usable, e.g. for the reference forward).
     """
 
-    def __init__(self, model: nn.Module, device: torch.device, dtype: torch.dtype) -> None:
+    def __init__(self, model: nn.Module, device: torch.device, dtype: torch.dtype, *, fused_steps: bool = True) -> None:
         reason = unsupported_reason(model)
         if reason is not None:
             raise ValueError(f"DecoderForward cannot run this model: {reason}")
         packed = packs_linears(device, dtype)
+        self.steps = layer_steps(device, fused_steps)
         inner = model.model
         config = model.config
         self.num_heads = int(config.num_attention_heads)
@@ -146,7 +215,9 @@ class DecoderForward:
             # queries and keys as one output: they get the same rotary ops
             qkv=FusedLinear([[attention.q_proj, attention.k_proj], [attention.v_proj]], packed),
             o=FusedLinear([[attention.o_proj]], packed),
-            gate_up=FusedLinear([[mlp.gate_proj], [mlp.up_proj]], packed),
+            gate_up=FusedLinear(
+                [[mlp.gate_proj, mlp.up_proj]] if self.steps.joined_gate_up else [[mlp.gate_proj], [mlp.up_proj]], packed
+            ),
             down=FusedLinear([[mlp.down_proj]], packed),
             scaling=float(attention.scaling),
         )
@@ -166,22 +237,27 @@ class DecoderForward:
             [R, vocab_size] logits in the model's dtype.
         """
         num_tokens, heads, kv_heads, head_dim = token_ids.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
+        steps = self.steps
         hidden = F.embedding(token_ids, self.embed)
         cos, sin = self.rotary(hidden.unsqueeze(0), positions.unsqueeze(0))
-        cos, sin = cos[0].unsqueeze(1), sin[0].unsqueeze(1)  # [T, 1, head_dim]: every head alike
+        cos, sin = cos[0], sin[0]  # [T, head_dim]
+        x = steps.norm(hidden, self.layers[0].input_norm, self.layers[0].eps)
         for index, layer in enumerate(self.layers):
-            qk, values = layer.qkv(_rms_norm(hidden, layer.input_norm, layer.eps))
+            qk, values = layer.qkv(x)
             qk = qk.view(num_tokens, heads + kv_heads, head_dim)
             if layer.qk_norm is not None:
                 qk = _rms_norm(qk, layer.qk_norm, layer.qk_norm_eps)
-            qk = qk * cos + _rotate_half(qk) * sin
+            qk = steps.rope(qk, cos, sin)
             values = values.view(num_tokens, kv_heads, head_dim)
             attended = attention(index, qk[:, :heads], qk[:, heads:], values, layer.scaling)
             (out,) = layer.o(attended.reshape(num_tokens, heads * head_dim))
-            hidden = hidden + out
-            gate, up = layer.gate_up(_rms_norm(hidden, layer.post_norm, layer.eps))
-            (out,) = layer.down(F.silu(gate) * up)
-            hidden = hidden + out
+            hidden, x = steps.add_norm(hidden, out, layer.post_norm, layer.eps)
+            (out,) = layer.down(steps.silu_and_mul(layer.gate_up(x)))
+            if index + 1 < len(self.layers):  # the next layer's input norm, over hidden + out
+                following = self.layers[index + 1]
+                hidden, x = steps.add_norm(hidden, out, following.input_norm, following.eps)
+            else:
+                hidden = hidden + out
         (logits,) = self.lm_head(_rms_norm(hidden[rows], self.norm, self.norm_eps))
         return logits
 

@@ -146,7 +146,7 @@ class ModelRunner:
         self.kernels = choose_kernels(loaded.device, loaded.dtype, self.num_heads, loaded.num_kv_heads, loaded.head_dim)
         why_not = unsupported_reason(loaded.model) if decoder_forward else "decoder_forward=False"
         self.decoder = DecoderForward(loaded.model, loaded.device, loaded.dtype) if why_not is None else None
-        self.forward_path = "decoder" if why_not is None else f"transformers ({why_not})"
+        self.forward_path = f"decoder, {self.decoder.steps.name}" if self.decoder is not None else f"transformers ({why_not})"
         self.num_packed_linears = 0
         if loaded.device.type == "cpu":
             keep_freed_memory()  # the forward's temporaries live in host memory (engine/runner/host_memory.py)
