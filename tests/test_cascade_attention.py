@@ -164,6 +164,23 @@ def test_the_rule_counts_the_block_copies_a_layer_saves():
     assert shared_calls(queries_of([scattered + [30, 31]], [16], [5]), CascadeRule(True, 1))[0] == []
 
 
+def test_a_lone_decode_read_in_place_keeps_its_run_but_decodes_that_share_it_split_it_off():
+    """The paged decode kernel reads a lone decode's consecutive blocks in place already: splitting the run
+    off would save no copy, only add a call and a merge. Two decodes over it still read it once."""
+    consecutive = [8, 9, 10, 11]
+
+    def calls(tables, starts):
+        return plan_group(queries_of(tables, starts, [1] * len(tables)), None, BLOCK_SIZE, CascadeRule(True, 4),
+                          IndexPack(), decodes_in_place=True)
+
+    assert [(c.keys, c.merges) for c in calls([consecutive + [20]], [16])] == [(KeySource.PAGED, False)]
+    two = calls([consecutive + [20], consecutive + [21]], [16, 16])
+    assert [(c.keys, c.merges) for c in two] == [(KeySource.PAGED, False), (KeySource.VIEW, True)]
+    lone_prefill = plan_group(queries_of([consecutive + [30, 31]], [16], [5]), None, BLOCK_SIZE, CascadeRule(True, 4),
+                              IndexPack(), decodes_in_place=True)
+    assert any(c.merges for c in lone_prefill)  # a prefill chunk would gather its run: splitting it off still pays
+
+
 def test_consecutive_blocks_are_read_in_place_and_scattered_ones_gathered():
     chunks = queries_of([[8, 9, 10, 11, 20], [8, 9, 10, 11, 21]], [16, 16], [1, 1])
     _, calls = shared_calls(chunks, ALWAYS_CASCADE)
