@@ -23,6 +23,8 @@
 #include <torch/library.h>
 
 #include <cmath>
+#include <type_traits>
+#include <vector>
 
 namespace {
 
@@ -31,27 +33,41 @@ constexpr int64_t kGrainElements = 16384;  // below this many elements per threa
 
 int64_t row_grain(int64_t row_elements) { return std::max<int64_t>(1, kGrainElements / std::max<int64_t>(1, row_elements)); }
 
+// Per-thread row buffers: float rows to compute in, and one row of the tensor's dtype to round through.
 template <typename scalar_t>
-inline scalar_t round_to(float value) {
-  return static_cast<scalar_t>(value);
-}
+struct RowBuffers {
+  explicit RowBuffers(int64_t n) : a(n), b(n), c(n), rounded(n) {}
+  std::vector<float> a, b, c;
+  std::vector<scalar_t> rounded;
 
-// out = weight * dtype(x * rsqrt(mean(x^2) + eps)), x one row of n values already in float.
+  // values[0:n] rounded to scalar_t's precision, in place (float32 values stay as they are)
+  void round(float* values, int64_t n) {
+    if constexpr (!std::is_same_v<scalar_t, float>) {
+      at::vec::convert(values, rounded.data(), n);
+      at::vec::convert(rounded.data(), values, n);
+    }
+  }
+};
+
+Vec add(Vec x, Vec y) { return x + y; }
+Vec mul(Vec x, Vec y) { return x * y; }
+
+// out = dtype(weight * dtype(x * rsqrt(mean(x^2) + eps))); x is one row of n float values (overwritten).
 template <typename scalar_t>
-void normalize_row(const float* x, const scalar_t* weight, int64_t n, float eps, scalar_t* out) {
+void normalize_row(float* x, const float* weight, int64_t n, float eps, scalar_t* out, RowBuffers<scalar_t>& buffers) {
   int64_t d = 0;
   Vec squares(0.0f);
   for (; d + Vec::size() <= n; d += Vec::size()) {
     const Vec v = Vec::loadu(x + d);
     squares = squares + v * v;  // squares rounded, then summed, as pow(2) then mean do
   }
-  float sum = at::vec::vec_reduce_all<float>([](Vec a, Vec b) { return a + b; }, squares);
+  float sum = at::vec::vec_reduce_all<float>(add, squares);
   for (; d < n; ++d) sum += x[d] * x[d];
-  const float inverse = 1.0f / std::sqrt(sum / static_cast<float>(n) + eps);
-  for (d = 0; d < n; ++d) {
-    const scalar_t normed = round_to<scalar_t>(x[d] * inverse);
-    out[d] = round_to<scalar_t>(static_cast<float>(weight[d]) * static_cast<float>(normed));
-  }
+  const Vec inverse(1.0f / std::sqrt(sum / static_cast<float>(n) + eps));
+  at::vec::map([&](Vec v) { return v * inverse; }, x, x, n);
+  buffers.round(x, n);
+  at::vec::map2(mul, x, weight, x, n);
+  at::vec::convert(x, out, n);
 }
 
 void check_rows(const at::Tensor& x, const at::Tensor& weight, const char* name) {
@@ -60,19 +76,26 @@ void check_rows(const at::Tensor& x, const at::Tensor& weight, const char* name)
   TORCH_CHECK(weight.scalar_type() == x.scalar_type(), "weight and ", name, " must share a dtype");
 }
 
+template <typename scalar_t>
+std::vector<float> floats(const at::Tensor& weight) {
+  std::vector<float> values(weight.numel());
+  at::vec::convert(weight.data_ptr<scalar_t>(), values.data(), weight.numel());
+  return values;
+}
+
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   check_rows(x, weight, "x");
   auto out = at::empty_like(x);
   const int64_t rows = x.size(0), n = x.size(1);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rms_norm", [&] {
     const scalar_t* src = x.data_ptr<scalar_t>();
-    const scalar_t* w = weight.data_ptr<scalar_t>();
+    const std::vector<float> w = floats<scalar_t>(weight);
     scalar_t* dst = out.data_ptr<scalar_t>();
     at::parallel_for(0, rows, row_grain(n), [&](int64_t begin, int64_t end) {
-      std::vector<float> row(n);
+      RowBuffers<scalar_t> buffers(n);
       for (int64_t t = begin; t < end; ++t) {
-        for (int64_t d = 0; d < n; ++d) row[d] = static_cast<float>(src[t * n + d]);
-        normalize_row<scalar_t>(row.data(), w, n, static_cast<float>(eps), dst + t * n);
+        at::vec::convert(src + t * n, buffers.a.data(), n);
+        normalize_row<scalar_t>(buffers.a.data(), w.data(), n, static_cast<float>(eps), dst + t * n, buffers);
       }
     });
   });
@@ -87,18 +110,19 @@ at::Tensor add_rms_norm_(at::Tensor& hidden, const at::Tensor& delta, const at::
   const int64_t rows = hidden.size(0), n = hidden.size(1), delta_stride = delta.stride(0);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, hidden.scalar_type(), "add_rms_norm_", [&] {
     scalar_t* h = hidden.data_ptr<scalar_t>();
-    const scalar_t* add = delta.data_ptr<scalar_t>();
-    const scalar_t* w = weight.data_ptr<scalar_t>();
+    const scalar_t* add_rows = delta.data_ptr<scalar_t>();
+    const std::vector<float> w = floats<scalar_t>(weight);
     scalar_t* dst = out.data_ptr<scalar_t>();
     at::parallel_for(0, rows, row_grain(n), [&](int64_t begin, int64_t end) {
-      std::vector<float> row(n);
+      RowBuffers<scalar_t> buffers(n);
+      float* sum = buffers.a.data();
       for (int64_t t = begin; t < end; ++t) {
-        for (int64_t d = 0; d < n; ++d) {
-          const scalar_t sum = round_to<scalar_t>(static_cast<float>(h[t * n + d]) + static_cast<float>(add[t * delta_stride + d]));
-          h[t * n + d] = sum;
-          row[d] = static_cast<float>(sum);
-        }
-        normalize_row<scalar_t>(row.data(), w, n, static_cast<float>(eps), dst + t * n);
+        at::vec::convert(h + t * n, sum, n);
+        at::vec::convert(add_rows + t * delta_stride, buffers.b.data(), n);
+        at::vec::map2(add, sum, sum, buffers.b.data(), n);
+        at::vec::convert(sum, h + t * n, n);  // hidden + delta, rounded to hidden's dtype
+        buffers.round(sum, n);
+        normalize_row<scalar_t>(sum, w.data(), n, static_cast<float>(eps), dst + t * n, buffers);
       }
     });
   });
@@ -114,15 +138,16 @@ at::Tensor silu_and_mul(const at::Tensor& gate_up) {
     const scalar_t* src = gate_up.data_ptr<scalar_t>();
     scalar_t* dst = out.data_ptr<scalar_t>();
     at::parallel_for(0, rows, row_grain(2 * inner), [&](int64_t begin, int64_t end) {
-      std::vector<float> gate(inner);
+      RowBuffers<scalar_t> buffers(inner);
+      float *gate = buffers.a.data(), *up = buffers.b.data();
       for (int64_t t = begin; t < end; ++t) {
-        const scalar_t* g = src + t * stride;
-        const scalar_t* u = g + inner;
-        for (int64_t d = 0; d < inner; ++d) gate[d] = static_cast<float>(g[d]);
-        // silu(x) = x / (1 + exp(-x)), as torch's CPU kernel computes it
-        at::vec::map([](Vec x) { return x / (Vec(1.0f) + x.neg().exp()); }, gate.data(), gate.data(), inner);
-        for (int64_t d = 0; d < inner; ++d)
-          dst[t * inner + d] = round_to<scalar_t>(static_cast<float>(round_to<scalar_t>(gate[d])) * static_cast<float>(u[d]));
+        at::vec::convert(src + t * stride, gate, inner);
+        at::vec::convert(src + t * stride + inner, up, inner);
+        // silu(x) = x / (1 + exp(-x)), as torch's CPU kernel computes it, rounded before the product
+        at::vec::map([](Vec x) { return x / (Vec(1.0f) + x.neg().exp()); }, gate, gate, inner);
+        buffers.round(gate, inner);
+        at::vec::map2(mul, gate, gate, up, inner);
+        at::vec::convert(gate, dst + t * inner, inner);
       }
     });
   });
@@ -141,23 +166,31 @@ void rope_(at::Tensor& qk, const at::Tensor& cos, const at::Tensor& sin) {
     scalar_t* x = qk.data_ptr<scalar_t>();
     const scalar_t* c = cos.data_ptr<scalar_t>();
     const scalar_t* s = sin.data_ptr<scalar_t>();
-    at::parallel_for(0, rows, row_grain(heads * D), [&](int64_t begin, int64_t end) {
+    const int64_t width = heads * D;  // one token's heads side by side (heads are D apart)
+    at::parallel_for(0, rows, row_grain(width), [&](int64_t begin, int64_t end) {
+      RowBuffers<scalar_t> buffers(width);
+      std::vector<float> row_cos(width), row_sin(width);  // the token's cos and sin, once per head
+      float *values = buffers.a.data(), *rotated = buffers.b.data(), *products = buffers.c.data();
       for (int64_t t = begin; t < end; ++t) {
-        const scalar_t* ct = c + t * D;
-        const scalar_t* st = s + t * D;
         for (int64_t h = 0; h < heads; ++h) {
-          scalar_t* head = x + t * stride + h * D;
+          at::vec::convert(c + t * D, row_cos.data() + h * D, D);
+          at::vec::convert(s + t * D, row_sin.data() + h * D, D);
+        }
+        scalar_t* token = x + t * stride;
+        at::vec::convert(token, values, width);
+        // x * cos + rotate_half(x) * sin, rotate_half(x) = (-x2, x1) per head: each product rounded, then the sum
+        for (int64_t h = 0; h < width; h += D) {
           for (int64_t i = 0; i < half; ++i) {
-            const float x1 = static_cast<float>(head[i]), x2 = static_cast<float>(head[i + half]);
-            // x * cos + rotate_half(x) * sin, rotate_half(x) = (-x2, x1): each product rounded, then the sum
-            const float first = static_cast<float>(round_to<scalar_t>(x1 * static_cast<float>(ct[i]))) +
-                                static_cast<float>(round_to<scalar_t>(-x2 * static_cast<float>(st[i])));
-            const float second = static_cast<float>(round_to<scalar_t>(x2 * static_cast<float>(ct[i + half]))) +
-                                 static_cast<float>(round_to<scalar_t>(x1 * static_cast<float>(st[i + half])));
-            head[i] = round_to<scalar_t>(first);
-            head[i + half] = round_to<scalar_t>(second);
+            rotated[h + i] = -values[h + i + half];
+            rotated[h + i + half] = values[h + i];
           }
         }
+        at::vec::map2(mul, products, values, row_cos.data(), width);
+        buffers.round(products, width);
+        at::vec::map2(mul, rotated, rotated, row_sin.data(), width);
+        buffers.round(rotated, width);
+        at::vec::map2(add, products, products, rotated, width);
+        at::vec::convert(products, token, width);
       }
     });
   });
