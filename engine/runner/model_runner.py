@@ -20,7 +20,8 @@ modules, with `attend_paged` registered as an attention function (`AttentionInte
 plan passed through the forward's keyword arguments. Layers are split into KV groups
 (full and sliding, engine/core/kv_groups.py), each with its own block memory and tables, and one plan
 (engine/runner/attention_plan.py). In each layer the function first writes the new K/V of all tokens into
-their slots, then runs the plan's kernel calls: decodes in one padded batch, prefill chunks whose keys
+their slots, then runs the plan's kernel calls: decodes in one call (each reading its blocks in place with
+the paged decode kernel on the CPU, else one padded batch), prefill chunks whose keys
 are their own tokens causally without a gather, other chunks over their gathered blocks, and, when
 several chunks share leading blocks, the shared run once for all of them, merged by log-sum-exp
 (cascade attention). Only the last token of each chunk reaches the LM head.
