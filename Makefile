@@ -33,7 +33,8 @@ $(NATIVE_STAMP): $(STAMP) $(NATIVE_SOURCES)
 # beside their sources for this machine's vector instructions; g++ comes from Debian when missing and we are root.
 KERNEL_LIB := engine/runner/csrc/prefix_console_ops.so
 
-$(KERNEL_LIB): $(STAMP) build_kernels.py $(wildcard engine/runner/csrc/*.cpp)
+# The folder is a prerequisite too: deleting a source changes its time, not any remaining source's.
+$(KERNEL_LIB): $(STAMP) build_kernels.py engine/runner/csrc $(wildcard engine/runner/csrc/*.cpp)
 	@command -v g++ >/dev/null || { [ "$$(id -u)" = 0 ] && apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q g++; } \
 	  || { echo "g++ is needed to build $(KERNEL_LIB)" >&2; exit 1; }
 	mkdir -p .build

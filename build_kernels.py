@@ -5,7 +5,8 @@ The library lands beside its sources (engine/runner/csrc/prefix_console_ops.so) 
 (paged_decode.cpp) and a decoder layer's fused elementwise steps (decoder_ops.cpp). It is built for the
 vector instructions of the machine that builds it (AVX-512, else AVX2 with FMA, else none: ATen's
 `Vectorized` then falls back to plain loops), which is the machine that runs it: `make install` builds
-it in place. A library older than any of its sources is not loaded (the engine then runs torch's ops
+it in place, with a manifest of the sources it was built from beside it. A library older than any of
+its sources, or built from another set of them (one added or deleted since), is not loaded (the engine then runs torch's ops
 and says so). `-ffp-contract=off`: no product and sum are fused into one rounding that torch's eager
 ops do not have.
 
@@ -24,6 +25,7 @@ from pathlib import Path
 
 SOURCES = sorted(Path("engine/runner/csrc").glob("*.cpp"))
 LIBRARY = Path("engine/runner/csrc/prefix_console_ops.so")
+MANIFEST = LIBRARY.with_suffix(".sources")  # the sources the library was built from, one name a line
 
 # (cpuinfo flags required, compiler flags, ATen's name for the instruction set), best first.
 INSTRUCTION_SETS = (
@@ -71,6 +73,8 @@ def main() -> None:
     flags, name = instruction_set(cpu_flags())
     command = compile_command(flags)
     LIBRARY.unlink(missing_ok=True)  # unlinked, not overwritten: a running console keeps its mapped copy
+    # Written first: the library is then the folder's last new entry, so make finds it newer than the folder.
+    MANIFEST.write_text("".join(f"{source.name}\n" for source in SOURCES))
     print(" ".join(command), flush=True)
     if subprocess.run(command).returncode != 0:
         sys.exit(f"building {LIBRARY} failed (see the compiler's output above)")

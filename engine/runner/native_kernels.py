@@ -7,7 +7,8 @@
     add_rms_norm_, rms_norm, silu_and_mul, rope_
                      a decoder layer's elementwise steps, one pass each (csrc/decoder_ops.cpp)
 
-A library that is missing, older than one of its sources or refused by the loader is not used: the
+A library that is missing, older than one of its sources, built from another set of sources (its
+manifest, written by the build) or refused by the loader is not used: the
 runner then runs decodes through the padded, masked fused call and the decoder's steps through torch's
 ops, and `load_ops` says why (the runner's kernel notes carry it to the Settings page and the device check).
 """
@@ -15,6 +16,7 @@ ops, and `load_ops` says why (the runner's kernel notes carry it to the Settings
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -22,15 +24,27 @@ import torch
 
 SOURCES = tuple(sorted((Path(__file__).resolve().parent / "csrc").glob("*.cpp")))
 LIBRARY = Path(__file__).resolve().parent / "csrc" / "prefix_console_ops.so"
+MANIFEST = LIBRARY.with_suffix(".sources")  # written by build_kernels.py: the sources the library was built from
+
+
+def unusable_reason(library: Path, manifest: Path, sources: Sequence[Path]) -> str | None:
+    """Why a built library does not match its sources (None when it does)."""
+    if not library.is_file():
+        return f"{library.name} not built (make install, or .venv/bin/python build_kernels.py)"
+    built_from = manifest.read_text().split() if manifest.is_file() else None
+    if built_from != [source.name for source in sources]:
+        return f"{library.name} was built from other sources (rebuild: .venv/bin/python build_kernels.py)"
+    if any(library.stat().st_mtime < source.stat().st_mtime for source in sources):
+        return f"{library.name} is older than its sources (rebuild: .venv/bin/python build_kernels.py)"
+    return None
 
 
 @functools.cache
 def load_ops() -> tuple[Any | None, str]:
     """`torch.ops.prefix_console` with the library's ops registered, or None and why not."""
-    if not LIBRARY.is_file():
-        return None, f"{LIBRARY.name} not built (make install, or .venv/bin/python build_kernels.py)"
-    if any(LIBRARY.stat().st_mtime < source.stat().st_mtime for source in SOURCES):
-        return None, f"{LIBRARY.name} is older than its sources (rebuild: .venv/bin/python build_kernels.py)"
+    reason = unusable_reason(LIBRARY, MANIFEST, SOURCES)
+    if reason is not None:
+        return None, reason
     try:
         torch.ops.load_library(str(LIBRARY))
     except OSError as error:  # built against another torch, or for instructions this CPU lacks
