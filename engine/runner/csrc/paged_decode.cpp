@@ -48,12 +48,6 @@ struct Layout {
   float scale;
 };
 
-// dst[0:n] = float(src[0:n])
-template <typename scalar_t>
-inline void widen(const scalar_t* src, float* dst, int64_t n) {
-  for (int64_t d = 0; d < n; ++d) dst[d] = static_cast<float>(src[d]);
-}
-
 inline float dot(const float* a, const float* b, int64_t n) {
   int64_t d = 0;
   Vec sum(0.0f);
@@ -63,17 +57,16 @@ inline float dot(const float* a, const float* b, int64_t n) {
   return total;
 }
 
-// acc[0:n] = acc * scale_acc + weight * v
-inline void scale_add(float* acc, float scale_acc, float weight, const float* v, int64_t n) {
+// acc[0:n] += weight * v
+inline void add_scaled(float* acc, float weight, const float* v, int64_t n) {
   int64_t d = 0;
-  const Vec a(scale_acc), w(weight);
-  for (; d + Vec::size() <= n; d += Vec::size())
-    at::vec::fmadd(Vec::loadu(v + d), w, Vec::loadu(acc + d) * a).store(acc + d);
-  for (; d < n; ++d) acc[d] = acc[d] * scale_acc + weight * v[d];
+  const Vec w(weight);
+  for (; d + Vec::size() <= n; d += Vec::size()) at::vec::fmadd(Vec::loadu(v + d), w, Vec::loadu(acc + d)).store(acc + d);
+  for (; d < n; ++d) acc[d] += weight * v[d];
 }
 
 // One (element, KV head): the group of query heads that reads it. `scratch` holds group * D query values,
-// group * D accumulators, S * group scores and one widened key or value row.
+// group * D accumulators, S * group scores and one key or value row in float32.
 template <typename scalar_t>
 void attend_one(
     const Layout& lay,
@@ -92,7 +85,7 @@ void attend_one(
   float* scores = acc + group * D;  // [slot, head of the group]
   float* row = scores + S * group;
   for (int64_t g = 0; g < group; ++g) {
-    widen(query + g * head_stride, q + g * D, D);
+    at::vec::convert(query + g * head_stride, q + g * D, D);
     for (int64_t d = 0; d < D; ++d) q[g * D + d] *= lay.scale;
   }
   std::fill(acc, acc + group * D, 0.0f);
@@ -109,7 +102,7 @@ void attend_one(
     const scalar_t* block_keys = keys + blocks[b] * S * D;
     const scalar_t* block_values = values + blocks[b] * S * D;
     for (int64_t s = lo; s < hi; ++s) {
-      widen(block_keys + s * D, row, D);
+      at::vec::convert(block_keys + s * D, row, D);
       for (int64_t g = 0; g < group; ++g) scores[s * group + g] = dot(q + g * D, row, D);
     }
     for (int64_t g = 0; g < group; ++g) {
@@ -128,11 +121,11 @@ void attend_one(
     const int64_t n = (hi - lo) * group;
     at::vec::map([](Vec x) { return x.exp(); }, scores + lo * group, scores + lo * group, n);
     for (int64_t s = lo; s < hi; ++s) {
-      widen(block_values + s * D, row, D);
+      at::vec::convert(block_values + s * D, row, D);
       for (int64_t g = 0; g < group; ++g) {
         const float p = scores[s * group + g];
         running_sum[g] += p;
-        scale_add(acc + g * D, 1.0f, p, row, D);
+        add_scaled(acc + g * D, p, row, D);
       }
     }
   }
