@@ -6,9 +6,9 @@ The library lands beside its sources (engine/runner/csrc/prefix_console_ops.so) 
 vector instructions of the machine that builds it (AVX-512, else AVX2 with FMA, else none: ATen's
 `Vectorized` then falls back to plain loops), which is the machine that runs it: `make install` builds
 it in place, with a manifest of the sources it was built from beside it. A library older than any of
-its sources, or built from another set of them (one added or deleted since), is not loaded (the engine then runs torch's ops
-and says so). `-ffp-contract=off`: no product and sum are fused into one rounding that torch's eager
-ops do not have.
+its sources, or built from another set of them (one added or deleted since), is not loaded (the engine
+then runs torch's ops and says so). `-ffp-contract=off`: no product and sum are fused into one rounding
+that torch's eager ops do not have.
 
 OpenMP: the kernel's `at::parallel_for` compiles to OpenMP regions, linked against `libgomp.so.1` by
 soname, the same name torch's own copy carries, so at run time the process's one OpenMP runtime (torch's,

@@ -52,6 +52,7 @@ from typing import NamedTuple
 import torch
 
 from engine.core.arith import ceil_div
+from engine.runner.attention_plan import mask_bias
 from engine.runner.native_kernels import load_ops
 
 
@@ -222,7 +223,7 @@ def _probe(kernel: Kernel, masked: bool, shape: _ProbeShape, notes: list[str]) -
 
 def _probe_decodes(shape: _ProbeShape, notes: list[str]) -> bool:
     """Run the paged decode kernel on a batch with scattered blocks, padding, a partial last block and a
-    window, and compare it with MATH over the same keys gathered and masked."""
+    window, and compare it with MATH over the same keys gathered and masked as the padded call masks them."""
     ops, why_not = load_ops()
     if ops is None:
         notes.append(f"{Kernel.CPU_PAGED_DECODE.value} unavailable: {why_not}")
@@ -232,25 +233,21 @@ def _probe_decodes(shape: _ProbeShape, notes: list[str]) -> bool:
     generator = torch.Generator().manual_seed(0)
     cache = torch.randn(2, num_kv_heads, num_blocks, block_size, head_dim, generator=generator).to(device=device, dtype=dtype)
     q = torch.randn(3, num_heads, head_dim, generator=generator).to(device=device, dtype=dtype)
-    # per element: physical blocks (padded to 3 with its first), query position, valid slots, logical blocks
-    elements = (([7, 2, 9], 10, 11, [0, 1, 2]), ([5, 5, 5], 2, 3, [0, 0, 0]), ([3, 11, 3], 21, 6, [4, 5, 4]))
-    blocks = torch.tensor([physical for physical, *_ in elements], device=device)
-    fields = torch.tensor([[position, valid, *logical] for _, position, valid, logical in elements], device=device)
+    # per element: physical blocks (padded to 3 with its first); query position, valid slots, logical blocks
+    blocks = torch.tensor([[7, 2, 9], [5, 5, 5], [3, 11, 3]], device=device)
+    fields = torch.tensor([[10, 11, 0, 1, 2], [2, 3, 0, 0, 0], [21, 6, 4, 5, 4]], device=device)
+    num_keys = blocks.shape[1] * block_size
+    # the padded call's keys: each element's blocks gathered, [B, KV, num_keys, d]
+    k, v = (c[:, blocks].permute(1, 0, 2, 3, 4).reshape(3, num_kv_heads, num_keys, head_dim) for c in cache)
     try:
         for window in (None, 5):
             out, lse = ops.paged_decode(q, cache[0], cache[1], blocks, fields, block_size, window or 0, head_dim**-0.5)
-            for b, (physical, position, valid, logical) in enumerate(elements):
-                key_pos = (torch.tensor(logical)[:, None] * block_size + torch.arange(block_size)).flatten()
-                visible = (torch.arange(key_pos.numel()) < valid) & (key_pos <= position)
-                if window is not None:
-                    visible &= key_pos > position - window
-                bias = torch.zeros(visible.shape).masked_fill(~visible, float("-inf")).to(device=device, dtype=dtype)
-                k, v = (c[:, physical].reshape(1, num_kv_heads, -1, head_dim) for c in cache)
-                want_out, want_lse = _math(q[b : b + 1, :, None], k, v, head_dim**-0.5, False, bias.view(1, 1, 1, -1))
-                error = max((out[b].float() - want_out[0, :, 0].float()).abs().max().item(), (lse[b] - want_lse[0, :, 0]).abs().max().item())
-                if not error <= _PROBE_ATOL.get(dtype, 5e-2):
-                    notes.append(f"{Kernel.CPU_PAGED_DECODE.value} differs from math by {error:.3g}")
-                    return False
+            bias = mask_bias(fields, 1, num_keys, block_size, window, dtype)  # the padded call's mask
+            want_out, want_lse = _math(q.unsqueeze(2), k, v, head_dim**-0.5, False, bias)
+            error = max((out.float() - want_out[:, :, 0].float()).abs().max().item(), (lse - want_lse[:, :, 0]).abs().max().item())
+            if not error <= _PROBE_ATOL.get(dtype, 5e-2):
+                notes.append(f"{Kernel.CPU_PAGED_DECODE.value} differs from math by {error:.3g}")
+                return False
     except RuntimeError as error:  # the kernel refusing these shapes or this dtype
         notes.append(f"{Kernel.CPU_PAGED_DECODE.value} unavailable: {str(error).splitlines()[0][:200]}")
         return False

@@ -161,7 +161,7 @@ class HostCall:
         if self.mask is not None:
             blocks_per_element = ceil_div(self.num_keys, block_size)
             fields = packed[self.mask].view(num_rows // self.num_queries, 2 + blocks_per_element)
-            bias = _bias(fields, self.num_queries, self.num_keys, block_size, window, dtype)
+            bias = mask_bias(fields, self.num_queries, self.num_keys, block_size, window, dtype)
         blocks = self.blocks
         if self.keys is KeySource.GATHER:
             blocks = packed[self.blocks]
@@ -313,10 +313,11 @@ def _paged_call(elements: list[_Keys], bs: int, pack: IndexPack) -> HostCall:
     return HostCall(rows, 1, KeySource.PAGED, pack.add(physical), blocks_per_element * bs, False, pack.add(fields), False)
 
 
-def _bias(
+def mask_bias(
     fields: torch.Tensor, num_queries: int, num_keys: int, bs: int, window: int | None, dtype: torch.dtype
 ) -> torch.Tensor:
-    """[B, 1, n, num_keys] additive mask from per-element [first query position, valid slots, logical blocks]."""
+    """[B, 1, n, num_keys] additive mask from per-element [first query position, valid slots, logical blocks]
+    (the fields a PAGED call hands the paged decode kernel, which applies the same rule)."""
     device = fields.device
     query_pos = fields[:, :1] + torch.arange(num_queries, device=device)  # [B, n]
     key_pos = (fields[:, 2:, None] * bs + torch.arange(bs, device=device)).flatten(1)[:, :num_keys]  # [B, L]

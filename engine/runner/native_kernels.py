@@ -8,9 +8,9 @@
                      a decoder layer's elementwise steps, one pass each (csrc/decoder_ops.cpp)
 
 A library that is missing, older than one of its sources, built from another set of sources (its
-manifest, written by the build) or refused by the loader is not used: the
-runner then runs decodes through the padded, masked fused call and the decoder's steps through torch's
-ops, and `load_ops` says why (the runner's kernel notes carry it to the Settings page and the device check).
+manifest, written by the build) or refused by the loader is not used: the runner then runs decodes
+through the padded, masked fused call and the decoder's steps through torch's ops, and `load_ops` says
+why (the runner's kernel notes carry it to the Settings page and the device check).
 """
 
 from __future__ import annotations
