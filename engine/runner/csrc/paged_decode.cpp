@@ -108,7 +108,8 @@ void attend_one(
     for (int64_t g = 0; g < group; ++g) {
       float block_max = running_max[g];
       for (int64_t s = lo; s < hi; ++s) block_max = std::max(block_max, scores[s * group + g]);
-      // exp(-inf - finite) = 0 clears the empty start; a NaN score propagates through max and exp.
+      // exp(-inf - finite) = 0 clears the empty start. A NaN score never becomes the maximum, but its exp
+      // is NaN and reaches this element's sum and output (and no other element's).
       const float correction = running_max[g] == block_max ? 1.0f : std::exp(running_max[g] - block_max);
       running_max[g] = block_max;
       running_sum[g] *= correction;
