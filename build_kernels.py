@@ -2,7 +2,8 @@
 
 The library lands beside its sources (engine/runner/csrc/prefix_console_ops.so) and registers the ops
 `torch.ops.prefix_console.*` when engine/runner/native_kernels.py loads it: the paged decode attention
-(paged_decode.cpp) and a decoder layer's fused elementwise steps (decoder_ops.cpp). It is built for the
+(paged_decode.cpp), the tiled attention of prefills and shared prefixes (tiled_attention.cpp) and a
+decoder layer's fused elementwise steps (decoder_ops.cpp). It is built for the
 vector instructions of the machine that builds it (AVX-512, else AVX2 with FMA, else none: ATen's
 `Vectorized` then falls back to plain loops), which is the machine that runs it: `make install` builds
 it in place, with a manifest of the sources it was built from beside it. A library older than any of

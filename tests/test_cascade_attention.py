@@ -15,7 +15,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 
-from engine.runner.attention_kernels import HeadLayout, Kernel, attend, choose_kernels, merge_partials
+from engine.runner.attention_kernels import HeadLayout, Kernel, attend, choose_kernels, merge_into, merge_partials
 from engine.runner.attention_plan import (
     ALWAYS_CASCADE,
     NO_CASCADE,
@@ -50,7 +50,7 @@ def random_call(batch: int, heads: int, kv_heads: int, queries: int, keys: int, 
     return q, k, v
 
 
-@pytest.mark.parametrize("kernel", [Kernel.CPU_FLASH, Kernel.MATH])
+@pytest.mark.parametrize("kernel", [Kernel.CPU_TILED, Kernel.CPU_FLASH, Kernel.MATH])
 def test_two_partial_results_merge_into_attention_over_all_keys(kernel):
     q, k, v = random_call(2, 4, 2, 3, 29, seed=1)
     whole, whole_lse = attend(q, k, v, scale=0.25, kernel=kernel)
@@ -59,6 +59,23 @@ def test_two_partial_results_merge_into_attention_over_all_keys(kernel):
     merged = merge_partials(out_a, lse_a, out_b, lse_b)
     assert (merged - whole).abs().max().item() < 1e-6
     assert (torch.logaddexp(lse_a, lse_b) - whole_lse).abs().max().item() < 1e-5
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_merge_into_writes_the_merge_in_place_into_a_view(dtype):
+    """The runner merges a shared call's results into rows of its step output (a slice) in one pass."""
+    generator = torch.Generator().manual_seed(7)
+    output = torch.randn(10, 4, 32, generator=generator).to(dtype)
+    lse = torch.randn(4, 10, generator=generator).t()  # strided, as any [R, H] view may be
+    out_b = torch.randn(6, 4, 32, generator=generator).to(dtype)
+    lse_b = torch.randn(6, 4, generator=generator) * 8
+    lse_b[0, 0] = 1e4  # one side dominating by far stays finite
+    want = merge_partials(output[2:8], lse[2:8], out_b, lse_b)
+    untouched = output.clone()
+    merge_into(output[2:8], lse[2:8], out_b, lse_b)
+    tolerance = 1e-6 if dtype == torch.float32 else 1e-2
+    assert (output[2:8].float() - want.float()).abs().max().item() <= tolerance
+    assert torch.equal(output[:2], untouched[:2]) and torch.equal(output[8:], untouched[8:])
 
 
 def test_merge_is_finite_when_one_part_dominates_by_far():
@@ -101,9 +118,9 @@ def test_head_layout_for_cuda_kernels_preserves_results(queries, keys, causal, w
     assert (lse - want_lse).abs().max().item() < 1e-5
 
 
-def test_cpu_runner_uses_the_fused_cpu_kernel_for_every_call():
+def test_cpu_runner_uses_its_own_kernels_where_they_apply_and_the_fused_cpu_kernel_for_masked_calls():
     choice = choose_kernels(torch.device("cpu"), torch.float32, 9, 3, 64)
-    assert (choice.unmasked, choice.masked, choice.notes) == (Kernel.CPU_FLASH, Kernel.CPU_FLASH, ())
+    assert (choice.unmasked, choice.masked, choice.notes) == (Kernel.CPU_TILED, Kernel.CPU_FLASH, ())
     assert choice.decodes is Kernel.CPU_PAGED_DECODE
 
 

@@ -43,7 +43,7 @@ from dataclasses import dataclass
 import torch
 from transformers import AttentionInterface
 
-from engine.runner.attention_kernels import KernelChoice, attend, attend_decodes, choose_kernels, merge_partials
+from engine.runner.attention_kernels import KernelChoice, attend, attend_decodes, choose_kernels, merge_into, merge_partials
 from engine.runner.attention_plan import (
     CPU_CASCADE,
     CUDA_CASCADE,
@@ -395,7 +395,10 @@ def attend_paged(
         attended, partial_lse = attend(q, k, v, scale=scaling, causal=call.causal, bias=call.bias, kernel=kernel)
         attended = attended.transpose(1, 2).reshape(-1, num_heads, head_dim)
         partial_lse = partial_lse.transpose(1, 2).reshape(-1, num_heads)
-        if call.merges:  # a shared prefix: merge with the rows' private results
+        if call.merges and isinstance(rows, slice):  # a shared prefix: merge into the rows' private results
+            merge_into(output[rows], lse[rows], attended, partial_lse)
+            continue
+        if call.merges:
             attended = merge_partials(_take_rows(output, rows), _take_rows(lse, rows), attended, partial_lse)
         else:
             _put_rows(lse, rows, partial_lse)

@@ -1,0 +1,366 @@
+// Attention for many queries over contiguous keys, with its log-sum-exp, on register-blocked tiles.
+//
+//   prefix_console::tiled_attention(query, key, value, causal, scale) -> (out, lse)
+//
+//   query   [B, H, n, D]    any strides, unit stride along D; D a multiple of 16
+//   key     [B, KV, L, D]   any strides, unit stride along D
+//   value   like key
+//   causal  true: n == L and query i sees keys 0..i; false: every query sees every key
+//   out     [B, H, n, D]    query's dtype, a transposed view of token-major [B, n, H, D] storage
+//   lse     [B, H, n]       float32 (a view of [B, n, H]): log-sum-exp of the scaled scores over the visible keys
+//
+// The runner's unmasked calls: a prefill's own tokens (causal) and many queries over one shared prefix.
+// Query head h reads KV head h / G (G = H / KV). The G heads of a KV head and the n queries form the
+// rows of one matrix, token-major (row r = query r / G, head r % G), so the heads that share a KV head
+// read each key block once, and a tile of rows holds consecutive queries (close causal limits).
+//
+// Each (element, KV head) is packed once, in float32: keys transposed into blocks of KB keys
+// ([L / KB][D][KB], zero padding) and values as rows ([L][D]). A task is a tile of rows over a range of
+// key blocks; per key block and per micro tile of R rows it runs
+//
+//   scores  s[R, KB] = (scale q)[R, D] . K^T[D, KB]           R x NV vector accumulators, D steps
+//   softmax m' = max(m, max s);  c = exp(m - m');  p = exp(s - m');  l = c l + sum p;  m = m'
+//   values  o[R, D] = c o + p[R, KB] . V[KB, D]                  R x NV vector accumulators, KB steps
+//
+// and at the end out = o / l, lse = m + log(l). Keys a row does not see (causality, padding) score -inf
+// and weigh 0. A call with few tiles splits its keys into ranges whose partial results are merged by
+// their log-sum-exps. Tasks are taken from a shared counter, the heaviest (latest causal) tiles first.
+//
+// Arithmetic is float32 whatever the dtype, as in the CPU flash kernel; results match it up to
+// summation order.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <limits>
+#include <tuple>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+namespace {
+
+using Vec = at::vec::Vectorized<float>;
+
+#if defined(CPU_CAPABILITY_AVX512)
+constexpr int kRows = 6;  // R: rows of a micro tile (R x NV accumulators + NV loads within 32 registers)
+#else
+constexpr int kRows = 3;  // 16 vector registers
+#endif
+constexpr int kVectors = 4;  // NV: vectors of keys (scores) or of the head dimension (values) per row
+constexpr int64_t kBlockKeys = kVectors * Vec::size();  // KB
+constexpr int kMicroTiles = 4;  // micro tiles per task tile: rows sharing one pass over a key block
+constexpr int64_t kTileRows = kRows * kMicroTiles;
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+static_assert(kBlockKeys % 16 == 0, "key blocks are transposed in 16 x 16 tiles");
+
+struct Shape {
+  int64_t batch, heads, kv_heads, group, queries, keys, head_dim;
+  int64_t rows;  // group * queries per (element, KV head)
+  int64_t tiles;  // ceil(rows / kTileRows)
+  int64_t key_blocks;  // ceil(keys / KB)
+  int64_t splits;  // key ranges per tile
+  int64_t blocks_per_split;
+  bool causal;
+};
+
+// s[r][0:KB] = q[r] . kt[:, 0:KB] for the R rows of a micro tile.
+inline void score_tile(const float* q, const float* kt, int64_t D, float* s) {
+  Vec acc[kRows][kVectors];
+  for (int r = 0; r < kRows; ++r)
+    for (int v = 0; v < kVectors; ++v) acc[r][v] = Vec(0.0f);
+  for (int64_t d = 0; d < D; ++d) {
+    Vec k[kVectors];
+    for (int v = 0; v < kVectors; ++v) k[v] = Vec::loadu(kt + d * kBlockKeys + v * Vec::size());
+    for (int r = 0; r < kRows; ++r) {
+      const Vec qd(q[r * D + d]);
+      for (int v = 0; v < kVectors; ++v) acc[r][v] = at::vec::fmadd(qd, k[v], acc[r][v]);
+    }
+  }
+  for (int r = 0; r < kRows; ++r)
+    for (int v = 0; v < kVectors; ++v) acc[r][v].store(s + r * kBlockKeys + v * Vec::size());
+}
+
+// NV vectors of float32 from src (widened from bf16/fp16 on load).
+template <typename scalar_t, int NV>
+inline void load_floats(const scalar_t* src, Vec (&out)[NV]) {
+  if constexpr (std::is_same_v<scalar_t, float>) {
+    for (int v = 0; v < NV; ++v) out[v] = Vec::loadu(src + v * Vec::size());
+  } else if constexpr (!std::is_same_v<scalar_t, at::BFloat16> && !std::is_same_v<scalar_t, at::Half>) {  // double
+    float widened[NV * Vec::size()];
+    for (int i = 0; i < NV * Vec::size(); ++i) widened[i] = static_cast<float>(src[i]);
+    for (int v = 0; v < NV; ++v) out[v] = Vec::loadu(widened + v * Vec::size());
+  } else {
+    using Narrow = at::vec::Vectorized<scalar_t>;  // 2 x Vec::size() elements
+    for (int v = 0; v < NV; v += 2) {
+      const int count = std::min(2, NV - v) * Vec::size();
+      auto [low, high] = at::vec::convert_to_float<scalar_t>(Narrow::loadu(src + v * Vec::size(), count));
+      out[v] = low;
+      if (v + 1 < NV) out[v + 1] = high;
+    }
+  }
+}
+
+// o[r][0:NV vectors] = correction[r] o[r][...] + sum_j p[r][j] vals[j][...] for the R rows of a micro
+// tile, j < num_keys: one chunk of the head dimension (o's rows D apart, vals' rows vals_stride apart).
+template <typename scalar_t, int NV>
+inline void accumulate_chunk(const float* p, const float* correction, const scalar_t* vals, int64_t vals_stride, int64_t num_keys,
+                             int64_t D, float* o) {
+  Vec acc[kRows][NV];
+  for (int r = 0; r < kRows; ++r) {
+    const Vec c(correction[r]);
+    for (int v = 0; v < NV; ++v) acc[r][v] = Vec::loadu(o + r * D + v * Vec::size()) * c;
+  }
+  for (int64_t j = 0; j < num_keys; ++j) {
+    Vec x[NV];
+    load_floats<scalar_t, NV>(vals + j * vals_stride, x);
+    for (int r = 0; r < kRows; ++r) {
+      const Vec pj(p[r * kBlockKeys + j]);
+      for (int v = 0; v < NV; ++v) acc[r][v] = at::vec::fmadd(pj, x[v], acc[r][v]);
+    }
+  }
+  for (int r = 0; r < kRows; ++r)
+    for (int v = 0; v < NV; ++v) acc[r][v].store(o + r * D + v * Vec::size());
+}
+
+// The same over the whole head dimension (a multiple of the vector width), in chunks of up to NV vectors.
+template <typename scalar_t>
+inline void accumulate_tile(const float* p, const float* correction, const scalar_t* vals, int64_t vals_stride, int64_t num_keys,
+                            int64_t D, float* o) {
+  constexpr int64_t width = kVectors * Vec::size();
+  int64_t dc = 0;
+  for (; dc + width <= D; dc += width) accumulate_chunk<scalar_t, kVectors>(p, correction, vals + dc, vals_stride, num_keys, D, o + dc);
+  switch ((D - dc) / Vec::size()) {
+    case 3: accumulate_chunk<scalar_t, 3>(p, correction, vals + dc, vals_stride, num_keys, D, o + dc); break;
+    case 2: accumulate_chunk<scalar_t, 2>(p, correction, vals + dc, vals_stride, num_keys, D, o + dc); break;
+    case 1: accumulate_chunk<scalar_t, 1>(p, correction, vals + dc, vals_stride, num_keys, D, o + dc); break;
+    default: break;
+  }
+}
+
+// One row's scores of one key block -> weights, updating its running maximum and sum; returns the
+// factor its accumulated values are scaled by. `visible` keys (a prefix of the block) count; the rest
+// weigh 0. A row that sees none of the block keeps its state (factor 1, weights 0).
+inline float softmax_row(float* s, int64_t visible, float& running_max, float& running_sum) {
+  if (visible <= 0) {
+    std::fill(s, s + kBlockKeys, 0.0f);
+    return 1.0f;
+  }
+  std::fill(s + visible, s + kBlockKeys, kNegInf);
+  Vec block_max_vec(kNegInf);
+  for (int64_t j = 0; j < kBlockKeys; j += Vec::size()) block_max_vec = at::vec::maximum(block_max_vec, Vec::loadu(s + j));
+  const float block_max = std::max(running_max, at::vec::vec_reduce_all<float>([](Vec a, Vec b) { return at::vec::maximum(a, b); }, block_max_vec));
+  // exp(-inf - finite) = 0 clears the empty start.
+  const float correction = running_max == block_max ? 1.0f : std::exp(running_max - block_max);
+  const Vec shift(block_max);
+  Vec sum(0.0f);
+  for (int64_t j = 0; j < kBlockKeys; j += Vec::size()) {
+    const Vec p = (Vec::loadu(s + j) - shift).exp_u20();
+    p.store(s + j);
+    sum = sum + p;
+  }
+  running_sum = running_sum * correction + at::vec::vec_reduce_all<float>([](Vec a, Vec b) { return a + b; }, sum);
+  running_max = block_max;
+  return correction;
+}
+
+// Working memory of one thread.
+struct Scratch {
+  std::vector<float> q, o, s, running_max, running_sum, correction;
+  explicit Scratch(int64_t D)
+      : q(kTileRows * D), o(kTileRows * D), s(kRows * kBlockKeys), running_max(kTileRows), running_sum(kTileRows), correction(kRows) {}
+};
+
+// The tile's rows [first_row, first_row + kTileRows) over key blocks [block_begin, block_end):
+// o / l and m + log(l) per row into out_rows [kTileRows, D] and lse_rows [kTileRows] (rows past the
+// matrix are computed on copies of its last row and not used).
+template <typename scalar_t>
+void run_tile(
+    const Shape& sh, const scalar_t* query, const int64_t* q_strides, int64_t kv_head, int64_t first_row,
+    const float* keys_t, const scalar_t* vals, int64_t vals_stride, int64_t block_begin, int64_t block_end, float scale,
+    float* out_rows, float* lse_rows, Scratch& w) {
+  const int64_t D = sh.head_dim;
+  int64_t limit[kTileRows];  // keys visible to each row
+  for (int64_t i = 0; i < kTileRows; ++i) {
+    const int64_t row = std::min(first_row + i, sh.rows - 1);
+    const int64_t token = row / sh.group, head = kv_head * sh.group + row % sh.group;
+    limit[i] = sh.causal ? token + 1 : sh.keys;
+    at::vec::convert(query + head * q_strides[0] + token * q_strides[1], w.q.data() + i * D, D);
+    at::vec::map([scale](Vec x) { return x * Vec(scale); }, w.q.data() + i * D, w.q.data() + i * D, D);
+  }
+  std::fill(w.o.begin(), w.o.end(), 0.0f);
+  std::fill(w.running_max.begin(), w.running_max.end(), kNegInf);
+  std::fill(w.running_sum.begin(), w.running_sum.end(), 0.0f);
+  const int64_t last_needed = sh.causal ? (limit[kTileRows - 1] - 1) / kBlockKeys + 1 : block_end;
+  for (int64_t block = block_begin; block < std::min(block_end, last_needed); ++block) {
+    const int64_t first_key = block * kBlockKeys;
+    const float* block_keys = keys_t + block * D * kBlockKeys;
+    const scalar_t* block_vals = vals + first_key * vals_stride;
+    for (int micro = 0; micro < kMicroTiles; ++micro) {
+      const int64_t base = micro * kRows;
+      if (limit[base + kRows - 1] <= first_key) continue;  // limits never fall along a tile
+      score_tile(w.q.data() + base * D, block_keys, D, w.s.data());
+      int64_t most_visible = 0;
+      for (int r = 0; r < kRows; ++r) {
+        const int64_t visible = std::min(kBlockKeys, std::min(limit[base + r], sh.keys) - first_key);
+        most_visible = std::max(most_visible, visible);
+        w.correction[r] = softmax_row(w.s.data() + r * kBlockKeys, visible, w.running_max[base + r], w.running_sum[base + r]);
+      }
+      accumulate_tile<scalar_t>(w.s.data(), w.correction.data(), block_vals, vals_stride, most_visible, D, w.o.data() + base * D);
+    }
+  }
+  for (int64_t i = 0; i < kTileRows; ++i) {
+    // no visible key: out 0, lse -inf; a NaN score's row stays NaN (its sum is NaN)
+    const float sum = w.running_sum[i];
+    const float inverse = sum == 0.0f ? 0.0f : 1.0f / sum;
+    at::vec::map([inverse](Vec x) { return x * Vec(inverse); }, out_rows + i * D, w.o.data() + i * D, D);
+    lse_rows[i] = sum == 0.0f ? kNegInf : w.running_max[i] + std::log(sum);
+  }
+}
+
+// One key block of one (element, KV head): its keys transposed into keys_t [D][KB] in float32, zero past
+// the last key.
+template <typename scalar_t>
+void pack_block(const Shape& sh, const scalar_t* key, int64_t key_stride, int64_t block, float* keys_t, float* staging) {
+  const int64_t D = sh.head_dim, first = block * kBlockKeys, count = std::min(kBlockKeys, sh.keys - first);
+  const float* rows = reinterpret_cast<const float*>(key + first * key_stride);
+  int64_t row_stride = key_stride;
+  if (!std::is_same_v<scalar_t, float> || count < kBlockKeys) {  // widen (and zero-pad) into staging [KB][D]
+    for (int64_t j = 0; j < count; ++j) at::vec::convert(key + (first + j) * key_stride, staging + j * D, D);
+    std::fill(staging + count * D, staging + kBlockKeys * D, 0.0f);
+    rows = staging, row_stride = D;
+  }
+  for (int64_t j = 0; j < kBlockKeys; j += 16)
+    for (int64_t d = 0; d < D; d += 16)
+      at::vec::transpose_mxn<float, 16, 16>(rows + j * row_stride + d, row_stride, keys_t + d * kBlockKeys + j, kBlockKeys);
+}
+
+// Runs body(task) for every task in [0, count) on the intra-op threads, each taking the next task from a
+// shared counter (tiles differ in cost, so a static split would leave a thread idle).
+template <typename F>
+void for_each_task(int64_t count, int64_t scratch_dim, const F& body) {
+  std::atomic<int64_t> next{0};
+  const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), count));
+  at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
+    Scratch scratch(scratch_dim);
+    for (int64_t task = next.fetch_add(1); task < count; task = next.fetch_add(1)) body(task, scratch);
+  });
+}
+
+std::tuple<at::Tensor, at::Tensor> tiled_attention(
+    const at::Tensor& query, const at::Tensor& key, const at::Tensor& value, bool causal, double scale) {
+  TORCH_CHECK(query.dim() == 4 && key.dim() == 4 && value.dim() == 4, "query, key and value must be 4-D");
+  TORCH_CHECK(query.stride(3) == 1 && key.stride(3) == 1 && value.stride(3) == 1, "unit stride along the head dimension");
+  TORCH_CHECK(query.scalar_type() == key.scalar_type() && key.scalar_type() == value.scalar_type(),
+              "query, key and value must share a dtype");
+  TORCH_CHECK(key.sizes() == value.sizes(), "key and value must have one shape");
+  Shape sh{};
+  sh.batch = query.size(0), sh.heads = query.size(1), sh.queries = query.size(2), sh.head_dim = query.size(3);
+  sh.kv_heads = key.size(1), sh.keys = key.size(2);
+  TORCH_CHECK(key.size(0) == sh.batch && key.size(3) == sh.head_dim, "key must be [B, KV, L, D] for query [B, H, n, D]");
+  TORCH_CHECK(sh.kv_heads > 0 && sh.heads % sh.kv_heads == 0, "query heads must be a multiple of KV heads");
+  TORCH_CHECK(sh.head_dim > 0 && sh.head_dim % 16 == 0, "head dimension ", sh.head_dim, " is not a multiple of 16");
+  TORCH_CHECK(sh.keys > 0 || sh.queries == 0, "queries need at least one key");
+  TORCH_CHECK(!causal || sh.queries == sh.keys, "causal calls need as many queries as keys");
+  sh.group = sh.heads / sh.kv_heads;
+  sh.rows = sh.group * sh.queries;
+  sh.causal = causal;
+  sh.tiles = (sh.rows + kTileRows - 1) / kTileRows;
+  sh.key_blocks = (sh.keys + kBlockKeys - 1) / kBlockKeys;
+  // Few tiles (decodes over a shared prefix): split the keys so every thread has work, keeping at least
+  // 4 key blocks per range. Causal tiles already differ in length, and there are many of them.
+  const int64_t units = sh.batch * sh.kv_heads * sh.tiles;
+  const int64_t wanted = 4 * at::get_num_threads();
+  sh.splits = causal || units >= wanted ? 1 : std::max<int64_t>(1, std::min((wanted + units - 1) / units, sh.key_blocks / 4));
+  sh.blocks_per_split = (sh.key_blocks + sh.splits - 1) / sh.splits;
+  sh.splits = (sh.key_blocks + sh.blocks_per_split - 1) / sh.blocks_per_split;
+
+  // token-major storage ([B, n, H, D] and [B, n, H], returned transposed): the runner's rows of heads
+  auto out = at::empty({sh.batch, sh.queries, sh.heads, sh.head_dim}, query.options()).transpose(1, 2);
+  auto lse = at::empty({sh.batch, sh.queries, sh.heads}, query.options().dtype(at::kFloat)).transpose(1, 2);
+  if (out.numel() == 0) return {out, lse.fill_(kNegInf)};
+  const int64_t D = sh.head_dim, padded_keys = sh.key_blocks * kBlockKeys, pairs = sh.batch * sh.kv_heads;
+  auto keys_t = at::empty({pairs, padded_keys * D}, query.options().dtype(at::kFloat));
+  // partial results: [units, splits, kTileRows, D] and [units, splits, kTileRows]
+  auto partial_out = at::empty({units * sh.splits * kTileRows * D}, query.options().dtype(at::kFloat));
+  auto partial_lse = at::empty({units * sh.splits * kTileRows}, query.options().dtype(at::kFloat));
+
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, query.scalar_type(), "tiled_attention", [&] {
+    const scalar_t* q = query.data_ptr<scalar_t>();
+    const scalar_t* k = key.data_ptr<scalar_t>();
+    const scalar_t* v = value.data_ptr<scalar_t>();
+    float* kt = keys_t.data_ptr<float>();
+    float* po = partial_out.data_ptr<float>();
+    float* pl = partial_lse.data_ptr<float>();
+    at::parallel_for(0, pairs * sh.key_blocks, 1, [&](int64_t begin, int64_t end) {
+      std::vector<float> staging(kBlockKeys * D);
+      for (int64_t unit = begin; unit < end; ++unit) {
+        const int64_t pair = unit / sh.key_blocks, block = unit % sh.key_blocks;
+        const int64_t b = pair / sh.kv_heads, h = pair % sh.kv_heads;
+        pack_block<scalar_t>(sh, k + b * key.stride(0) + h * key.stride(1), key.stride(2), block,
+                             kt + (pair * sh.key_blocks + block) * D * kBlockKeys, staging.data());
+      }
+    });
+    const int64_t q_strides[2] = {query.stride(1), query.stride(2)};
+    for_each_task(units * sh.splits, D, [&](int64_t task, Scratch& scratch) {
+      // heaviest first: causal tiles grow with their index
+      const int64_t unit = units - 1 - task / sh.splits, split = task % sh.splits;
+      const int64_t tile = unit % sh.tiles, pair = unit / sh.tiles;
+      const int64_t b = pair / sh.kv_heads, h = pair % sh.kv_heads;
+      const int64_t first_block = split * sh.blocks_per_split;
+      run_tile<scalar_t>(sh, q + b * query.stride(0), q_strides, h, tile * kTileRows, kt + pair * padded_keys * D,
+                         v + b * value.stride(0) + h * value.stride(1), value.stride(2), first_block, std::min(sh.key_blocks, first_block + sh.blocks_per_split),
+                         static_cast<float>(scale), po + (unit * sh.splits + split) * kTileRows * D,
+                         pl + (unit * sh.splits + split) * kTileRows, scratch);
+    });
+    scalar_t* o = out.data_ptr<scalar_t>();
+    float* l = lse.data_ptr<float>();
+    at::parallel_for(0, units, 1, [&](int64_t begin, int64_t end) {
+      std::vector<float> merged(D);
+      for (int64_t unit = begin; unit < end; ++unit) {
+        const int64_t tile = unit % sh.tiles, pair = unit / sh.tiles;
+        const int64_t b = pair / sh.kv_heads, h = pair % sh.kv_heads;
+        for (int64_t i = 0; i < kTileRows && tile * kTileRows + i < sh.rows; ++i) {
+          const int64_t row = tile * kTileRows + i, token = row / sh.group, head = h * sh.group + row % sh.group;
+          // out = sum_s exp(lse_s - M) out_s / sum_s exp(lse_s - M), lse = M + log of that sum
+          // (a NaN part makes the row NaN, as one pass over all keys would)
+          float top = kNegInf;
+          bool nan = false;
+          for (int64_t s = 0; s < sh.splits; ++s) {
+            const float part_lse = pl[(unit * sh.splits + s) * kTileRows + i];
+            nan |= std::isnan(part_lse);
+            top = std::max(top, part_lse);
+          }
+          std::fill(merged.begin(), merged.end(), nan ? std::numeric_limits<float>::quiet_NaN() : 0.0f);
+          float total = nan ? std::numeric_limits<float>::quiet_NaN() : 0.0f;
+          if (!nan && top != kNegInf) {
+            for (int64_t s = 0; s < sh.splits; ++s) {
+              const float weight = std::exp(pl[(unit * sh.splits + s) * kTileRows + i] - top);
+              const float* part = po + ((unit * sh.splits + s) * kTileRows + i) * D;
+              for (int64_t d = 0; d < D; ++d) merged[d] += weight * part[d];
+              total += weight;
+            }
+            for (int64_t d = 0; d < D; ++d) merged[d] /= total;
+          }
+          at::vec::convert(merged.data(), o + ((b * sh.queries + token) * sh.heads + head) * D, D);
+          l[(b * sh.queries + token) * sh.heads + head] = total == 0.0f ? kNegInf : top + std::log(total);
+        }
+      }
+    });
+  });
+  return {out, lse};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(prefix_console, m) {
+  m.def("tiled_attention(Tensor query, Tensor key, Tensor value, bool causal, float scale) -> (Tensor, Tensor)");
+}
+
+TORCH_LIBRARY_IMPL(prefix_console, CPU, m) { m.impl("tiled_attention", &tiled_attention); }

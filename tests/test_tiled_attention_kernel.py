@@ -1,0 +1,121 @@
+"""The tiled attention kernel (engine/runner/csrc/tiled_attention.cpp) against MATH, and its refusals.
+`make install` builds it; a CPU runner must use it for its unmasked calls."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from engine.runner.attention_kernels import Kernel, attend, choose_kernels
+from engine.runner.native_kernels import load_ops
+
+
+def tiled_ops():
+    ops, why_not = load_ops()
+    if ops is None:
+        pytest.fail(f"the kernel library is not usable: {why_not}")
+    return ops
+
+
+def as_runner_passes(values: torch.Tensor) -> torch.Tensor:
+    """[B, L, heads, d] rows of heads, seen as [B, heads, L, d] (a transposed view, as the runner passes it)."""
+    return values.transpose(1, 2)
+
+
+@st.composite
+def calls(draw):
+    """Causal own-token calls and unmasked calls of any query count over any key count, key counts that
+    end anywhere in a key block, few queries over many keys (the keys split across threads), grouped heads."""
+    kv_heads = draw(st.integers(1, 3))
+    group = draw(st.sampled_from([1, 2, 3, 4]))
+    head_dim = draw(st.sampled_from([16, 32, 48, 64, 128]))
+    batch = draw(st.integers(1, 3))
+    causal = draw(st.booleans())
+    keys = draw(st.integers(1, 300)) if causal else draw(st.integers(1, 1100))
+    queries = keys if causal else draw(st.integers(1, 40))
+    return batch, kv_heads * group, kv_heads, queries, keys, head_dim, causal
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@settings(max_examples=40, deadline=None)
+@given(call=calls(), seed=st.integers(0, 2**16))
+def test_tiled_attention_matches_math(dtype, call, seed):
+    batch, heads, kv_heads, queries, keys, head_dim, causal = call
+    generator = torch.Generator().manual_seed(seed)
+    q = as_runner_passes(torch.randn(batch, queries, heads, head_dim, generator=generator).to(dtype))
+    k, v = (as_runner_passes(torch.randn(batch, keys, kv_heads, head_dim, generator=generator).to(dtype)) for _ in range(2))
+    out, lse = tiled_ops().tiled_attention(q, k, v, causal, head_dim**-0.5)
+    want_out, want_lse = attend(q, k, v, scale=head_dim**-0.5, causal=causal, kernel=Kernel.MATH)
+    tolerance = 2e-5 if dtype == torch.float32 else 2e-2  # bf16: one rounding of the output
+    assert out.shape == q.shape and out.dtype == dtype and lse.dtype == torch.float32
+    assert (out.float() - want_out.float()).abs().max().item() < tolerance
+    assert (lse - want_lse).abs().max().item() < 2e-5 * max(1.0, want_lse.abs().max().item())
+
+
+@pytest.mark.parametrize("queries", [1, 8, 24])
+def test_few_queries_over_a_long_shared_prefix_match_math(queries):
+    """Decodes over a 1,024-token prefix: too few tiles for the threads, so the keys are split into ranges."""
+    generator = torch.Generator().manual_seed(queries)
+    q = as_runner_passes(torch.randn(1, queries, 9, 64, generator=generator))
+    k, v = (as_runner_passes(torch.randn(1, 1024, 3, 64, generator=generator)) for _ in range(2))
+    out, lse = tiled_ops().tiled_attention(q, k, v, False, 0.125)
+    want_out, want_lse = attend(q, k, v, scale=0.125, kernel=Kernel.MATH)
+    assert (out - want_out).abs().max().item() < 2e-5
+    assert (lse - want_lse).abs().max().item() < 2e-5
+
+
+def test_a_long_causal_call_matches_math_at_every_row():
+    """1,056 own tokens (17 key blocks, a partial last one), SmolLM2's heads: the cold prefill's call."""
+    generator = torch.Generator().manual_seed(5)
+    q = as_runner_passes(torch.randn(1, 1056, 9, 64, generator=generator))
+    k, v = (as_runner_passes(torch.randn(1, 1056, 3, 64, generator=generator)) for _ in range(2))
+    out, lse = tiled_ops().tiled_attention(q, k, v, True, 0.125)
+    want_out, want_lse = attend(q, k, v, scale=0.125, causal=True, kernel=Kernel.MATH)
+    assert (out - want_out).abs().max().item() < 2e-5
+    assert (lse - want_lse).abs().max().item() < 2e-5
+
+
+@pytest.mark.parametrize("keys", [70, 1024])  # one pass; key ranges merged by their log-sum-exps
+def test_a_nan_in_one_element_reaches_no_other_element(keys):
+    q = as_runner_passes(torch.randn(2, 5, 4, 16))
+    k, v = (as_runner_passes(torch.randn(2, keys, 2, 16)) for _ in range(2))
+    k[0, 0, 3, 0] = float("nan")
+    out, lse = tiled_ops().tiled_attention(q, k, v, False, 0.25)
+    want_out, want_lse = attend(q[1:], k[1:], v[1:], scale=0.25, kernel=Kernel.MATH)
+    assert (out[1:] - want_out).abs().max().item() < 2e-5 and (lse[1:] - want_lse).abs().max().item() < 2e-5
+    assert torch.isnan(out[0]).any()
+
+
+@pytest.mark.parametrize(
+    ("shapes", "causal", "message"),
+    [
+        (((1, 4, 5, 24), (1, 2, 5, 24)), False, "multiple of 16"),
+        (((1, 4, 5, 16), (1, 2, 7, 16)), True, "as many queries as keys"),
+        (((1, 5, 5, 16), (1, 2, 5, 16)), False, "multiple of KV heads"),
+        (((1, 4, 3, 16), (1, 2, 0, 16)), False, "at least one key"),
+    ],
+)
+def test_bad_calls_are_refused(shapes, causal, message):
+    q_shape, kv_shape = shapes
+    with pytest.raises(RuntimeError, match=message):
+        tiled_ops().tiled_attention(torch.randn(q_shape), torch.randn(kv_shape), torch.randn(kv_shape), causal, 0.25)
+
+
+def test_a_bias_is_refused_by_the_python_entry():
+    q, k = torch.randn(1, 2, 3, 16), torch.randn(1, 2, 3, 16)
+    with pytest.raises(ValueError, match="no bias"):
+        attend(q, k, k, scale=0.25, bias=torch.zeros(1, 1, 3, 3), kernel=Kernel.CPU_TILED)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_cpu_runner_uses_it_for_unmasked_calls(dtype):
+    choice = choose_kernels(torch.device("cpu"), dtype, 9, 3, 64)
+    assert (choice.unmasked, choice.masked, choice.notes) == (Kernel.CPU_TILED, Kernel.CPU_FLASH, ())
+
+
+def test_a_head_size_it_refuses_falls_back_to_the_flash_kernel_with_a_note():
+    choice = choose_kernels(torch.device("cpu"), torch.float32, 4, 2, 24)
+    assert choice.unmasked is Kernel.CPU_FLASH
+    assert any("cpu-tiled (unmasked) unavailable" in note and "multiple of 16" in note for note in choice.notes)
