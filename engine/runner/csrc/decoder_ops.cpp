@@ -129,11 +129,30 @@ at::Tensor add_rms_norm_(at::Tensor& hidden, const at::Tensor& delta, const at::
   return out;
 }
 
+// out[0:n] = silu(gate) * up over float32 rows, vector by vector (the tail through partial loads, so every
+// element takes the same vector arithmetic as the buffered path).
+void silu_and_mul_row(const float* gate, const float* up, float* out, int64_t n) {
+  for (int64_t d = 0; d < n; d += Vec::size()) {
+    const int count = static_cast<int>(std::min<int64_t>(Vec::size(), n - d));
+    const Vec x = Vec::loadu(gate + d, count);
+    const Vec silu = x / (Vec(1.0f) + x.neg().exp());
+    (silu * Vec::loadu(up + d, count)).store(out + d, count);
+  }
+}
+
 at::Tensor silu_and_mul(const at::Tensor& gate_up) {
   TORCH_CHECK(gate_up.dim() == 2 && gate_up.stride(1) == 1 && gate_up.size(1) % 2 == 0,
               "gate_up must be [T, 2I] with unit stride along 2I");
   const int64_t rows = gate_up.size(0), inner = gate_up.size(1) / 2, stride = gate_up.stride(0);
   auto out = at::empty({rows, inner}, gate_up.options());
+  if (gate_up.scalar_type() == at::kFloat) {  // nothing to widen or round: one pass, no row copies
+    const float* src = gate_up.data_ptr<float>();
+    float* dst = out.data_ptr<float>();
+    at::parallel_for(0, rows, row_grain(2 * inner), [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t) silu_and_mul_row(src + t * stride, src + t * stride + inner, dst + t * inner, inner);
+    });
+    return out;
+  }
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, gate_up.scalar_type(), "silu_and_mul", [&] {
     const scalar_t* src = gate_up.data_ptr<scalar_t>();
     scalar_t* dst = out.data_ptr<scalar_t>();
