@@ -13,10 +13,10 @@ chosen once per runner (`choose_kernels`) and is explicit, never left to SDPA's 
 
     CPU, unmasked calls    prefix_console::tiled_attention (engine/runner/csrc/tiled_attention.cpp): a prefill's
                            own tokens (causal) and many queries over a shared prefix, on register-blocked
-                           tiles. Measured per layer on 2 cores (SmolLM2's shapes, fp32; bf16 alike), against
-                           the flash kernel below: a cold 1,056-token prefill 8.6 ms vs 13.0 (vLLM's CPU
-                           kernel: 9.1), 8 / 24 / 64 decodes over a 1,024-token prefix 0.18 / 0.44 / 0.94 ms
-                           vs 0.23 / 0.55 / 1.11, 8 requests' 32 own tokens 0.30 vs 0.34.
+                           tiles. Per layer on 2 cores, SmolLM2's shapes, inputs from memory, against the
+                           flash kernel below (benchmarks/attention_kernels.py, fp32; bf16 faster still): a
+                           cold 1,056-token prefill 10.3 ms vs 12.5, 8 / 64 decodes over a 1,024-token
+                           prefix 265 / 1,052 us vs 327 / 1,198, 8 requests' 32 own tokens even.
     CPU, masked calls      aten::_scaled_dot_product_flash_attention_for_cpu: fp32/bf16/fp16, additive bias,
                            causal, grouped-query heads natively (also the unmasked kernel when the library
                            above is not built or refuses the head size). Measured on 2 cores: 0.12 ms for
