@@ -14,9 +14,10 @@
 // rows of one matrix, token-major (row r = query r / G, head r % G), so the heads that share a KV head
 // read each key block once, and a tile of rows holds consecutive queries (close causal limits).
 //
-// Each (element, KV head) is packed once, in float32: keys transposed into blocks of KB keys
-// ([L / KB][D][KB], zero padding) and values as rows ([L][D]). A task is a tile of rows over a range of
-// key blocks; per key block and per micro tile of R rows it runs
+// Each (element, KV head)'s keys are packed once, in float32: transposed into blocks of KB keys
+// ([L / KB][D][KB], zero padding). Values are read in place, in their dtype, widened on load (a float32
+// copy of bf16 values measured slower than the flash kernel once the caches stream from memory). A task
+// is a tile of rows over a range of key blocks; per key block and per micro tile of R rows it runs
 //
 //   scores  s[R, KB] = (scale q)[R, D] . K^T[D, KB]           R x NV vector accumulators, D steps
 //   softmax m' = max(m, max s);  c = exp(m - m');  p = exp(s - m');  l = c l + sum p;  m = m'
