@@ -188,27 +188,27 @@ def merge_into(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, ls
 
 
 def choose_kernels(device: torch.device, dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int) -> KernelChoice:
-    """The preferred kernels for this device and dtype, each kept only if its probe matches MATH (on the
-    CPU, unmasked calls fall back to the flash kernel first)."""
+    """The preferred kernels for this device and dtype: for each kind of call the first candidate whose
+    probe matches MATH (on the CPU, unmasked calls try the tiled kernel, then the flash kernel), else MATH."""
     if device.type == "cpu":
-        preferred = (Kernel.CPU_TILED, Kernel.CPU_FLASH)
+        candidates = ((Kernel.CPU_TILED, Kernel.CPU_FLASH), (Kernel.CPU_FLASH,))
     elif device.type == "cuda" and dtype in (torch.float16, torch.bfloat16):
-        preferred = (Kernel.CUDA_FLASH, Kernel.CUDA_EFFICIENT)
+        candidates = ((Kernel.CUDA_FLASH,), (Kernel.CUDA_EFFICIENT,))
     elif device.type == "cuda":
-        preferred = (Kernel.CUDA_EFFICIENT, Kernel.CUDA_EFFICIENT)
+        candidates = ((Kernel.CUDA_EFFICIENT,), (Kernel.CUDA_EFFICIENT,))
     else:
         return KernelChoice(Kernel.MATH, Kernel.MATH, (f"no fused kernel chosen for device {device.type}",))
     notes: list[str] = []
     shape = _ProbeShape(device, dtype, num_heads, num_kv_heads, head_dim)
-    unmasked = next((kernel for kernel in _fallbacks(preferred[0]) if _probe(kernel, False, shape, notes)), Kernel.MATH)
-    masked = preferred[1] if _probe(preferred[1], True, shape, notes) else Kernel.MATH
+    unmasked = _first_passing(candidates[0], False, shape, notes)
+    masked = _first_passing(candidates[1], True, shape, notes)
     decodes = Kernel.CPU_PAGED_DECODE if device.type == "cpu" and _probe_decodes(shape, notes) else None
     return KernelChoice(unmasked, masked, tuple(notes), decodes)
 
 
-def _fallbacks(kernel: Kernel) -> tuple[Kernel, ...]:
-    """The kernel, then what replaces it when its probe fails (before MATH)."""
-    return (Kernel.CPU_TILED, Kernel.CPU_FLASH) if kernel is Kernel.CPU_TILED else (kernel,)
+def _first_passing(kernels: tuple[Kernel, ...], masked: bool, shape: _ProbeShape, notes: list[str]) -> Kernel:
+    """The first of `kernels` whose probe matches MATH on this kind of call, else MATH."""
+    return next((kernel for kernel in kernels if _probe(kernel, masked, shape, notes)), Kernel.MATH)
 
 
 # Probe tolerance on outputs of magnitude ~1: a few units in the last place of the dtype's mantissa.

@@ -129,14 +129,16 @@ at::Tensor add_rms_norm_(at::Tensor& hidden, const at::Tensor& delta, const at::
   return out;
 }
 
+// silu(x) = x / (1 + exp(-x)), as torch's CPU kernel computes it
+Vec silu(Vec x) { return x / (Vec(1.0f) + x.neg().exp()); }
+
 // out[0:n] = silu(gate) * up over float32 rows, vector by vector (the tail through partial loads, so every
 // element takes the same vector arithmetic as the buffered path).
 void silu_and_mul_row(const float* gate, const float* up, float* out, int64_t n) {
   for (int64_t d = 0; d < n; d += Vec::size()) {
     const int count = static_cast<int>(std::min<int64_t>(Vec::size(), n - d));
     const Vec x = Vec::loadu(gate + d, count);
-    const Vec silu = x / (Vec(1.0f) + x.neg().exp());
-    (silu * Vec::loadu(up + d, count)).store(out + d, count);
+    (silu(x) * Vec::loadu(up + d, count)).store(out + d, count);
   }
 }
 
@@ -162,8 +164,8 @@ at::Tensor silu_and_mul(const at::Tensor& gate_up) {
       for (int64_t t = begin; t < end; ++t) {
         at::vec::convert(src + t * stride, gate, inner);
         at::vec::convert(src + t * stride + inner, up, inner);
-        // silu(x) = x / (1 + exp(-x)), as torch's CPU kernel computes it, rounded before the product
-        at::vec::map([](Vec x) { return x / (Vec(1.0f) + x.neg().exp()); }, gate, gate, inner);
+        // silu, rounded before the product
+        at::vec::map(silu, gate, gate, inner);
         buffers.round(gate, inner);
         at::vec::map2(mul, gate, gate, up, inner);
         at::vec::convert(gate, dst + t * inner, inner);
