@@ -21,7 +21,7 @@ def test_settings_shows_the_running_engine_and_the_database(console_env, tmp_pat
     table = at.table[0].value
     values = dict(zip(table["setting"], table["value"]))
     assert values["model"] == "tiny-chat" and values["pool"] == "64 blocks × 16 tokens"
-    assert values["forward"] == "decoder, fused CPU ops"  # a Llama: the forward over its weights (engine/runner/decoder_forward.py)
+    assert values["forward"] == "decoder, fused CPU ops, linears: panels up to 128 rows, oneDNN above"  # a Llama: the forward over its weights (engine/runner/decoder_forward.py)
     assert values["attention kernels"] == "cpu-tiled; masked calls cpu-flash; decodes cpu-paged-decode"
     assert f"SQLite file: `{tmp_path / 'history.sqlite'}`" in texts(at)
 

@@ -21,6 +21,7 @@ from engine.runner.attention_plan import ALWAYS_CASCADE
 from engine.runner.decoder_forward import DecoderForward, FusedLinear, TorchSteps, unsupported_reason
 from engine.runner.model_loading import _describe, load_model
 from engine.runner.model_runner import GroupSlots, ModelRunner, SeqChunk
+from engine.runner.packed_linear import PANEL_ROWS
 from tests.engine_support import RUNNER_BLOCK_SIZE as BLOCK_SIZE
 from tests.engine_support import RUNNER_NUM_BLOCKS as NUM_BLOCKS
 from tests.engine_support import tokens
@@ -61,7 +62,9 @@ def test_the_decoder_forward_computes_what_transformers_modules_compute(tmp_path
                     NUM_BLOCKS, BLOCK_SIZE, cascade=ALWAYS_CASCADE, decoder_forward=decoder)
         for decoder in (True, False)
     ]
-    assert runners[0].forward_path == "decoder, fused CPU ops" and runners[0].decoder is not None
+    rows = PANEL_ROWS[getattr(torch, dtype)]
+    assert runners[0].forward_path == f"decoder, fused CPU ops, linears: panels up to {rows} rows, oneDNN above"
+    assert runners[0].decoder is not None
     assert runners[1].forward_path.startswith("transformers") and runners[1].decoder is None
     if not fused_steps:  # the steps every other device runs
         runners[0].decoder = DecoderForward(runners[0].loaded.model, runners[0].loaded.device, runners[0].loaded.dtype,

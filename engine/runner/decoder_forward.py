@@ -11,8 +11,8 @@ per-head RMSNorm on queries and keys) and a SiLU-gated MLP::
 
 Run through transformers' modules, a one-row decode step of SmolLM2 spent about 13 ms of its 47 in module
 calls, keyword plumbing and small tensor ops around the linears and the attention kernels. Here a layer is
-a short run of tensor ops: q/k/v and gate/up are each one linear over one weight (packed once for oneDNN on
-the CPU, engine/runner/packed_linear.py), the rotary embedding of queries and keys is one set of
+a short run of tensor ops: q/k/v and gate/up are each one linear over one weight (packed once on the CPU,
+engine/runner/packed_linear.py), the rotary embedding of queries and keys is one set of
 elementwise ops over both, and only the rows that reach the LM head are normalized for it.
 
 What it computes is transformers' own arithmetic: the same formulas in the same dtype (RMSNorm in float32,

@@ -60,7 +60,7 @@ from engine.core.kv_memory import kv_bytes_per_block
 from engine.runner.decoder_forward import DecoderForward, unsupported_reason
 from engine.runner.host_memory import keep_freed_memory
 from engine.runner.model_loading import LoadedModel
-from engine.runner.packed_linear import pack_linears
+from engine.runner.packed_linear import linear_kernels, pack_linears
 
 PAGED_ATTENTION = "prefix_console_paged"
 
@@ -147,7 +147,11 @@ class ModelRunner:
         self.kernels = choose_kernels(loaded.device, loaded.dtype, self.num_heads, loaded.num_kv_heads, loaded.head_dim)
         why_not = unsupported_reason(loaded.model) if decoder_forward else "decoder_forward=False"
         self.decoder = DecoderForward(loaded.model, loaded.device, loaded.dtype) if why_not is None else None
-        self.forward_path = f"decoder, {self.decoder.steps.name}" if self.decoder is not None else f"transformers ({why_not})"
+        self.forward_path = (
+            f"decoder, {self.decoder.steps.name}, linears: {linear_kernels(loaded.device, loaded.dtype)}"
+            if self.decoder is not None
+            else f"transformers ({why_not})"
+        )
         self.num_packed_linears = 0
         if loaded.device.type == "cpu":
             keep_freed_memory()  # the forward's temporaries live in host memory (engine/runner/host_memory.py)

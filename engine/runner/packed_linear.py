@@ -1,38 +1,63 @@
-"""Linear layers on weights packed once for oneDNN, for models running on the CPU.
+"""Linear layers on weights packed once, for models running on the CPU.
 
 `F.linear` (what transformers calls) hands the weight to the BLAS in its plain row-major layout on every
-call; oneDNN's matmul reads a weight reordered once into its blocked layout (`mkldnn._reorder_linear_weight`)
-faster. Measured on SmolLM2-135M, two threads, process wall time:
+call. Here each weight is packed once, twice over:
 
-    30 decoder layers (210 distinct weights, so they stream from memory)
-        fp32    1 row 23 ms vs F.linear 36     8 rows 23 vs 43     64 rows 73 vs 108
-        bf16    1 row 13 ms vs F.linear 18     8 rows 14 vs 22     64 rows 40 vs 50   (bit-identical results)
-    the LM head (49,152 x 576)
-        fp32    1 row 4.7 ms vs F.linear 9.9   8 rows 4.8 vs 17.3  64 rows 18 vs 35
-        bf16    1 row 2.5 ms vs F.linear 4.5   8 rows 2.4 vs 4.5   64 rows 10 vs 13
+- for oneDNN's matmul, in its blocked layout (`mkldnn._reorder_linear_weight`);
+- in column panels for the engine's own kernel (`panel_linear`, engine/runner/csrc/panel_linear.cpp):
+  [N / 32, K, 32], so that a thread streams its panels from memory in one sequential pass.
 
-So every decoder-layer linear and the LM head get a packed copy of their weight, whatever the number of
-rows (an earlier measurement on one thread had MKL's matrix-vector product ahead for one row; with the
-engine's two threads it is not). fp32 results differ from `F.linear`'s in the last bits (another
-summation order: ~5e-5 on SmolLM2's logits); bf16's do not. Fusing a gated MLP's gate and up
-projections into one packed weight measured no faster in the engine, fp32 or bf16, and is not done.
+Calls with few rows (decode steps) run on the panels, the rest on oneDNN. Measured on SmolLM2-135M, two
+threads, process wall time, 30 decoder layers (210 distinct weights, so they stream from memory):
+
+    rows            1      8      32     64     128    256    1056
+    fp32 panels     14     13     34     64     124    264    1107 ms
+    fp32 oneDNN     26     20     40     71     130    267    1108 ms
+    fp32 F.linear   38     43     74     104    -      387    1234 ms
+    bf16 panels     8-10   13     44     83                         ms
+    bf16 oneDNN     14-17  13     27     44                         ms
+
+oneDNN's bf16 kernels use the CPU's bf16 dot products, the panel kernel widens to float32 and multiplies
+there, so bf16 takes the panels only up to `PANEL_ROWS` rows. The LM head (49,152 x 576) agrees: fp32 1
+row 4.7 ms vs 5.8, 8 rows 3.6-5.7 vs 5.5-7.3, 64 rows even, 128 rows 40 vs 35; bf16 1 row 1.4 vs 2.6.
+
+Results differ from `F.linear`'s in the last bits (another summation order: ~5e-5 on SmolLM2's logits in
+fp32). The panel kernel sums each output over k in order whatever the number of rows, so a row's result
+does not depend on the rows beside it. Fusing a gated MLP's gate and up projections into one weight
+measured no faster (oneDNN, fp32 or bf16); the decoder forward (engine/runner/decoder_forward.py) fuses
+them for its fused elementwise step.
 
 The original weights stay in place (state dicts, tied embeddings, the reference forward and other devices
-are unchanged); the packed copies cost as much memory again as the packed layers' weights (SmolLM2 fp32:
-425 MB of decoder linears, 113 MB of LM head).
+are unchanged); each packed layout costs as much memory again as the packed layers' weights (SmolLM2
+fp32: 425 MB of decoder linears, 113 MB of LM head; the panels only where the engine's library is loaded).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 
+from engine.runner.native_kernels import load_ops
+
 PACKED_DTYPES = (torch.float32, torch.bfloat16)
 BATCH_HINT = 32  # rows oneDNN's weight layout is chosen for (measured best of 1, 8, 32 and none)
+PANEL_WIDTH = 32  # outputs per column panel (panel_linear.cpp's P)
+PANEL_ROWS = {torch.float32: 128, torch.bfloat16: 4}  # most rows a call runs on the panels (measured, above)
+
+
+@dataclass(frozen=True)
+class PackedWeight:
+    """A linear layer's [N, K] weight packed once: oneDNN's layout, and column panels where they serve."""
+
+    onednn: torch.Tensor
+    panels: torch.Tensor | None  # [N / 32, K, 32]; None without the engine's library or when 32 does not divide N
+    panel_rows: int  # calls of at most this many rows run on the panels
 
 
 class PackedLinear(nn.Module):
-    """`nn.Linear`'s forward over a oneDNN-packed copy of its weight (same parameters, same results up to
+    """`nn.Linear`'s forward over packed copies of its weight (same parameters, same results up to
     summation order)."""
 
     def __init__(self, linear: nn.Linear) -> None:
@@ -46,19 +71,44 @@ class PackedLinear(nn.Module):
         return packed_linear(x, self.packed, self.bias)
 
 
-def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """`F.linear(x, weight, bias)` over the weight's packed copy (`pack_weight`)."""
-    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+def packed_linear(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None) -> torch.Tensor:
+    """`F.linear(x, weight, bias)` over the weight's packed copies (`pack_weight`)."""
+    in_features = x.shape[-1]
+    rows = x.numel() // max(1, in_features)
+    if packed.panels is None or rows > packed.panel_rows or rows == 0:
+        return torch.ops.mkldnn._linear_pointwise(x, packed.onednn, bias, "none", [], "")
+    flat = x.reshape(rows, in_features)
+    if flat.stride(1) != 1:
+        flat = flat.contiguous()
+    out = torch.ops.prefix_console.panel_linear(flat, packed.panels, bias)
+    return out.view(*x.shape[:-1], out.shape[-1])
 
 
-def pack_weight(weight: torch.Tensor) -> torch.Tensor:
-    """A oneDNN-packed copy of a linear layer's [out_features, in_features] weight (CPU, fp32 or bf16)."""
-    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), BATCH_HINT)
+def pack_weight(weight: torch.Tensor) -> PackedWeight:
+    """Packed copies of a linear layer's [out_features, in_features] weight (CPU, fp32 or bf16)."""
+    weight = weight.detach()
+    onednn = torch.ops.mkldnn._reorder_linear_weight(weight, BATCH_HINT)
+    out_features, in_features = weight.shape
+    ops, _ = load_ops()
+    if ops is None or out_features % PANEL_WIDTH != 0:
+        return PackedWeight(onednn, None, 0)
+    panels = weight.reshape(out_features // PANEL_WIDTH, PANEL_WIDTH, in_features).transpose(1, 2).contiguous()
+    return PackedWeight(onednn, panels, PANEL_ROWS[weight.dtype])
 
 
 def packs_linears(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether linears on this device and dtype run on packed weights (the CPU with oneDNN, fp32 or bf16)."""
     return device.type == "cpu" and dtype in PACKED_DTYPES and torch.backends.mkldnn.is_available()
+
+
+def linear_kernels(device: torch.device, dtype: torch.dtype) -> str:
+    """Which kernels run the linears on this device and dtype, for an operator."""
+    if not packs_linears(device, dtype):
+        return "F.linear"
+    ops, why_not = load_ops()
+    if ops is None:
+        return f"oneDNN (no panel kernel: {why_not})"
+    return f"panels up to {PANEL_ROWS[dtype]} rows, oneDNN above"
 
 
 def pack_linears(model: nn.Module, device: torch.device, dtype: torch.dtype) -> int:

@@ -37,6 +37,7 @@
 #include <cmath>
 #include <limits>
 #include <tuple>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -57,16 +58,48 @@ inline float dot(const float* a, const float* b, int64_t n) {
   return total;
 }
 
-// acc[0:n] += weight * v
-inline void add_scaled(float* acc, float weight, const float* v, int64_t n) {
-  int64_t d = 0;
-  const Vec w(weight);
-  for (; d + Vec::size() <= n; d += Vec::size()) at::vec::fmadd(Vec::loadu(v + d), w, Vec::loadu(acc + d)).store(acc + d);
-  for (; d < n; ++d) acc[d] += weight * v[d];
+// Rows [lo, hi) of a block of S x D values in float32: the cache's own memory when it is float32, else
+// widened into `buffer` (same layout).
+template <typename scalar_t>
+const float* block_as_floats(const scalar_t* block, int64_t lo, int64_t hi, int64_t D, float* buffer) {
+  if constexpr (std::is_same_v<scalar_t, float>) {
+    return block;
+  } else {
+    at::vec::convert(block + lo * D, buffer + lo * D, (hi - lo) * D);
+    return buffer;
+  }
 }
 
-// One (element, KV head): the group of query heads that reads it. `scratch` holds group * D query values,
-// group * D accumulators, S * group scores and one key or value row in float32.
+// acc[0:D] = correction * acc + sum over slots s in [lo, hi) of p[s] * values[s, 0:D]: per chunk of up
+// to four vectors, the accumulators stay in registers across the block's slots.
+inline void accumulate_values(float* acc, float correction, const float* p, const float* values, int64_t lo, int64_t hi, int64_t D) {
+  constexpr int64_t kChunk = 4 * Vec::size();
+  int64_t d = 0;
+  for (; d + kChunk <= D; d += kChunk) {
+    Vec a[4];
+    for (int i = 0; i < 4; ++i) a[i] = Vec::loadu(acc + d + i * Vec::size()) * Vec(correction);
+    for (int64_t s = lo; s < hi; ++s) {
+      const Vec weight(p[s]);
+      for (int i = 0; i < 4; ++i) a[i] = at::vec::fmadd(weight, Vec::loadu(values + s * D + d + i * Vec::size()), a[i]);
+    }
+    for (int i = 0; i < 4; ++i) a[i].store(acc + d + i * Vec::size());
+  }
+  for (; d + Vec::size() <= D; d += Vec::size()) {
+    Vec a = Vec::loadu(acc + d) * Vec(correction);
+    for (int64_t s = lo; s < hi; ++s) a = at::vec::fmadd(Vec(p[s]), Vec::loadu(values + s * D + d), a);
+    a.store(acc + d);
+  }
+  for (; d < D; ++d) {
+    float a = acc[d] * correction;
+    for (int64_t s = lo; s < hi; ++s) a += p[s] * values[s * D + d];
+    acc[d] = a;
+  }
+}
+
+// One (element, KV head): the group of query heads that reads it. `scratch` holds, in float32, the
+// group's scaled queries and accumulators (group * D each), their scores (group * S, head-major), their
+// running maxima and sums (group each) and one block of keys and one of values (S * D each, used when
+// the cache is not float32).
 template <typename scalar_t>
 void attend_one(
     const Layout& lay,
@@ -78,18 +111,22 @@ void attend_one(
     const int64_t* fields,  // [2 + M]
     scalar_t* out,  // [group, D], contiguous within the element's row
     float* lse,  // [group]
-    std::vector<float>& scratch) {
+    float* scratch) {
   const int64_t group = lay.num_heads / lay.num_kv_heads, D = lay.head_dim, S = lay.block_size;
-  float* q = scratch.data();
+  float* q = scratch;
   float* acc = q + group * D;
-  float* scores = acc + group * D;  // [slot, head of the group]
-  float* row = scores + S * group;
+  float* scores = acc + group * D;  // [head of the group, slot]
+  float* running_max = scores + group * S;
+  float* running_sum = running_max + group;
+  float* key_buffer = running_sum + group;
+  float* value_buffer = key_buffer + S * D;
   for (int64_t g = 0; g < group; ++g) {
     at::vec::convert(query + g * head_stride, q + g * D, D);
     for (int64_t d = 0; d < D; ++d) q[g * D + d] *= lay.scale;
+    running_max[g] = -std::numeric_limits<float>::infinity();
+    running_sum[g] = 0.0f;
   }
   std::fill(acc, acc + group * D, 0.0f);
-  std::vector<float> running_max(group, -std::numeric_limits<float>::infinity()), running_sum(group, 0.0f);
 
   const int64_t query_pos = fields[0], valid = fields[1];
   for (int64_t b = 0; b < lay.max_blocks && b * S < valid; ++b) {
@@ -99,35 +136,23 @@ void attend_one(
     hi = std::min(hi, query_pos - first_pos + 1);
     if (lay.window > 0) lo = std::max<int64_t>(lo, query_pos - lay.window + 1 - first_pos);
     if (lo >= hi) continue;
-    const scalar_t* block_keys = keys + blocks[b] * S * D;
-    const scalar_t* block_values = values + blocks[b] * S * D;
-    for (int64_t s = lo; s < hi; ++s) {
-      at::vec::convert(block_keys + s * D, row, D);
-      for (int64_t g = 0; g < group; ++g) scores[s * group + g] = dot(q + g * D, row, D);
-    }
+    const float* block_keys = block_as_floats(keys + blocks[b] * S * D, lo, hi, D, key_buffer);
+    const float* block_values = block_as_floats(values + blocks[b] * S * D, lo, hi, D, value_buffer);
+    for (int64_t s = lo; s < hi; ++s)
+      for (int64_t g = 0; g < group; ++g) scores[g * S + s] = dot(q + g * D, block_keys + s * D, D);
     for (int64_t g = 0; g < group; ++g) {
+      float* p = scores + g * S;
       float block_max = running_max[g];
-      for (int64_t s = lo; s < hi; ++s) block_max = std::max(block_max, scores[s * group + g]);
+      for (int64_t s = lo; s < hi; ++s) block_max = std::max(block_max, p[s]);
       // exp(-inf - finite) = 0 clears the empty start. A NaN score never becomes the maximum, but its exp
       // is NaN and reaches this element's sum and output (and no other element's).
       const float correction = running_max[g] == block_max ? 1.0f : std::exp(running_max[g] - block_max);
       running_max[g] = block_max;
-      running_sum[g] *= correction;
-      for (int64_t s = lo; s < hi; ++s) scores[s * group + g] = scores[s * group + g] - block_max;
-      if (correction != 1.0f) {
-        float* head_acc = acc + g * D;
-        for (int64_t d = 0; d < D; ++d) head_acc[d] *= correction;
-      }
-    }
-    const int64_t n = (hi - lo) * group;
-    at::vec::map([](Vec x) { return x.exp(); }, scores + lo * group, scores + lo * group, n);
-    for (int64_t s = lo; s < hi; ++s) {
-      at::vec::convert(block_values + s * D, row, D);
-      for (int64_t g = 0; g < group; ++g) {
-        const float p = scores[s * group + g];
-        running_sum[g] += p;
-        add_scaled(acc + g * D, p, row, D);
-      }
+      at::vec::map([block_max](Vec x) { return (x - Vec(block_max)).exp(); }, p + lo, p + lo, hi - lo);
+      float block_sum = 0.0f;
+      for (int64_t s = lo; s < hi; ++s) block_sum += p[s];
+      running_sum[g] = running_sum[g] * correction + block_sum;
+      accumulate_values(acc + g * D, correction, p, block_values, lo, hi, D);
     }
   }
   for (int64_t g = 0; g < group; ++g) {
@@ -182,13 +207,13 @@ std::tuple<at::Tensor, at::Tensor> paged_decode(
     scalar_t* o = out.data_ptr<scalar_t>();
     float* l = lse.data_ptr<float>();
     at::parallel_for(0, B * KV, 1, [&](int64_t begin, int64_t end) {
-      std::vector<float> scratch(2 * group * D + S * group + D);
+      std::vector<float> scratch(2 * group * D + group * S + 2 * group + 2 * S * D);
       for (int64_t task = begin; task < end; ++task) {
         const int64_t b = task / KV, h = task % KV;
         attend_one<scalar_t>(
             lay, q + b * query.stride(0) + h * group * query.stride(1), query.stride(1),
             k + h * N * S * D, v + h * N * S * D, block_ids + b * M, field_values + b * (2 + M),
-            o + (b * H + h * group) * D, l + b * H + h * group, scratch);
+            o + (b * H + h * group) * D, l + b * H + h * group, scratch.data());
       }
     });
   });

@@ -71,21 +71,35 @@ struct Shape {
   bool causal;
 };
 
-// s[r][0:KB] = q[r] . kt[:, 0:KB] for the R rows of a micro tile.
-inline void score_tile(const float* q, const float* kt, int64_t D, float* s) {
-  Vec acc[kRows][kVectors];
+// s[r][0:NV vectors] = q[r] . kt[:, 0:NV vectors] for the R rows of a micro tile: the block's first
+// NV * vector width keys (kt's rows are KB apart).
+template <int NV>
+inline void score_chunk(const float* q, const float* kt, int64_t D, float* s) {
+  Vec acc[kRows][NV];
   for (int r = 0; r < kRows; ++r)
-    for (int v = 0; v < kVectors; ++v) acc[r][v] = Vec(0.0f);
+    for (int v = 0; v < NV; ++v) acc[r][v] = Vec(0.0f);
   for (int64_t d = 0; d < D; ++d) {
-    Vec k[kVectors];
-    for (int v = 0; v < kVectors; ++v) k[v] = Vec::loadu(kt + d * kBlockKeys + v * Vec::size());
+    Vec k[NV];
+    for (int v = 0; v < NV; ++v) k[v] = Vec::loadu(kt + d * kBlockKeys + v * Vec::size());
     for (int r = 0; r < kRows; ++r) {
       const Vec qd(q[r * D + d]);
-      for (int v = 0; v < kVectors; ++v) acc[r][v] = at::vec::fmadd(qd, k[v], acc[r][v]);
+      for (int v = 0; v < NV; ++v) acc[r][v] = at::vec::fmadd(qd, k[v], acc[r][v]);
     }
   }
   for (int r = 0; r < kRows; ++r)
-    for (int v = 0; v < kVectors; ++v) acc[r][v].store(s + r * kBlockKeys + v * Vec::size());
+    for (int v = 0; v < NV; ++v) acc[r][v].store(s + r * kBlockKeys + v * Vec::size());
+}
+
+// The scores of the block's first `vectors` vectors of keys (1..kVectors): the keys some row of the
+// micro tile sees, so a causal diagonal or a short last block scores no more than it needs.
+inline void score_tile(const float* q, const float* kt, int64_t D, int vectors, float* s) {
+  static_assert(kVectors == 4, "one case per vector count");
+  switch (vectors) {
+    case 1: return score_chunk<1>(q, kt, D, s);
+    case 2: return score_chunk<2>(q, kt, D, s);
+    case 3: return score_chunk<3>(q, kt, D, s);
+    default: return score_chunk<4>(q, kt, D, s);
+  }
 }
 
 // NV vectors of float32 from src (widened from bf16/fp16 on load).
@@ -146,22 +160,23 @@ inline void accumulate_tile(const float* p, const float* correction, const scala
 }
 
 // One row's scores of one key block -> weights, updating its running maximum and sum; returns the
-// factor its accumulated values are scaled by. `visible` keys (a prefix of the block) count; the rest
-// weigh 0. A row that sees none of the block keeps its state (factor 1, weights 0).
-inline float softmax_row(float* s, int64_t visible, float& running_max, float& running_sum) {
+// factor its accumulated values are scaled by. Of the `width` scored keys (a multiple of the vector
+// width), the first `visible` count; the rest weigh 0 (keys past `width` are never read). A row that sees
+// none of the block keeps its state (factor 1, weights 0).
+inline float softmax_row(float* s, int64_t visible, int64_t width, float& running_max, float& running_sum) {
   if (visible <= 0) {
-    std::fill(s, s + kBlockKeys, 0.0f);
+    std::fill(s, s + width, 0.0f);
     return 1.0f;
   }
-  std::fill(s + visible, s + kBlockKeys, kNegInf);
+  std::fill(s + visible, s + width, kNegInf);
   Vec block_max_vec(kNegInf);
-  for (int64_t j = 0; j < kBlockKeys; j += Vec::size()) block_max_vec = at::vec::maximum(block_max_vec, Vec::loadu(s + j));
+  for (int64_t j = 0; j < width; j += Vec::size()) block_max_vec = at::vec::maximum(block_max_vec, Vec::loadu(s + j));
   const float block_max = std::max(running_max, at::vec::vec_reduce_all<float>([](Vec a, Vec b) { return at::vec::maximum(a, b); }, block_max_vec));
   // exp(-inf - finite) = 0 clears the empty start.
   const float correction = running_max == block_max ? 1.0f : std::exp(running_max - block_max);
   const Vec shift(block_max);
   Vec sum(0.0f);
-  for (int64_t j = 0; j < kBlockKeys; j += Vec::size()) {
+  for (int64_t j = 0; j < width; j += Vec::size()) {
     const Vec p = (Vec::loadu(s + j) - shift).exp_u20();
     p.store(s + j);
     sum = sum + p;
@@ -206,13 +221,15 @@ void run_tile(
     for (int micro = 0; micro < kMicroTiles; ++micro) {
       const int64_t base = micro * kRows;
       if (limit[base + kRows - 1] <= first_key) continue;  // limits never fall along a tile
-      score_tile(w.q.data() + base * D, block_keys, D, w.s.data());
-      int64_t most_visible = 0;
+      int64_t visible[kRows], most_visible = 0;
       for (int r = 0; r < kRows; ++r) {
-        const int64_t visible = std::min(kBlockKeys, std::min(limit[base + r], sh.keys) - first_key);
-        most_visible = std::max(most_visible, visible);
-        w.correction[r] = softmax_row(w.s.data() + r * kBlockKeys, visible, w.running_max[base + r], w.running_sum[base + r]);
+        visible[r] = std::min(kBlockKeys, std::min(limit[base + r], sh.keys) - first_key);
+        most_visible = std::max(most_visible, visible[r]);
       }
+      const int vectors = static_cast<int>((most_visible + Vec::size() - 1) / Vec::size());
+      score_tile(w.q.data() + base * D, block_keys, D, vectors, w.s.data());
+      for (int r = 0; r < kRows; ++r)
+        w.correction[r] = softmax_row(w.s.data() + r * kBlockKeys, visible[r], vectors * Vec::size(), w.running_max[base + r], w.running_sum[base + r]);
       accumulate_tile<scalar_t>(w.s.data(), w.correction.data(), block_vals, vals_stride, most_visible, D, w.o.data() + base * D);
     }
   }

@@ -1,0 +1,124 @@
+"""The panel linear kernel (engine/runner/csrc/panel_linear.cpp) and the packed linears that choose it
+(engine/runner/packed_linear.py): results within the float32 error bound of an in-order sum, a row's
+result independent of the rows beside it, the choice by row count, and refusals."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch.nn import functional as F
+
+from engine.runner.native_kernels import load_ops
+from engine.runner.packed_linear import PANEL_ROWS, PANEL_WIDTH, pack_weight, packed_linear
+
+FLOAT32_EPS = 2.0**-24  # unit roundoff
+
+
+def panel_ops():
+    ops, why_not = load_ops()
+    if ops is None:
+        pytest.fail(f"the kernel library is not usable: {why_not}")
+    return ops
+
+
+def panels_of(weight: torch.Tensor) -> torch.Tensor:
+    n, k = weight.shape
+    return weight.reshape(n // PANEL_WIDTH, PANEL_WIDTH, k).transpose(1, 2).contiguous()
+
+
+def within_bound(got: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+    """|got - exact| within the bound of a float32 sum over k in order (K u sum |x w|, plus the bias add),
+    plus one rounding to got's dtype."""
+    x64, w64 = x.double(), weight.double()
+    exact = x64 @ w64.T + (0 if bias is None else bias.double())
+    magnitude = x64.abs() @ w64.abs().T + (0 if bias is None else bias.double().abs())
+    bound = (x.shape[1] + 1) * FLOAT32_EPS * magnitude + 1e-30
+    if got.dtype == torch.bfloat16:
+        bound = bound + exact.abs() * 2.0**-8 + magnitude * 2.0**-16
+    excess = (got.double() - exact).abs() - bound
+    assert excess.max().item() <= 0, f"off by {excess.max().item():.3g} beyond the error bound"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@settings(max_examples=40, deadline=None)
+@given(
+    rows=st.integers(1, 40),
+    in_features=st.integers(1, 200),
+    panels=st.integers(1, 6),
+    with_bias=st.booleans(),
+    row_gap=st.integers(0, 5),
+    seed=st.integers(0, 2**16),
+)
+def test_panel_linear_is_within_the_error_bound_of_an_in_order_sum(dtype, rows, in_features, panels, with_bias, row_gap, seed):
+    """Any row count (micro tiles of every height), any K, rows with a gap between them (a strided view)."""
+    generator = torch.Generator().manual_seed(seed)
+    out_features = panels * PANEL_WIDTH
+    wide = torch.randn(rows, in_features + row_gap, generator=generator).to(dtype)
+    x = wide[:, :in_features]
+    weight = torch.randn(out_features, in_features, generator=generator).to(dtype)
+    bias = torch.randn(out_features, generator=generator).to(dtype) if with_bias else None
+    got = panel_ops().panel_linear(x, panels_of(weight), bias)
+    assert got.shape == (rows, out_features) and got.dtype == dtype and got.is_contiguous()
+    within_bound(got, x, weight, bias)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_rows_result_does_not_depend_on_the_rows_beside_it(dtype):
+    """Each row alone, and in batches of 5, 13 and 64 rows (other micro tile heights), gives the same bits."""
+    generator = torch.Generator().manual_seed(7)
+    x = torch.randn(64, 576, generator=generator).to(dtype)
+    weight = torch.randn(960, 576, generator=generator).to(dtype)
+    panels = panels_of(weight)
+    batch = panel_ops().panel_linear(x, panels, None)
+    for rows in (1, 5, 13):
+        for start in range(0, 64 - rows + 1, rows):
+            assert torch.equal(panel_ops().panel_linear(x[start : start + rows], panels, None), batch[start : start + rows])
+
+
+def test_panel_linear_refuses_what_it_cannot_read():
+    ops = panel_ops()
+    x, weight = torch.randn(4, 64), torch.randn(64, 64)
+    panels = panels_of(weight)
+    with pytest.raises(RuntimeError, match="unit stride"):
+        ops.panel_linear(x.T.contiguous().T, panels, None)
+    with pytest.raises(RuntimeError, match="\\[N / 32, K, 32\\]"):
+        ops.panel_linear(x, weight, None)
+    with pytest.raises(RuntimeError, match="share K"):
+        ops.panel_linear(torch.randn(4, 63), panels, None)
+    with pytest.raises(RuntimeError, match="share a dtype"):
+        ops.panel_linear(x.bfloat16(), panels, None)
+    with pytest.raises(RuntimeError, match="float32 or bfloat16"):
+        ops.panel_linear(x.double(), panels.double(), None)
+    with pytest.raises(RuntimeError, match="bias"):
+        ops.panel_linear(x, panels, torch.randn(32))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_packed_linear_takes_the_panels_for_few_rows_and_onednn_above(dtype):
+    panel_ops()
+    generator = torch.Generator().manual_seed(3)
+    weight = torch.randn(96, 80, generator=generator).to(dtype)
+    bias = torch.randn(96, generator=generator).to(dtype)
+    packed = pack_weight(weight)
+    assert packed.panels is not None and packed.panel_rows == PANEL_ROWS[dtype]
+    for rows in (1, PANEL_ROWS[dtype], PANEL_ROWS[dtype] + 1, 200):
+        x = torch.randn(rows, 80, generator=generator).to(dtype)
+        got = packed_linear(x.view(1, rows, 80), packed, bias)
+        assert got.shape == (1, rows, 96)
+        if rows <= packed.panel_rows:
+            want = panel_ops().panel_linear(x, packed.panels, bias)
+        else:
+            want = torch.ops.mkldnn._linear_pointwise(x, packed.onednn, bias, "none", [], "")
+        assert torch.equal(got.view(rows, 96), want)
+        tolerance = 1e-4 if dtype == torch.float32 else 5e-2
+        torch.testing.assert_close(got.view(rows, 96).float(), F.linear(x.float(), weight.float(), bias.float()), rtol=tolerance, atol=tolerance)
+
+
+def test_weights_whose_outputs_do_not_fill_panels_run_on_onednn_only():
+    weight = torch.randn(40, 16)
+    packed = pack_weight(weight)
+    assert packed.panels is None
+    x = torch.randn(3, 16)
+    torch.testing.assert_close(packed_linear(x, packed, None), F.linear(x, weight), rtol=1e-5, atol=1e-5)
