@@ -2,8 +2,9 @@
 
 The library lands beside its sources (engine/runner/csrc/prefix_console_ops.so) and registers the ops
 `torch.ops.prefix_console.*` when engine/runner/native_kernels.py loads it: the paged decode attention
-(paged_decode.cpp), the tiled attention of prefills and shared prefixes (tiled_attention.cpp) and a
-decoder layer's fused elementwise steps (decoder_ops.cpp). It is built for the
+(paged_decode.cpp), the tiled attention of prefills and shared prefixes (tiled_attention.cpp), the
+merge of partial attention results (merge_partials.cpp), the linears of few rows (panel_linear.cpp) and
+a decoder layer's fused elementwise steps (decoder_ops.cpp). It is built for the
 vector instructions of the machine that builds it (AVX-512, else AVX2 with FMA, else none: ATen's
 `Vectorized` then falls back to plain loops), which is the machine that runs it: `make install` builds
 it in place, with a manifest of the sources it was built from beside it. A library older than any of
@@ -36,10 +37,14 @@ INSTRUCTION_SETS = (
 
 
 def instruction_set(cpu_flags: set[str]) -> tuple[list[str], str]:
-    """Compiler flags and ATen's capability name for the best instruction set these CPU flags allow."""
+    """Compiler flags and ATen's capability name for the best instruction set these CPU flags allow.
+
+    With AVX-512 and the CPU's bf16 dot products (avx512_bf16), PANEL_BF16_DOT lets panel_linear.cpp's
+    bf16 path use them (in its own functions only: the rest of the library keeps AVX-512)."""
     for required, flags, name in INSTRUCTION_SETS:
         if required <= cpu_flags:
-            return flags + [f"-DCPU_CAPABILITY={name}", f"-DCPU_CAPABILITY_{name}"], name
+            extra = ["-DPANEL_BF16_DOT"] if name == "AVX512" and "avx512_bf16" in cpu_flags else []
+            return flags + extra + [f"-DCPU_CAPABILITY={name}", f"-DCPU_CAPABILITY_{name}"], name
     return ["-DCPU_CAPABILITY=DEFAULT"], "DEFAULT"
 
 

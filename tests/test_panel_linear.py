@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from torch.nn import functional as F
 
 from engine.runner.native_kernels import load_ops
-from engine.runner.packed_linear import PANEL_ROWS, PANEL_WIDTH, pack_weight, packed_linear
+from engine.runner.packed_linear import PANEL_ROWS, PANEL_WIDTH, WIDENED_BF16_ROWS, pack_weight, packed_linear, panel_rows
 
 FLOAT32_EPS = 2.0**-24  # unit roundoff
 
@@ -24,8 +24,7 @@ def panel_ops():
 
 
 def panels_of(weight: torch.Tensor) -> torch.Tensor:
-    n, k = weight.shape
-    return weight.reshape(n // PANEL_WIDTH, PANEL_WIDTH, k).transpose(1, 2).contiguous()
+    return panel_ops().pack_panels(weight)
 
 
 def within_bound(got: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
@@ -102,8 +101,8 @@ def test_packed_linear_takes_the_panels_for_few_rows_and_onednn_above(dtype):
     weight = torch.randn(96, 80, generator=generator).to(dtype)
     bias = torch.randn(96, generator=generator).to(dtype)
     packed = pack_weight(weight)
-    assert packed.panels is not None and packed.panel_rows == PANEL_ROWS[dtype]
-    for rows in (1, PANEL_ROWS[dtype], PANEL_ROWS[dtype] + 1, 200):
+    assert packed.panels is not None and packed.panel_rows == panel_rows(packed.panels)
+    for rows in (1, packed.panel_rows, packed.panel_rows + 1, 200):
         x = torch.randn(rows, 80, generator=generator).to(dtype)
         got = packed_linear(x.view(1, rows, 80), packed, bias)
         assert got.shape == (1, rows, 96)
@@ -122,3 +121,16 @@ def test_weights_whose_outputs_do_not_fill_panels_run_on_onednn_only():
     assert packed.panels is None
     x = torch.randn(3, 16)
     torch.testing.assert_close(packed_linear(x, packed, None), F.linear(x, weight), rtol=1e-5, atol=1e-5)
+
+
+def test_bf16_panels_hold_pairs_where_the_cpu_has_bf16_dot_products():
+    """This machine's library packs bf16 in pairs along K when the CPU has avx512_bf16 (and those panels
+    then serve as many rows as float32 ones); an odd K is padded with a zero."""
+    from build_kernels import cpu_flags
+
+    panels = panel_ops().pack_panels(torch.randn(64, 7).bfloat16())
+    if "avx512_bf16" in cpu_flags() and "avx512f" in cpu_flags():
+        assert panels.shape == (2, 4, 32, 2) and panel_rows(panels) == PANEL_ROWS
+        assert torch.equal(panels[:, 3, :, 1], torch.zeros(2, 32, dtype=torch.bfloat16))
+    else:
+        assert panels.shape == (2, 7, 32) and panel_rows(panels) == WIDENED_BF16_ROWS

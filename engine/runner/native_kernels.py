@@ -7,13 +7,14 @@
     tiled_attention  attention of many queries over contiguous keys, causal or unmasked: a prefill's own
                      tokens, queries over a shared prefix (csrc/tiled_attention.cpp)
     merge_partials_  two partial attention results merged into the first, in place (csrc/merge_partials.cpp)
+    panel_linear     a linear layer for few rows over a weight packed in column panels (csrc/panel_linear.cpp)
     add_rms_norm_, rms_norm, silu_and_mul, rope_
                      a decoder layer's elementwise steps, one pass each (csrc/decoder_ops.cpp)
 
 A library that is missing, older than one of its sources, built from another set of sources (its
 manifest, written by the build) or refused by the loader is not used: the runner then runs decodes
-through the padded, masked fused call, its other attention through torch's CPU flash kernel and the
-decoder's steps through torch's ops, and `load_ops` says
+through the padded, masked fused call, its other attention through torch's CPU flash kernel, its
+linears through oneDNN alone and the decoder's steps through torch's ops, and `load_ops` says
 why (the runner's kernel notes carry it to the Settings page and the device check).
 """
 

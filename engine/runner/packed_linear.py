@@ -4,25 +4,29 @@
 call. Here each weight is packed once, twice over:
 
 - for oneDNN's matmul, in its blocked layout (`mkldnn._reorder_linear_weight`);
-- in column panels for the engine's own kernel (`panel_linear`, engine/runner/csrc/panel_linear.cpp):
-  [N / 32, K, 32], so that a thread streams its panels from memory in one sequential pass.
+- in column panels for the engine's own kernel (`panel_linear`, engine/runner/csrc/panel_linear.cpp), so
+  that a thread streams its panels from memory in one sequential pass: float32 [N / 32, K, 32]; bf16 in
+  pairs along K for the CPU's bf16 dot products where it has them (avx512_bf16), else like float32.
 
-Calls with few rows (decode steps) run on the panels, the rest on oneDNN. Measured on SmolLM2-135M, two
-threads, process wall time, 30 decoder layers (210 distinct weights, so they stream from memory):
+Calls of up to `PANEL_ROWS` rows (decode steps, small batches) run on the panels, the rest on oneDNN.
+Measured on SmolLM2-135M, two threads, process wall time, 30 decoder layers (210 distinct weights, so
+they stream from memory), ms:
 
-    rows            1      8      32     64     128    256    1056
-    fp32 panels     14     13     34     64     124    264    1107 ms
-    fp32 oneDNN     26     20     40     71     130    267    1108 ms
-    fp32 F.linear   38     43     74     104    -      387    1234 ms
-    bf16 panels     8-10   13     44     83                         ms
-    bf16 oneDNN     14-17  13     27     44                         ms
+    rows                       1      8      32     64     128    256    1056   2048
+    fp32 panels                14     13     34     64     124    264    1107   2060
+    fp32 oneDNN                26     20     40     71     130    267    1108   2019
+    fp32 F.linear              38     43     74     104    -      387    1234   -
+    bf16 panels (dot products) 4.6    6.4    18     34     65     131
+    bf16 oneDNN                5.4    11     24     43     72     135
 
-oneDNN's bf16 kernels use the CPU's bf16 dot products, the panel kernel widens to float32 and multiplies
-there, so bf16 takes the panels only up to `PANEL_ROWS` rows. The LM head (49,152 x 576) agrees: fp32 1
-row 4.7 ms vs 5.8, 8 rows 3.6-5.7 vs 5.5-7.3, 64 rows even, 128 rows 40 vs 35; bf16 1 row 1.4 vs 2.6.
+The LM head (49,152 x 576) agrees up to 64 rows (fp32 1 row 4.7 ms vs 5.8, 8 rows 3.6-5.7 vs 5.5-7.3,
+64 even; bf16 8 rows 1.3 vs 2.0) and is even at 128. Without the bf16 dot products the panel kernel
+widens bf16 to float32 and multiplies there: faster than oneDNN's bf16 kernels (which use the dot
+products) only up to about 4 rows (1 row 8-10 ms vs 14-17, 8 rows even, 32 rows 44 vs 27), so such
+panels serve at most `WIDENED_BF16_ROWS`.
 
 Results differ from `F.linear`'s in the last bits (another summation order: ~5e-5 on SmolLM2's logits in
-fp32). The panel kernel sums each output over k in order whatever the number of rows, so a row's result
+fp32). The panel kernel computes each output the same way whatever the number of rows, so a row's result
 does not depend on the rows beside it. Fusing a gated MLP's gate and up projections into one weight
 measured no faster (oneDNN, fp32 or bf16); the decoder forward (engine/runner/decoder_forward.py) fuses
 them for its fused elementwise step.
@@ -44,7 +48,8 @@ from engine.runner.native_kernels import load_ops
 PACKED_DTYPES = (torch.float32, torch.bfloat16)
 BATCH_HINT = 32  # rows oneDNN's weight layout is chosen for (measured best of 1, 8, 32 and none)
 PANEL_WIDTH = 32  # outputs per column panel (panel_linear.cpp's P)
-PANEL_ROWS = {torch.float32: 128, torch.bfloat16: 4}  # most rows a call runs on the panels (measured, above)
+PANEL_ROWS = 128  # most rows a call runs on the panels (measured, above)
+WIDENED_BF16_ROWS = 4  # the same for bf16 panels without the CPU's bf16 dot products
 
 
 @dataclass(frozen=True)
@@ -52,7 +57,7 @@ class PackedWeight:
     """A linear layer's [N, K] weight packed once: oneDNN's layout, and column panels where they serve."""
 
     onednn: torch.Tensor
-    panels: torch.Tensor | None  # [N / 32, K, 32]; None without the engine's library or when 32 does not divide N
+    panels: torch.Tensor | None  # `pack_panels`' layout; None without the engine's library or when 32 does not divide N
     panel_rows: int  # calls of at most this many rows run on the panels
 
 
@@ -88,12 +93,16 @@ def pack_weight(weight: torch.Tensor) -> PackedWeight:
     """Packed copies of a linear layer's [out_features, in_features] weight (CPU, fp32 or bf16)."""
     weight = weight.detach()
     onednn = torch.ops.mkldnn._reorder_linear_weight(weight, BATCH_HINT)
-    out_features, in_features = weight.shape
     ops, _ = load_ops()
-    if ops is None or out_features % PANEL_WIDTH != 0:
+    if ops is None or weight.shape[0] % PANEL_WIDTH != 0:
         return PackedWeight(onednn, None, 0)
-    panels = weight.reshape(out_features // PANEL_WIDTH, PANEL_WIDTH, in_features).transpose(1, 2).contiguous()
-    return PackedWeight(onednn, panels, PANEL_ROWS[weight.dtype])
+    panels = ops.pack_panels(weight)
+    return PackedWeight(onednn, panels, panel_rows(panels))
+
+
+def panel_rows(panels: torch.Tensor) -> int:
+    """Most rows a call runs on these panels: fewer for bf16 ones widened to float32 (3-D; pairs are 4-D)."""
+    return WIDENED_BF16_ROWS if panels.dtype == torch.bfloat16 and panels.dim() == 3 else PANEL_ROWS
 
 
 def packs_linears(device: torch.device, dtype: torch.dtype) -> bool:
@@ -108,7 +117,8 @@ def linear_kernels(device: torch.device, dtype: torch.dtype) -> str:
     ops, why_not = load_ops()
     if ops is None:
         return f"oneDNN (no panel kernel: {why_not})"
-    return f"panels up to {PANEL_ROWS[dtype]} rows, oneDNN above"
+    rows = panel_rows(ops.pack_panels(torch.zeros(PANEL_WIDTH, 2, dtype=dtype)))
+    return f"panels up to {rows} rows, oneDNN above"
 
 
 def pack_linears(model: nn.Module, device: torch.device, dtype: torch.dtype) -> int:
