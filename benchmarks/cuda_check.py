@@ -5,7 +5,7 @@ script before device time is spent on it. Results go to DIR/cuda_check.json and 
 DIR = --out, else $OUT, else artifacts/cuda-check; both are rewritten after every measurement, so a run
 cut short still leaves what it measured.
 
-    1. environment   versions, device, the attention kernels the runner chose per dtype (and why)
+    1. environment   versions, device, the attention kernels (and why) and linears the runner chose per dtype
     2. reference     tiny random models (Llama, Mistral with a window, Qwen2, Qwen3, Llama hybrid:5) in
                      fp32 and bf16, on the device: cold prompts, chunked prefill, forks decoding together
                      (cascade), a prefix hit, a mixed step, contexts beyond the window; each logit row
@@ -173,6 +173,7 @@ def environment(report: Report, s: Settings) -> None:
     import transformers
 
     from engine.runner.attention_kernels import choose_kernels
+    from engine.runner.packed_linear import linear_kernels
 
     info = {
         "python": platform.python_version(),
@@ -190,6 +191,7 @@ def environment(report: Report, s: Settings) -> None:
             "masked": choice.masked.value,
             "decodes": None if choice.decodes is None else choice.decodes.value,
             "notes": list(choice.notes),
+            "linears": linear_kernels(torch.device(s.device), dtype),
         }
         report.add("environment", f"kernels_{dtype_name}", value, f"  kernels for {dtype_name}: {value}")
 
