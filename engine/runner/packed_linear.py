@@ -9,19 +9,19 @@ call. Here each weight is packed once, twice over:
   pairs along K for the CPU's bf16 dot products where it has them (avx512_bf16), else like float32.
 
 Calls of up to `PANEL_ROWS` rows (decode steps, small batches) run on the panels, the rest on oneDNN.
-Measured on SmolLM2-135M, two threads, process wall time, 30 decoder layers (210 distinct weights, so
-they stream from memory), ms:
+Measured by benchmarks/linear_kernels.py on SmolLM2-135M, two threads: 30 decoder layers (210 distinct
+weights, so they stream from memory), ms per pass:
 
-    rows                       1      8      32     64     128    256    1056   2048
-    fp32 panels                14     13     34     64     124    264    1107   2060
-    fp32 oneDNN                26     20     40     71     130    267    1108   2019
-    fp32 F.linear              38     43     74     104    -      387    1234   -
-    bf16 panels (dot products) 4.6    6.4    18     34     65     131
-    bf16 oneDNN                5.4    11     24     43     72     135
+    rows                       1      8      32     64     128    256    1056
+    fp32 panels                13.2   13.3   33.7   65.4   128    257    1040
+    fp32 oneDNN                18.7   19.8   41.3   70.4   134    252    1017
+    fp32 F.linear              32.5   39.8   82.2   101    173    312    1186
+    bf16 panels (dot products) 6.2    6.9    18.9   34.0   64.8   129    545
+    bf16 oneDNN                11.4   12.4   23.8   44.9   72.9   134    536
 
-The LM head (49,152 x 576) agrees up to 64 rows (fp32 1 row 4.7 ms vs 5.8, 8 rows 3.6-5.7 vs 5.5-7.3,
-64 even; bf16 8 rows 1.3 vs 2.0) and is even at 128. Without the bf16 dot products the panel kernel
-widens bf16 to float32 and multiplies there: faster than oneDNN's bf16 kernels (which use the dot
+The LM head (49,152 x 576) agrees: fp32 1 row 3.3 ms vs 4.2, 8 rows 3.4 vs 4.5, 64 rows 17.6 vs 17.9,
+128 rows 34.7 vs 33.5; bf16 1 row 1.1 vs 2.0, 8 rows 1.8 vs 2.4. Without the bf16 dot products the panel
+kernel widens bf16 to float32 and multiplies there: faster than oneDNN's bf16 kernels (which use the dot
 products) only up to about 4 rows (1 row 8-10 ms vs 14-17, 8 rows even, 32 rows 44 vs 27), so such
 panels serve at most `WIDENED_BF16_ROWS`.
 
