@@ -10,21 +10,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.nn import functional as F
 
-from engine.runner.native_kernels import load_ops
 from engine.runner.packed_linear import PANEL_ROWS, PANEL_WIDTH, WIDENED_BF16_ROWS, pack_weight, packed_linear, panel_rows
+from tests.engine_support import kernel_ops
 
 FLOAT32_EPS = 2.0**-24  # unit roundoff
 
 
-def panel_ops():
-    ops, why_not = load_ops()
-    if ops is None:
-        pytest.fail(f"the kernel library is not usable: {why_not}")
-    return ops
-
-
 def panels_of(weight: torch.Tensor) -> torch.Tensor:
-    return panel_ops().pack_panels(weight)
+    return kernel_ops().pack_panels(weight)
 
 
 def within_bound(got: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
@@ -58,7 +51,7 @@ def test_panel_linear_is_within_the_error_bound_of_an_in_order_sum(dtype, rows, 
     x = wide[:, :in_features]
     weight = torch.randn(out_features, in_features, generator=generator).to(dtype)
     bias = torch.randn(out_features, generator=generator).to(dtype) if with_bias else None
-    got = panel_ops().panel_linear(x, panels_of(weight), bias)
+    got = kernel_ops().panel_linear(x, panels_of(weight), bias)
     assert got.shape == (rows, out_features) and got.dtype == dtype and got.is_contiguous()
     within_bound(got, x, weight, bias)
 
@@ -70,14 +63,14 @@ def test_a_rows_result_does_not_depend_on_the_rows_beside_it(dtype):
     x = torch.randn(64, 576, generator=generator).to(dtype)
     weight = torch.randn(960, 576, generator=generator).to(dtype)
     panels = panels_of(weight)
-    batch = panel_ops().panel_linear(x, panels, None)
+    batch = kernel_ops().panel_linear(x, panels, None)
     for rows in (1, 5, 13):
         for start in range(0, 64 - rows + 1, rows):
-            assert torch.equal(panel_ops().panel_linear(x[start : start + rows], panels, None), batch[start : start + rows])
+            assert torch.equal(kernel_ops().panel_linear(x[start : start + rows], panels, None), batch[start : start + rows])
 
 
 def test_panel_linear_refuses_what_it_cannot_read():
-    ops = panel_ops()
+    ops = kernel_ops()
     x, weight = torch.randn(4, 64), torch.randn(64, 64)
     panels = panels_of(weight)
     with pytest.raises(RuntimeError, match="unit stride"):
@@ -96,7 +89,7 @@ def test_panel_linear_refuses_what_it_cannot_read():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_packed_linear_takes_the_panels_for_few_rows_and_onednn_above(dtype):
-    panel_ops()
+    kernel_ops()
     generator = torch.Generator().manual_seed(3)
     weight = torch.randn(96, 80, generator=generator).to(dtype)
     bias = torch.randn(96, generator=generator).to(dtype)
@@ -107,7 +100,7 @@ def test_packed_linear_takes_the_panels_for_few_rows_and_onednn_above(dtype):
         got = packed_linear(x.view(1, rows, 80), packed, bias)
         assert got.shape == (1, rows, 96)
         if rows <= packed.panel_rows:
-            want = panel_ops().panel_linear(x, packed.panels, bias)
+            want = kernel_ops().panel_linear(x, packed.panels, bias)
         else:
             want = torch.ops.mkldnn._linear_pointwise(x, packed.onednn, bias, "none", [], "")
         assert torch.equal(got.view(rows, 96), want)
@@ -128,7 +121,7 @@ def test_bf16_panels_hold_pairs_where_the_cpu_has_bf16_dot_products():
     then serve as many rows as float32 ones); an odd K is padded with a zero."""
     from build_kernels import cpu_flags
 
-    panels = panel_ops().pack_panels(torch.randn(64, 7).bfloat16())
+    panels = kernel_ops().pack_panels(torch.randn(64, 7).bfloat16())
     if "avx512_bf16" in cpu_flags() and "avx512f" in cpu_flags():
         assert panels.shape == (2, 4, 32, 2) and panel_rows(panels) == PANEL_ROWS
         assert torch.equal(panels[:, 3, :, 1], torch.zeros(2, 32, dtype=torch.bfloat16))

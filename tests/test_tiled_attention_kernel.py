@@ -9,14 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from engine.runner.attention_kernels import Kernel, attend, choose_kernels
-from engine.runner.native_kernels import load_ops
-
-
-def tiled_ops():
-    ops, why_not = load_ops()
-    if ops is None:
-        pytest.fail(f"the kernel library is not usable: {why_not}")
-    return ops
+from tests.engine_support import kernel_ops
 
 
 def as_runner_passes(values: torch.Tensor) -> torch.Tensor:
@@ -46,7 +39,7 @@ def test_tiled_attention_matches_math(dtype, call, seed):
     generator = torch.Generator().manual_seed(seed)
     q = as_runner_passes(torch.randn(batch, queries, heads, head_dim, generator=generator).to(dtype))
     k, v = (as_runner_passes(torch.randn(batch, keys, kv_heads, head_dim, generator=generator).to(dtype)) for _ in range(2))
-    out, lse = tiled_ops().tiled_attention(q, k, v, causal, head_dim**-0.5)
+    out, lse = kernel_ops().tiled_attention(q, k, v, causal, head_dim**-0.5)
     want_out, want_lse = attend(q, k, v, scale=head_dim**-0.5, causal=causal, kernel=Kernel.MATH)
     tolerance = 2e-5 if dtype == torch.float32 else 2e-2  # bf16: one rounding of the output
     assert out.shape == q.shape and out.dtype == dtype and lse.dtype == torch.float32
@@ -60,7 +53,7 @@ def test_few_queries_over_a_long_shared_prefix_match_math(queries):
     generator = torch.Generator().manual_seed(queries)
     q = as_runner_passes(torch.randn(1, queries, 9, 64, generator=generator))
     k, v = (as_runner_passes(torch.randn(1, 1024, 3, 64, generator=generator)) for _ in range(2))
-    out, lse = tiled_ops().tiled_attention(q, k, v, False, 0.125)
+    out, lse = kernel_ops().tiled_attention(q, k, v, False, 0.125)
     want_out, want_lse = attend(q, k, v, scale=0.125, kernel=Kernel.MATH)
     assert (out - want_out).abs().max().item() < 2e-5
     assert (lse - want_lse).abs().max().item() < 2e-5
@@ -71,7 +64,7 @@ def test_a_long_causal_call_matches_math_at_every_row():
     generator = torch.Generator().manual_seed(5)
     q = as_runner_passes(torch.randn(1, 1056, 9, 64, generator=generator))
     k, v = (as_runner_passes(torch.randn(1, 1056, 3, 64, generator=generator)) for _ in range(2))
-    out, lse = tiled_ops().tiled_attention(q, k, v, True, 0.125)
+    out, lse = kernel_ops().tiled_attention(q, k, v, True, 0.125)
     want_out, want_lse = attend(q, k, v, scale=0.125, causal=True, kernel=Kernel.MATH)
     assert (out - want_out).abs().max().item() < 2e-5
     assert (lse - want_lse).abs().max().item() < 2e-5
@@ -82,7 +75,7 @@ def test_a_nan_in_one_element_reaches_no_other_element(keys):
     q = as_runner_passes(torch.randn(2, 5, 4, 16))
     k, v = (as_runner_passes(torch.randn(2, keys, 2, 16)) for _ in range(2))
     k[0, 0, 3, 0] = float("nan")
-    out, lse = tiled_ops().tiled_attention(q, k, v, False, 0.25)
+    out, lse = kernel_ops().tiled_attention(q, k, v, False, 0.25)
     want_out, want_lse = attend(q[1:], k[1:], v[1:], scale=0.25, kernel=Kernel.MATH)
     assert (out[1:] - want_out).abs().max().item() < 2e-5 and (lse[1:] - want_lse).abs().max().item() < 2e-5
     assert torch.isnan(out[0]).any()
@@ -100,7 +93,7 @@ def test_a_nan_in_one_element_reaches_no_other_element(keys):
 def test_bad_calls_are_refused(shapes, causal, message):
     q_shape, kv_shape = shapes
     with pytest.raises(RuntimeError, match=message):
-        tiled_ops().tiled_attention(torch.randn(q_shape), torch.randn(kv_shape), torch.randn(kv_shape), causal, 0.25)
+        kernel_ops().tiled_attention(torch.randn(q_shape), torch.randn(kv_shape), torch.randn(kv_shape), causal, 0.25)
 
 
 def test_a_bias_is_refused_by_the_python_entry():

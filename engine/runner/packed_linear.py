@@ -26,7 +26,7 @@ products) only up to about 4 rows (1 row 8-10 ms vs 14-17, 8 rows even, 32 rows 
 panels serve at most `WIDENED_BF16_ROWS`.
 
 Results differ from `F.linear`'s in the last bits (another summation order: ~5e-5 on SmolLM2's logits in
-fp32). The panel kernel computes each output the same way whatever the number of rows, so a row's result
+fp32; in bf16 a rounding flips now and then). The panel kernel computes each output the same way whatever the number of rows, so a row's result
 does not depend on the rows beside it. Fusing a gated MLP's gate and up projections into one weight
 measured no faster (oneDNN, fp32 or bf16); the decoder forward (engine/runner/decoder_forward.py) fuses
 them for its fused elementwise step.
