@@ -70,8 +70,21 @@ inline void load_row(const at::BFloat16* p, Vec (&w)[kVectors]) {
   }
 }
 
-inline float widen(float v) { return v; }
-inline float widen(at::BFloat16 v) { return static_cast<float>(v); }
+// y[0:P] = out[0:P] (+ bias), rounded once to the dtype: the end of one row of a micro tile.
+template <typename T>
+inline void store_row(const float* out, const T* bias, T* y) {
+  for (int64_t c = 0; c < kPanel; ++c) y[c] = static_cast<T>(bias == nullptr ? out[c] : out[c] + static_cast<float>(bias[c]));
+}
+
+// body(panel, first_row, rows) for every micro tile of at most max_rows rows of every panel: each thread
+// takes a run of consecutive panels and all rows of each.
+template <typename F>
+void for_each_tile(int64_t num_panels, int64_t M, int max_rows, const F& body) {
+  at::parallel_for(0, num_panels, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t j = begin; j < end; ++j)
+      for (int64_t r = 0; r < M; r += max_rows) body(j, r, static_cast<int>(std::min<int64_t>(max_rows, M - r)));
+  });
+}
 
 // y[r, 0:P] = x[r, :] . panel[:, 0:P] (+ bias) for the R rows of one micro tile.
 template <int R, typename T>
@@ -90,10 +103,7 @@ void micro_tile(const float* x, int64_t x_stride, const T* panel, int64_t K, con
   float out[kPanel];
   for (int r = 0; r < R; ++r) {
     for (int v = 0; v < kVectors; ++v) acc[r][v].store(out + v * Vec::size());
-    for (int64_t c = 0; c < kPanel; ++c) {
-      const float value = bias == nullptr ? out[c] : out[c] + widen(bias[c]);
-      y[r * y_stride + c] = static_cast<T>(value);
-    }
+    store_row(out, bias, y + r * y_stride);
   }
 }
 
@@ -134,10 +144,7 @@ void paired_micro_tile(const at::BFloat16* x, int64_t x_stride, const at::BFloat
   for (int r = 0; r < R; ++r) {
     _mm512_storeu_ps(out, acc[r][0]);
     _mm512_storeu_ps(out + 16, acc[r][1]);
-    for (int64_t c = 0; c < kPanel; ++c) {
-      const float value = bias == nullptr ? out[c] : out[c] + static_cast<float>(bias[c]);
-      y[r * y_stride + c] = static_cast<at::BFloat16>(value);
-    }
+    store_row(out, bias, y + r * y_stride);
   }
 }
 
@@ -158,15 +165,9 @@ void run_paired(const at::Tensor& x, const at::Tensor& panels, const std::option
   const at::BFloat16* ps = panels.data_ptr<at::BFloat16>();
   const at::BFloat16* bs = bias.has_value() ? bias->data_ptr<at::BFloat16>() : nullptr;
   at::BFloat16* ys = y.data_ptr<at::BFloat16>();
-  at::parallel_for(0, panels.size(0), 1, [&](int64_t begin, int64_t end) {
-    for (int64_t j = begin; j < end; ++j) {
-      const at::BFloat16* panel = ps + j * K2 * 2 * kPanel;
-      const at::BFloat16* b = bs == nullptr ? nullptr : bs + j * kPanel;
-      for (int64_t r = 0; r < M; r += kMaxPairedRows) {
-        const int rows = static_cast<int>(std::min<int64_t>(kMaxPairedRows, M - r));
-        paired_rows_tail(rows, xp + r * x_stride, x_stride, panel, K2, b, ys + r * N + j * kPanel, N);
-      }
-    }
+  for_each_tile(panels.size(0), M, kMaxPairedRows, [&](int64_t j, int64_t r, int rows) {
+    paired_rows_tail(rows, xp + r * x_stride, x_stride, ps + j * K2 * 2 * kPanel, K2, bs == nullptr ? nullptr : bs + j * kPanel,
+                     ys + r * N + j * kPanel, N);
   });
 }
 
@@ -181,15 +182,9 @@ void run(const at::Tensor& x, const at::Tensor& panels, const std::optional<at::
   const T* ps = panels.data_ptr<T>();
   const T* bs = bias.has_value() ? bias->data_ptr<T>() : nullptr;
   T* ys = y.data_ptr<T>();
-  at::parallel_for(0, panels.size(0), 1, [&](int64_t begin, int64_t end) {
-    for (int64_t j = begin; j < end; ++j) {
-      const T* panel = ps + j * K * kPanel;
-      const T* b = bs == nullptr ? nullptr : bs + j * kPanel;
-      for (int64_t r = 0; r < M; r += kMaxRows) {
-        const int rows = static_cast<int>(std::min<int64_t>(kMaxRows, M - r));
-        rows_tail<T>(rows, xs + r * x_stride, x_stride, panel, K, b, ys + r * N + j * kPanel, N);
-      }
-    }
+  for_each_tile(panels.size(0), M, kMaxRows, [&](int64_t j, int64_t r, int rows) {
+    rows_tail<T>(rows, xs + r * x_stride, x_stride, ps + j * K * kPanel, K, bs == nullptr ? nullptr : bs + j * kPanel,
+                 ys + r * N + j * kPanel, N);
   });
 }
 
