@@ -39,11 +39,12 @@ INSTRUCTION_SETS = (
 def instruction_set(cpu_flags: set[str]) -> tuple[list[str], str]:
     """Compiler flags and ATen's capability name for the best instruction set these CPU flags allow.
 
-    With AVX-512 and the CPU's bf16 dot products (avx512_bf16), PANEL_BF16_DOT lets panel_linear.cpp's
-    bf16 path use them (in its own functions only: the rest of the library keeps AVX-512)."""
+    With AVX-512 and the CPU's bf16 dot products (avx512_bf16), BF16_DOT_PRODUCTS lets the bf16 paths of
+    panel_linear.cpp and tiled_attention.cpp use them (in their own functions only: the rest of the
+    library keeps AVX-512)."""
     for required, flags, name in INSTRUCTION_SETS:
         if required <= cpu_flags:
-            extra = ["-DPANEL_BF16_DOT"] if name == "AVX512" and "avx512_bf16" in cpu_flags else []
+            extra = ["-DBF16_DOT_PRODUCTS"] if name == "AVX512" and "avx512_bf16" in cpu_flags else []
             return flags + extra + [f"-DCPU_CAPABILITY={name}", f"-DCPU_CAPABILITY_{name}"], name
     return ["-DCPU_CAPABILITY=DEFAULT"], "DEFAULT"
 

@@ -38,7 +38,7 @@
 #include <cstring>
 #include <optional>
 
-#if defined(PANEL_BF16_DOT)
+#if defined(BF16_DOT_PRODUCTS)
 #include <immintrin.h>
 #endif
 
@@ -49,7 +49,7 @@ using Vec = at::vec::Vectorized<float>;
 constexpr int64_t kPanel = 32;  // P: outputs per panel
 constexpr int kVectors = kPanel / Vec::size();  // accumulators per row
 constexpr int kMaxRows = 24 / kVectors;  // R: rows of a micro tile (R x kVectors accumulators in registers)
-#if defined(PANEL_BF16_DOT)
+#if defined(BF16_DOT_PRODUCTS)
 constexpr bool kPairedBf16 = true;  // bf16 panels hold k in pairs, multiplied by bf16 dot products
 constexpr int kMaxPairedRows = 12;  // 12 x 2 accumulators
 #else
@@ -115,8 +115,8 @@ void rows_tail(int rows, const float* x, int64_t x_stride, const T* panel, int64
   }
 }
 
-#if defined(PANEL_BF16_DOT)
-// Only these functions use the bf16 dot products (the build defines PANEL_BF16_DOT where the CPU has them):
+#if defined(BF16_DOT_PRODUCTS)
+// Only these functions use the bf16 dot products (the build defines BF16_DOT_PRODUCTS where the CPU has them):
 // the rest of the library keeps the instruction set torch's own kernels were built for.
 #pragma GCC push_options
 #pragma GCC target("avx512bf16")
@@ -221,7 +221,7 @@ at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels, const std
                 "bias must be a contiguous [N] tensor of x's dtype");
   }
   at::Tensor y = at::empty({M, N}, x.options());
-#if defined(PANEL_BF16_DOT)
+#if defined(BF16_DOT_PRODUCTS)
   if (pairs) {
     run_paired(x, panels, bias, y);
     return y;

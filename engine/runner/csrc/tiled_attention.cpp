@@ -28,7 +28,11 @@
 // their log-sum-exps. Tasks are taken from a shared counter, the heaviest (latest causal) tiles first.
 //
 // Arithmetic is float32 whatever the dtype, as in the CPU flash kernel; results match it up to
-// summation order.
+// summation order. bf16 calls on a CPU with bf16 dot products (the build defines BF16_DOT_PRODUCTS) pack
+// keys in pairs along D ([L / KB][D / 2][KB][2]) and values in pairs of keys ([L / KB][KB / 2][D][2]),
+// and each vdpbf16ps adds two exact products to a float32 sum: twice the multiplies of a float32 FMA.
+// The scores are those exact products' sums, scaled afterwards; the weights p are rounded to bf16
+// before they multiply the values, as a bf16 GPU kernel rounds them (the output is bf16 anyway).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -39,11 +43,16 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <tuple>
 #include <type_traits>
 #include <utility>
 #include <vector>
+
+#if defined(BF16_DOT_PRODUCTS)
+#include <immintrin.h>
+#endif
 
 namespace {
 
@@ -186,20 +195,165 @@ inline float softmax_row(float* s, int64_t visible, int64_t width, float& runnin
   return correction;
 }
 
+#if defined(BF16_DOT_PRODUCTS)
+constexpr bool kBf16Pairs = true;  // bf16 calls run on the CPU's bf16 dot products (vdpbf16ps)
+#else
+constexpr bool kBf16Pairs = false;
+#endif
+
+// The bf16 path (defined where the build has BF16_DOT_PRODUCTS). A block's keys are packed as pairs along
+// the head dimension, [D / 2][KB][2], and its values as pairs of consecutive keys, [KB / 2][D][2], both
+// zero past the last key; each vdpbf16ps adds two exact products to a float32 sum.
+void pack_key_pairs(const at::BFloat16* key, int64_t key_stride, int64_t count, int64_t D, at::BFloat16* out, float* staging);
+void pack_value_pairs(const at::BFloat16* value, int64_t value_stride, int64_t count, int64_t D, at::BFloat16* out);
+void score_pairs(const at::BFloat16* q, const at::BFloat16* key_pairs, int64_t D, int vectors, float scale, float* s);
+void accumulate_pairs(float* p, int vectors, const float* correction, const at::BFloat16* value_pairs, int64_t num_keys,
+                      int64_t D, float* o);
+
+#if defined(BF16_DOT_PRODUCTS)
+// Only these functions use the bf16 dot products: the rest of the library keeps the instruction set
+// torch's own kernels were built for.
+#pragma GCC push_options
+#pragma GCC target("avx512bf16")
+
+static_assert(Vec::size() == 16 && kBlockKeys == 64, "the bf16 path is written for 512-bit vectors");
+
+// The 32-bit pair of bf16 at p (any alignment).
+inline int32_t pair_at(const at::BFloat16* p) {
+  int32_t pair;
+  std::memcpy(&pair, p, sizeof(pair));
+  return pair;
+}
+
+// The pairs are moved as 32-bit words: rows of D / 2 words into staging [KB][D / 2] (zero past the last
+// key), then transposed 16 x 16 words at a time (as float32 lanes: permutes, no arithmetic).
+void pack_key_pairs(const at::BFloat16* key, int64_t key_stride, int64_t count, int64_t D, at::BFloat16* out, float* staging) {
+  const int64_t words = D / 2;
+  for (int64_t j = 0; j < count; ++j) std::memcpy(staging + j * words, key + j * key_stride, words * sizeof(float));
+  std::fill(staging + count * words, staging + kBlockKeys * words, 0.0f);
+  float* out_words = reinterpret_cast<float*>(out);
+  int64_t i = 0;
+  for (; i + 16 <= words; i += 16)
+    for (int64_t j = 0; j < kBlockKeys; j += 16)
+      at::vec::transpose_mxn<float, 16, 16>(staging + j * words + i, words, out_words + i * kBlockKeys + j, kBlockKeys);
+  for (; i < words; ++i)  // head dimensions of 16 and 48: 8 words left
+    for (int64_t j = 0; j < kBlockKeys; ++j) out_words[i * kBlockKeys + j] = staging[j * words + i];
+}
+
+void pack_value_pairs(const at::BFloat16* value, int64_t value_stride, int64_t count, int64_t D, at::BFloat16* out) {
+  // element e of a 32-wide output: pair e / 2 of the chunk, from the first key (e even) or the second
+  alignas(64) int16_t low[32], high[32];
+  for (int e = 0; e < 32; ++e) low[e] = static_cast<int16_t>(e / 2 + (e % 2) * 32), high[e] = static_cast<int16_t>(low[e] + 16);
+  const __m512i low_index = _mm512_load_si512(low), high_index = _mm512_load_si512(high);
+  for (int64_t pair = 0; pair < kBlockKeys / 2; ++pair) {
+    const int64_t first = 2 * pair;
+    for (int64_t d = 0; d < D; d += 32) {
+      const __mmask32 mask = D - d >= 32 ? ~__mmask32{0} : (__mmask32{1} << (D - d)) - 1;
+      const __m512i a = first < count ? _mm512_maskz_loadu_epi16(mask, value + first * value_stride + d) : _mm512_setzero_si512();
+      const __m512i b = first + 1 < count ? _mm512_maskz_loadu_epi16(mask, value + (first + 1) * value_stride + d) : _mm512_setzero_si512();
+      at::BFloat16* dst = out + (pair * D + d) * 2;
+      _mm512_storeu_si512(dst, _mm512_permutex2var_epi16(a, low_index, b));
+      if (D - d > 16) _mm512_storeu_si512(dst + 32, _mm512_permutex2var_epi16(a, high_index, b));
+    }
+  }
+}
+
+// s[r][0:NV vectors] = scale (q[r] . keys) for the R rows of a micro tile: the block's first NV * 16 keys.
+template <int NV>
+void score_pairs_chunk(const at::BFloat16* q, const at::BFloat16* key_pairs, int64_t D, float scale, float* s) {
+  __m512 acc[kRows][NV];
+  for (int r = 0; r < kRows; ++r)
+    for (int v = 0; v < NV; ++v) acc[r][v] = _mm512_setzero_ps();
+  for (int64_t i = 0; i < D / 2; ++i) {
+    __m512bh k[NV];
+    for (int v = 0; v < NV; ++v) k[v] = (__m512bh)_mm512_loadu_si512(key_pairs + (i * kBlockKeys + v * 16) * 2);
+    for (int r = 0; r < kRows; ++r) {
+      const __m512bh qr = (__m512bh)_mm512_set1_epi32(pair_at(q + r * D + 2 * i));
+      for (int v = 0; v < NV; ++v) acc[r][v] = _mm512_dpbf16_ps(acc[r][v], k[v], qr);
+    }
+  }
+  const __m512 factor = _mm512_set1_ps(scale);
+  for (int r = 0; r < kRows; ++r)
+    for (int v = 0; v < NV; ++v) _mm512_storeu_ps(s + r * kBlockKeys + v * 16, _mm512_mul_ps(acc[r][v], factor));
+}
+
+void score_pairs(const at::BFloat16* q, const at::BFloat16* key_pairs, int64_t D, int vectors, float scale, float* s) {
+  static_assert(kVectors == 4, "one case per vector count");
+  switch (vectors) {
+    case 1: return score_pairs_chunk<1>(q, key_pairs, D, scale, s);
+    case 2: return score_pairs_chunk<2>(q, key_pairs, D, scale, s);
+    case 3: return score_pairs_chunk<3>(q, key_pairs, D, scale, s);
+    default: return score_pairs_chunk<4>(q, key_pairs, D, scale, s);
+  }
+}
+
+// o[r][0:NV vectors] = correction[r] o[r] + sum_j p[r][j] v[j] over `key_pairs` pairs of keys: one chunk
+// of the head dimension (value_pairs already offset to it, rows of 2 D; p rows of KB bf16).
+template <int NV>
+void accumulate_pairs_chunk(const at::BFloat16* p, const float* correction, const at::BFloat16* value_pairs, int64_t key_pairs,
+                            int64_t D, float* o) {
+  __m512 acc[kRows][NV];
+  for (int r = 0; r < kRows; ++r) {
+    const __m512 c = _mm512_set1_ps(correction[r]);
+    for (int v = 0; v < NV; ++v) acc[r][v] = _mm512_mul_ps(_mm512_loadu_ps(o + r * D + v * 16), c);
+  }
+  for (int64_t pair = 0; pair < key_pairs; ++pair) {
+    __m512bh x[NV];
+    for (int v = 0; v < NV; ++v) x[v] = (__m512bh)_mm512_loadu_si512(value_pairs + pair * 2 * D + v * 32);
+    for (int r = 0; r < kRows; ++r) {
+      const __m512bh pr = (__m512bh)_mm512_set1_epi32(pair_at(p + r * kBlockKeys + 2 * pair));
+      for (int v = 0; v < NV; ++v) acc[r][v] = _mm512_dpbf16_ps(acc[r][v], x[v], pr);
+    }
+  }
+  for (int r = 0; r < kRows; ++r)
+    for (int v = 0; v < NV; ++v) _mm512_storeu_ps(o + r * D + v * 16, acc[r][v]);
+}
+
+// The weights p[R][KB] (float32, the first `vectors` vectors of each row set) are rounded to bf16 in
+// place's stead (into the row's first half) and multiplied into the whole head dimension.
+void accumulate_pairs(float* p, int vectors, const float* correction, const at::BFloat16* value_pairs, int64_t num_keys,
+                      int64_t D, float* o) {
+  alignas(64) at::BFloat16 weights[kRows * kBlockKeys];
+  for (int r = 0; r < kRows; ++r)
+    for (int v = 0; v < vectors; ++v)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(weights + r * kBlockKeys + v * 16),
+                          (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(p + r * kBlockKeys + v * 16)));
+  const int64_t key_pairs = (num_keys + 1) / 2;
+  int64_t d = 0;
+  for (; d + 64 <= D; d += 64) accumulate_pairs_chunk<4>(weights, correction, value_pairs + 2 * d, key_pairs, D, o + d);
+  switch ((D - d) / 16) {
+    case 3: accumulate_pairs_chunk<3>(weights, correction, value_pairs + 2 * d, key_pairs, D, o + d); break;
+    case 2: accumulate_pairs_chunk<2>(weights, correction, value_pairs + 2 * d, key_pairs, D, o + d); break;
+    case 1: accumulate_pairs_chunk<1>(weights, correction, value_pairs + 2 * d, key_pairs, D, o + d); break;
+    default: break;
+  }
+}
+
+#pragma GCC pop_options
+#endif
+
 // Working memory of one thread.
 struct Scratch {
   std::vector<float> q, o, s, running_max, running_sum, correction;
+  std::vector<at::BFloat16> q_bf16;  // the bf16 path's query rows, unscaled
   explicit Scratch(int64_t D)
-      : q(kTileRows * D), o(kTileRows * D), s(kRows * kBlockKeys), running_max(kTileRows), running_sum(kTileRows), correction(kRows) {}
+      : q(kTileRows * D), o(kTileRows * D), s(kRows * kBlockKeys), running_max(kTileRows), running_sum(kTileRows), correction(kRows),
+        q_bf16(kTileRows * D) {}
 };
+
+// Whether a call of this dtype runs on the bf16 dot products (keys and values packed in pairs).
+template <typename scalar_t>
+constexpr bool kPaired = kBf16Pairs && std::is_same_v<scalar_t, at::BFloat16>;
 
 // The tile's rows [first_row, first_row + kTileRows) over key blocks [block_begin, block_end):
 // o / l and m + log(l) per row into out_rows [kTileRows, D] and lse_rows [kTileRows] (rows past the
-// matrix are computed on copies of its last row and not used).
+// matrix are computed on copies of its last row and not used). The float32 path reads keys_t as float
+// [blocks][D][KB] and the values in place (vals, rows vals_stride apart); the bf16 path reads keys_t as
+// key pairs and vals as value pairs, both [blocks][KB * D] bf16.
 template <typename scalar_t>
 void run_tile(
     const Shape& sh, const scalar_t* query, const int64_t* q_strides, int64_t kv_head, int64_t first_row,
-    const float* keys_t, const scalar_t* vals, int64_t vals_stride, int64_t block_begin, int64_t block_end, float scale,
+    const void* keys_t, const scalar_t* vals, int64_t vals_stride, int64_t block_begin, int64_t block_end, float scale,
     float* out_rows, float* lse_rows, Scratch& w) {
   const int64_t D = sh.head_dim;
   int64_t limit[kTileRows];  // keys visible to each row
@@ -207,8 +361,13 @@ void run_tile(
     const int64_t row = std::min(first_row + i, sh.rows - 1);
     const int64_t token = row / sh.group, head = kv_head * sh.group + row % sh.group;
     limit[i] = sh.causal ? token + 1 : sh.keys;
-    at::vec::convert(query + head * q_strides[0] + token * q_strides[1], w.q.data() + i * D, D);
-    at::vec::map([scale](Vec x) { return x * Vec(scale); }, w.q.data() + i * D, w.q.data() + i * D, D);
+    const scalar_t* query_row = query + head * q_strides[0] + token * q_strides[1];
+    if constexpr (kPaired<scalar_t>) {
+      std::copy(query_row, query_row + D, w.q_bf16.data() + i * D);
+    } else {
+      at::vec::convert(query_row, w.q.data() + i * D, D);
+      at::vec::map([scale](Vec x) { return x * Vec(scale); }, w.q.data() + i * D, w.q.data() + i * D, D);
+    }
   }
   std::fill(w.o.begin(), w.o.end(), 0.0f);
   std::fill(w.running_max.begin(), w.running_max.end(), kNegInf);
@@ -216,8 +375,6 @@ void run_tile(
   const int64_t last_needed = sh.causal ? (limit[kTileRows - 1] - 1) / kBlockKeys + 1 : block_end;
   for (int64_t block = block_begin; block < std::min(block_end, last_needed); ++block) {
     const int64_t first_key = block * kBlockKeys;
-    const float* block_keys = keys_t + block * D * kBlockKeys;
-    const scalar_t* block_vals = vals + first_key * vals_stride;
     for (int micro = 0; micro < kMicroTiles; ++micro) {
       const int64_t base = micro * kRows;
       if (limit[base + kRows - 1] <= first_key) continue;  // limits never fall along a tile
@@ -227,10 +384,19 @@ void run_tile(
         most_visible = std::max(most_visible, visible[r]);
       }
       const int vectors = static_cast<int>((most_visible + Vec::size() - 1) / Vec::size());
-      score_tile(w.q.data() + base * D, block_keys, D, vectors, w.s.data());
+      if constexpr (kPaired<scalar_t>) {
+        score_pairs(w.q_bf16.data() + base * D, static_cast<const at::BFloat16*>(keys_t) + block * D * kBlockKeys, D, vectors, scale, w.s.data());
+      } else {
+        score_tile(w.q.data() + base * D, static_cast<const float*>(keys_t) + block * D * kBlockKeys, D, vectors, w.s.data());
+      }
       for (int r = 0; r < kRows; ++r)
         w.correction[r] = softmax_row(w.s.data() + r * kBlockKeys, visible[r], vectors * Vec::size(), w.running_max[base + r], w.running_sum[base + r]);
-      accumulate_tile<scalar_t>(w.s.data(), w.correction.data(), block_vals, vals_stride, most_visible, D, w.o.data() + base * D);
+      if constexpr (kPaired<scalar_t>) {
+        accumulate_pairs(w.s.data(), vectors, w.correction.data(), reinterpret_cast<const at::BFloat16*>(vals) + block * D * kBlockKeys,
+                         most_visible, D, w.o.data() + base * D);
+      } else {
+        accumulate_tile<scalar_t>(w.s.data(), w.correction.data(), vals + first_key * vals_stride, vals_stride, most_visible, D, w.o.data() + base * D);
+      }
     }
   }
   for (int64_t i = 0; i < kTileRows; ++i) {
@@ -304,7 +470,10 @@ std::tuple<at::Tensor, at::Tensor> tiled_attention(
   auto lse = at::empty({sh.batch, sh.queries, sh.heads}, query.options().dtype(at::kFloat)).transpose(1, 2);
   if (out.numel() == 0) return {out, lse.fill_(kNegInf)};
   const int64_t D = sh.head_dim, padded_keys = sh.key_blocks * kBlockKeys, pairs = sh.batch * sh.kv_heads;
-  auto keys_t = at::empty({pairs, padded_keys * D}, query.options().dtype(at::kFloat));
+  // float32 path: keys transposed to float32; bf16 path: key pairs and value pairs, bf16
+  const bool paired = kBf16Pairs && query.scalar_type() == at::kBFloat16;
+  auto keys_t = at::empty({pairs, padded_keys * D}, query.options().dtype(paired ? at::kBFloat16 : at::kFloat));
+  auto value_pairs = paired ? at::empty({pairs, padded_keys * D}, query.options()) : at::Tensor();
   // partial results: [units, splits, kTileRows, D] and [units, splits, kTileRows]
   auto partial_out = at::empty({units * sh.splits * kTileRows * D}, query.options().dtype(at::kFloat));
   auto partial_lse = at::empty({units * sh.splits * kTileRows}, query.options().dtype(at::kFloat));
@@ -313,7 +482,7 @@ std::tuple<at::Tensor, at::Tensor> tiled_attention(
     const scalar_t* q = query.data_ptr<scalar_t>();
     const scalar_t* k = key.data_ptr<scalar_t>();
     const scalar_t* v = value.data_ptr<scalar_t>();
-    float* kt = keys_t.data_ptr<float>();
+    void* kt = keys_t.data_ptr();
     float* po = partial_out.data_ptr<float>();
     float* pl = partial_lse.data_ptr<float>();
     at::parallel_for(0, pairs * sh.key_blocks, 1, [&](int64_t begin, int64_t end) {
@@ -321,8 +490,19 @@ std::tuple<at::Tensor, at::Tensor> tiled_attention(
       for (int64_t unit = begin; unit < end; ++unit) {
         const int64_t pair = unit / sh.key_blocks, block = unit % sh.key_blocks;
         const int64_t b = pair / sh.kv_heads, h = pair % sh.kv_heads;
-        pack_block<scalar_t>(sh, k + b * key.stride(0) + h * key.stride(1), key.stride(2), block,
-                             kt + (pair * sh.key_blocks + block) * D * kBlockKeys, staging.data());
+        const int64_t packed = (pair * sh.key_blocks + block) * D * kBlockKeys;
+        const scalar_t* block_keys = k + b * key.stride(0) + h * key.stride(1) + block * kBlockKeys * key.stride(2);
+        if constexpr (kPaired<scalar_t>) {  // (the lambda is no template: both branches compile, hence the casts)
+          const int64_t count = std::min(kBlockKeys, sh.keys - block * kBlockKeys);
+          const scalar_t* block_values = v + b * value.stride(0) + h * value.stride(1) + block * kBlockKeys * value.stride(2);
+          pack_key_pairs(reinterpret_cast<const at::BFloat16*>(block_keys), key.stride(2), count, D, static_cast<at::BFloat16*>(kt) + packed,
+                         staging.data());
+          pack_value_pairs(reinterpret_cast<const at::BFloat16*>(block_values), value.stride(2), count, D,
+                           value_pairs.data_ptr<at::BFloat16>() + packed);
+        } else {
+          pack_block<scalar_t>(sh, k + b * key.stride(0) + h * key.stride(1), key.stride(2), block, static_cast<float*>(kt) + packed,
+                               staging.data());
+        }
       }
     });
     const int64_t q_strides[2] = {query.stride(1), query.stride(2)};
@@ -332,8 +512,12 @@ std::tuple<at::Tensor, at::Tensor> tiled_attention(
       const int64_t tile = unit % sh.tiles, pair = unit / sh.tiles;
       const int64_t b = pair / sh.kv_heads, h = pair % sh.kv_heads;
       const int64_t first_block = split * sh.blocks_per_split;
-      run_tile<scalar_t>(sh, q + b * query.stride(0), q_strides, h, tile * kTileRows, kt + pair * padded_keys * D,
-                         v + b * value.stride(0) + h * value.stride(1), value.stride(2), first_block, std::min(sh.key_blocks, first_block + sh.blocks_per_split),
+      const void* pair_keys = paired ? static_cast<const void*>(static_cast<const at::BFloat16*>(kt) + pair * padded_keys * D)
+                                     : static_cast<const void*>(static_cast<const float*>(kt) + pair * padded_keys * D);
+      const scalar_t* pair_values = paired ? reinterpret_cast<const scalar_t*>(value_pairs.data_ptr<at::BFloat16>() + pair * padded_keys * D)
+                                           : v + b * value.stride(0) + h * value.stride(1);
+      run_tile<scalar_t>(sh, q + b * query.stride(0), q_strides, h, tile * kTileRows, pair_keys,
+                         pair_values, value.stride(2), first_block, std::min(sh.key_blocks, first_block + sh.blocks_per_split),
                          static_cast<float>(scale), po + (unit * sh.splits + split) * kTileRows * D,
                          pl + (unit * sh.splits + split) * kTileRows, scratch);
     });
