@@ -14,10 +14,11 @@
 // rows of one matrix, token-major (row r = query r / G, head r % G), so the heads that share a KV head
 // read each key block once, and a tile of rows holds consecutive queries (close causal limits).
 //
-// Each (element, KV head)'s keys are packed once, in float32: transposed into blocks of KB keys
-// ([L / KB][D][KB], zero padding). Values are read in place, in their dtype, widened on load (a float32
-// copy of bf16 values measured slower than the flash kernel once the caches stream from memory). A task
-// is a tile of rows over a range of key blocks; per key block and per micro tile of R rows it runs
+// Each (element, KV head)'s keys are packed in float32, transposed into blocks of KB keys ([L / KB][D][KB],
+// zero padding): once up front when several tiles read each block; with one tile (a few decodes over a
+// shared prefix), each task packs the blocks it reads, which no other task reads, so the packed copy never
+// goes to memory. Values are read in place, in their dtype, widened on load. A task is a tile of rows
+// over a range of key blocks; per key block and per micro tile of R rows it runs
 //
 //   scores  s[R, KB] = (scale log2(e) q)[R, D] . K^T[D, KB]   R x NV vector accumulators, D steps
 //   softmax m' = max(m, max s);  c = 2^(m - m');  p = 2^(s - m');  l = c l + sum p;  m = m'
@@ -358,28 +359,71 @@ void accumulate_pairs(float* p, int vectors, const float* correction, const at::
 #pragma GCC pop_options
 #endif
 
-// Working memory of one thread.
-struct Scratch {
-  std::vector<float> q, o, s, running_max, running_sums, correction;  // running_sums: a vector of partial sums a row
-  std::vector<at::BFloat16> q_bf16;  // the bf16 path's query rows, unscaled
-  explicit Scratch(int64_t D)
-      : q(kTileRows * D), o(kTileRows * D), s(kRows * kBlockKeys), running_max(kTileRows), running_sums(kTileRows * Vec::size()), correction(kRows),
-        q_bf16(kTileRows * D) {}
-};
-
 // Whether a call of this dtype runs on the bf16 dot products (keys and values packed in pairs).
 template <typename scalar_t>
 constexpr bool kPaired = kBf16Pairs && std::is_same_v<scalar_t, at::BFloat16>;
 
+// Working memory of one thread.
+struct Scratch {
+  std::vector<float> q, o, s, running_max, running_sums, correction;  // running_sums: a vector of partial sums a row
+  std::vector<at::BFloat16> q_bf16;  // the bf16 path's query rows, unscaled
+  std::vector<float> block_keys, staging;  // a block packed in the task (float32 keys or bf16 key pairs)
+  std::vector<at::BFloat16> block_values;  // the bf16 path's value pairs of that block
+  explicit Scratch(int64_t D)
+      : q(kTileRows * D), o(kTileRows * D), s(kRows * kBlockKeys), running_max(kTileRows), running_sums(kTileRows * Vec::size()), correction(kRows),
+        q_bf16(kTileRows * D), block_keys(kBlockKeys * D), staging(kBlockKeys * D), block_values(kBlockKeys * D) {}
+};
+
+// One (element, KV head)'s keys and values: rows in place, and the blocks packed up front when many tiles
+// read each of them (null when the tasks pack their own: one tile, so each block is read once).
+template <typename scalar_t>
+struct KeyValues {
+  const scalar_t* key;
+  int64_t key_stride;
+  const scalar_t* value;
+  int64_t value_stride;
+  const void* packed_keys;  // [blocks][D * KB]: float32 keys [D][KB], or bf16 key pairs
+  const at::BFloat16* packed_values;  // bf16 path: value pairs [blocks][KB * D]
+};
+
+// One key block of one (element, KV head): its keys transposed into keys_t [D][KB] in float32, zero past
+// the last key.
+template <typename scalar_t>
+void pack_block(const Shape& sh, const scalar_t* key, int64_t key_stride, int64_t block, float* keys_t, float* staging) {
+  const int64_t D = sh.head_dim, first = block * kBlockKeys, count = std::min(kBlockKeys, sh.keys - first);
+  const float* rows = reinterpret_cast<const float*>(key + first * key_stride);
+  int64_t row_stride = key_stride;
+  if (!std::is_same_v<scalar_t, float> || count < kBlockKeys) {  // widen (and zero-pad) into staging [KB][D]
+    for (int64_t j = 0; j < count; ++j) at::vec::convert(key + (first + j) * key_stride, staging + j * D, D);
+    std::fill(staging + count * D, staging + kBlockKeys * D, 0.0f);
+    rows = staging, row_stride = D;
+  }
+  for (int64_t j = 0; j < kBlockKeys; j += 16)
+    for (int64_t d = 0; d < D; d += 16)
+      at::vec::transpose_mxn<float, 16, 16>(rows + j * row_stride + d, row_stride, keys_t + d * kBlockKeys + j, kBlockKeys);
+}
+
+// Key block `block` in the layout its path reads: float32 keys [D][KB] into keys_out; on bf16 dot
+// products key pairs into keys_out and value pairs into values_out.
+template <typename scalar_t>
+void pack_key_block(const Shape& sh, const KeyValues<scalar_t>& kv, int64_t block, void* keys_out, at::BFloat16* values_out, float* staging) {
+  if constexpr (kPaired<scalar_t>) {
+    const int64_t first = block * kBlockKeys, count = std::min(kBlockKeys, sh.keys - first);
+    pack_key_pairs(kv.key + first * kv.key_stride, kv.key_stride, count, sh.head_dim, static_cast<at::BFloat16*>(keys_out), staging);
+    pack_value_pairs(kv.value + first * kv.value_stride, kv.value_stride, count, sh.head_dim, values_out);
+  } else {
+    pack_block<scalar_t>(sh, kv.key, kv.key_stride, block, static_cast<float*>(keys_out), staging);
+  }
+}
+
 // The tile's rows [first_row, first_row + kTileRows) over key blocks [block_begin, block_end):
 // o / l and m + log(l) per row into out_rows [kTileRows, D] and lse_rows [kTileRows] (rows past the
-// matrix are computed on copies of its last row and not used). The float32 path reads keys_t as float
-// [blocks][D][KB] and the values in place (vals, rows vals_stride apart); the bf16 path reads keys_t as
-// key pairs and vals as value pairs, both [blocks][KB * D] bf16.
+// matrix are computed on copies of its last row and not used). The float32 path reads packed keys and
+// the values in place; the bf16 path packed key pairs and value pairs.
 template <typename scalar_t>
 void run_tile(
     const Shape& sh, const scalar_t* query, const int64_t* q_strides, int64_t kv_head, int64_t first_row,
-    const void* keys_t, const scalar_t* vals, int64_t vals_stride, int64_t block_begin, int64_t block_end, float scale,
+    const KeyValues<scalar_t>& kv, int64_t block_begin, int64_t block_end, float scale,
     float* out_rows, float* lse_rows, Scratch& w) {
   const int64_t D = sh.head_dim;
   int64_t limit[kTileRows];  // keys visible to each row
@@ -401,6 +445,16 @@ void run_tile(
   const int64_t last_needed = sh.causal ? (limit[kTileRows - 1] - 1) / kBlockKeys + 1 : block_end;
   for (int64_t block = block_begin; block < std::min(block_end, last_needed); ++block) {
     const int64_t first_key = block * kBlockKeys;
+    const void* block_keys = w.block_keys.data();
+    const at::BFloat16* block_value_pairs = w.block_values.data();
+    if (kv.packed_keys == nullptr) {
+      pack_key_block(sh, kv, block, w.block_keys.data(), w.block_values.data(), w.staging.data());
+    } else if constexpr (kPaired<scalar_t>) {
+      block_keys = static_cast<const at::BFloat16*>(kv.packed_keys) + block * D * kBlockKeys;
+      block_value_pairs = kv.packed_values + block * D * kBlockKeys;
+    } else {
+      block_keys = static_cast<const float*>(kv.packed_keys) + block * D * kBlockKeys;
+    }
     for (int micro = 0; micro < kMicroTiles; ++micro) {
       const int64_t base = micro * kRows;
       if (limit[base + kRows - 1] <= first_key) continue;  // limits never fall along a tile
@@ -411,19 +465,18 @@ void run_tile(
       }
       const int vectors = static_cast<int>((most_visible + Vec::size() - 1) / Vec::size());
       if constexpr (kPaired<scalar_t>) {
-        score_pairs(w.q_bf16.data() + base * D, static_cast<const at::BFloat16*>(keys_t) + block * D * kBlockKeys, D, vectors, scale * kLog2e,
-                    w.s.data());
+        score_pairs(w.q_bf16.data() + base * D, static_cast<const at::BFloat16*>(block_keys), D, vectors, scale * kLog2e, w.s.data());
       } else {
-        score_tile(w.q.data() + base * D, static_cast<const float*>(keys_t) + block * D * kBlockKeys, D, vectors, w.s.data());
+        score_tile(w.q.data() + base * D, static_cast<const float*>(block_keys), D, vectors, w.s.data());
       }
       for (int r = 0; r < kRows; ++r)
         w.correction[r] = softmax_row(w.s.data() + r * kBlockKeys, visible[r], vectors * Vec::size(), w.running_max[base + r],
                                       w.running_sums.data() + (base + r) * Vec::size());
       if constexpr (kPaired<scalar_t>) {
-        accumulate_pairs(w.s.data(), vectors, w.correction.data(), reinterpret_cast<const at::BFloat16*>(vals) + block * D * kBlockKeys,
-                         most_visible, D, w.o.data() + base * D);
+        accumulate_pairs(w.s.data(), vectors, w.correction.data(), block_value_pairs, most_visible, D, w.o.data() + base * D);
       } else {
-        accumulate_tile<scalar_t>(w.s.data(), w.correction.data(), vals + first_key * vals_stride, vals_stride, most_visible, D, w.o.data() + base * D);
+        accumulate_tile<scalar_t>(w.s.data(), w.correction.data(), kv.value + first_key * kv.value_stride, kv.value_stride, most_visible, D,
+                                  w.o.data() + base * D);
       }
     }
   }
@@ -434,23 +487,6 @@ void run_tile(
     at::vec::map([inverse](Vec x) { return x * Vec(inverse); }, out_rows + i * D, w.o.data() + i * D, D);
     lse_rows[i] = sum == 0.0f ? kNegInf : (w.running_max[i] + std::log2(sum)) * kLn2;
   }
-}
-
-// One key block of one (element, KV head): its keys transposed into keys_t [D][KB] in float32, zero past
-// the last key.
-template <typename scalar_t>
-void pack_block(const Shape& sh, const scalar_t* key, int64_t key_stride, int64_t block, float* keys_t, float* staging) {
-  const int64_t D = sh.head_dim, first = block * kBlockKeys, count = std::min(kBlockKeys, sh.keys - first);
-  const float* rows = reinterpret_cast<const float*>(key + first * key_stride);
-  int64_t row_stride = key_stride;
-  if (!std::is_same_v<scalar_t, float> || count < kBlockKeys) {  // widen (and zero-pad) into staging [KB][D]
-    for (int64_t j = 0; j < count; ++j) at::vec::convert(key + (first + j) * key_stride, staging + j * D, D);
-    std::fill(staging + count * D, staging + kBlockKeys * D, 0.0f);
-    rows = staging, row_stride = D;
-  }
-  for (int64_t j = 0; j < kBlockKeys; j += 16)
-    for (int64_t d = 0; d < D; d += 16)
-      at::vec::transpose_mxn<float, 16, 16>(rows + j * row_stride + d, row_stride, keys_t + d * kBlockKeys + j, kBlockKeys);
 }
 
 // Runs body(task) for every task in [0, count) on the intra-op threads, each taking the next task from a
@@ -498,10 +534,12 @@ std::tuple<at::Tensor, at::Tensor> tiled_attention(
   auto lse = at::empty({sh.batch, sh.queries, sh.heads}, query.options().dtype(at::kFloat)).transpose(1, 2);
   if (out.numel() == 0) return {out, lse.fill_(kNegInf)};
   const int64_t D = sh.head_dim, padded_keys = sh.key_blocks * kBlockKeys, pairs = sh.batch * sh.kv_heads;
-  // float32 path: keys transposed to float32; bf16 path: key pairs and value pairs, bf16
+  // Blocks packed up front when several tiles read each (float32 keys, or bf16 key and value pairs);
+  // with one tile a pair, each task packs the blocks it reads, which it alone reads.
   const bool paired = kBf16Pairs && query.scalar_type() == at::kBFloat16;
-  auto keys_t = at::empty({pairs, padded_keys * D}, query.options().dtype(paired ? at::kBFloat16 : at::kFloat));
-  auto value_pairs = paired ? at::empty({pairs, padded_keys * D}, query.options()) : at::Tensor();
+  const bool pack_up_front = sh.tiles > 1;
+  auto keys_t = pack_up_front ? at::empty({pairs, padded_keys * D}, query.options().dtype(paired ? at::kBFloat16 : at::kFloat)) : at::Tensor();
+  auto value_pairs = pack_up_front && paired ? at::empty({pairs, padded_keys * D}, query.options()) : at::Tensor();
   // partial results: [units, splits, kTileRows, D] and [units, splits, kTileRows]
   auto partial_out = at::empty({units * sh.splits * kTileRows * D}, query.options().dtype(at::kFloat));
   auto partial_lse = at::empty({units * sh.splits * kTileRows}, query.options().dtype(at::kFloat));
@@ -510,44 +548,38 @@ std::tuple<at::Tensor, at::Tensor> tiled_attention(
     const scalar_t* q = query.data_ptr<scalar_t>();
     const scalar_t* k = key.data_ptr<scalar_t>();
     const scalar_t* v = value.data_ptr<scalar_t>();
-    void* kt = keys_t.data_ptr();
     float* po = partial_out.data_ptr<float>();
     float* pl = partial_lse.data_ptr<float>();
-    at::parallel_for(0, pairs * sh.key_blocks, 1, [&](int64_t begin, int64_t end) {
-      std::vector<float> staging(kBlockKeys * D);
-      for (int64_t unit = begin; unit < end; ++unit) {
-        const int64_t pair = unit / sh.key_blocks, block = unit % sh.key_blocks;
-        const int64_t b = pair / sh.kv_heads, h = pair % sh.kv_heads;
-        const int64_t packed = (pair * sh.key_blocks + block) * D * kBlockKeys;
-        const scalar_t* block_keys = k + b * key.stride(0) + h * key.stride(1) + block * kBlockKeys * key.stride(2);
-        if constexpr (kPaired<scalar_t>) {  // (the lambda is no template: both branches compile, hence the casts)
-          const int64_t count = std::min(kBlockKeys, sh.keys - block * kBlockKeys);
-          const scalar_t* block_values = v + b * value.stride(0) + h * value.stride(1) + block * kBlockKeys * value.stride(2);
-          pack_key_pairs(reinterpret_cast<const at::BFloat16*>(block_keys), key.stride(2), count, D, static_cast<at::BFloat16*>(kt) + packed,
-                         staging.data());
-          pack_value_pairs(reinterpret_cast<const at::BFloat16*>(block_values), value.stride(2), count, D,
-                           value_pairs.data_ptr<at::BFloat16>() + packed);
-        } else {
-          pack_block<scalar_t>(sh, k + b * key.stride(0) + h * key.stride(1), key.stride(2), block, static_cast<float*>(kt) + packed,
-                               staging.data());
+    // packed blocks: [pairs][blocks][D * KB] elements of the path's key layout (and value pairs)
+    char* packed_keys = pack_up_front ? static_cast<char*>(keys_t.data_ptr()) : nullptr;
+    at::BFloat16* packed_values = value_pairs.defined() ? value_pairs.data_ptr<at::BFloat16>() : nullptr;
+    const int64_t key_bytes = pack_up_front ? keys_t.element_size() : 0;
+    const auto block_offset = [&](int64_t pair, int64_t block) { return (pair * sh.key_blocks + block) * D * kBlockKeys; };
+    const auto pair_kv = [&](int64_t pair) {
+      const int64_t b = pair / sh.kv_heads, h = pair % sh.kv_heads;
+      return KeyValues<scalar_t>{k + b * key.stride(0) + h * key.stride(1), key.stride(2), v + b * value.stride(0) + h * value.stride(1),
+                                 value.stride(2), packed_keys == nullptr ? nullptr : packed_keys + block_offset(pair, 0) * key_bytes,
+                                 packed_values == nullptr ? nullptr : packed_values + block_offset(pair, 0)};
+    };
+    if (pack_up_front) {
+      at::parallel_for(0, pairs * sh.key_blocks, 1, [&](int64_t begin, int64_t end) {
+        std::vector<float> staging(kBlockKeys * D);
+        for (int64_t unit = begin; unit < end; ++unit) {
+          const int64_t pair = unit / sh.key_blocks, block = unit % sh.key_blocks;
+          pack_key_block(sh, pair_kv(pair), block, packed_keys + block_offset(pair, block) * key_bytes,
+                         packed_values == nullptr ? nullptr : packed_values + block_offset(pair, block), staging.data());
         }
-      }
-    });
+      });
+    }
     const int64_t q_strides[2] = {query.stride(1), query.stride(2)};
     for_each_task(units * sh.splits, D, [&](int64_t task, Scratch& scratch) {
       // heaviest first: causal tiles grow with their index
       const int64_t unit = units - 1 - task / sh.splits, split = task % sh.splits;
       const int64_t tile = unit % sh.tiles, pair = unit / sh.tiles;
-      const int64_t b = pair / sh.kv_heads, h = pair % sh.kv_heads;
       const int64_t first_block = split * sh.blocks_per_split;
-      const void* pair_keys = paired ? static_cast<const void*>(static_cast<const at::BFloat16*>(kt) + pair * padded_keys * D)
-                                     : static_cast<const void*>(static_cast<const float*>(kt) + pair * padded_keys * D);
-      const scalar_t* pair_values = paired ? reinterpret_cast<const scalar_t*>(value_pairs.data_ptr<at::BFloat16>() + pair * padded_keys * D)
-                                           : v + b * value.stride(0) + h * value.stride(1);
-      run_tile<scalar_t>(sh, q + b * query.stride(0), q_strides, h, tile * kTileRows, pair_keys,
-                         pair_values, value.stride(2), first_block, std::min(sh.key_blocks, first_block + sh.blocks_per_split),
-                         static_cast<float>(scale), po + (unit * sh.splits + split) * kTileRows * D,
-                         pl + (unit * sh.splits + split) * kTileRows, scratch);
+      run_tile<scalar_t>(sh, q + pair / sh.kv_heads * query.stride(0), q_strides, pair % sh.kv_heads, tile * kTileRows, pair_kv(pair),
+                         first_block, std::min(sh.key_blocks, first_block + sh.blocks_per_split), static_cast<float>(scale),
+                         po + (unit * sh.splits + split) * kTileRows * D, pl + (unit * sh.splits + split) * kTileRows, scratch);
     });
     scalar_t* o = out.data_ptr<scalar_t>();
     float* l = lse.data_ptr<float>();
