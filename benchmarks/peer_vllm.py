@@ -29,7 +29,7 @@ shared 2-core machine only quiet, interleaved runs mean much: a busy machine slo
 processes more than this engine's one.
 
 Run: `make peer-vllm`, or `.venv/bin/python benchmarks/peer_vllm.py [--quick] [--repeats 3]
-[--block-size 16] [--dtype float32 --dtype bfloat16]`.
+[--block-size 16] [--dtype float32 --dtype bfloat16] [--cell cold --cell "64 requests, prefix cached"]`.
 """
 
 from __future__ import annotations
@@ -256,6 +256,7 @@ def main() -> None:
                         help="this engine's OpenMP wait policy (default: the console's and the CLI's, engine/openmp.py)")
     parser.add_argument("--dtype", action="append", choices=("float32", "bfloat16"), help="default: both")
     parser.add_argument("--json", type=Path, help="also write the rows here")
+    parser.add_argument("--cell", action="append", help="only cells whose name contains this text (repeatable)")
     args = parser.parse_args()
     if not VLLM_PYTHON.exists():
         sys.exit(f"{VLLM_PYTHON} is missing: `make peer-vllm` installs vLLM's CPU build there")
@@ -273,7 +274,10 @@ def main() -> None:
     print(HEADER, flush=True)
     rows: list[Row] = []
     for dtype in dtypes:
-        cells = tuple(c for c in (QUICK_CELLS if args.quick else CELLS) if c.dtype == dtype)
+        cells = tuple(
+            c for c in (QUICK_CELLS if args.quick else CELLS)
+            if c.dtype == dtype and (not args.cell or any(text in c.name for text in args.cell))
+        )
         if not cells:
             continue
         started = time.perf_counter()

@@ -43,6 +43,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from engine.runner.host_memory import on_huge_pages
 from engine.runner.native_kernels import load_ops
 
 PACKED_DTYPES = (torch.float32, torch.bfloat16)
@@ -96,7 +97,7 @@ def pack_weight(weight: torch.Tensor) -> PackedWeight:
     ops, _ = load_ops()
     if ops is None or weight.shape[0] % PANEL_WIDTH != 0:
         return PackedWeight(onednn, None, 0)
-    panels = ops.pack_panels(weight)
+    panels = on_huge_pages(ops.pack_panels(weight))  # streamed whole by every decode step
     return PackedWeight(onednn, panels, panel_rows(panels))
 
 
