@@ -14,20 +14,20 @@
 // rows of one matrix, token-major (row r = query r / G, head r % G), so the heads that share a KV head
 // read each key block once, and a tile of rows holds consecutive queries (close causal limits).
 //
-// Each (element, KV head)'s keys are packed in float32, transposed into blocks of KB keys ([L / KB][D][KB],
-// zero padding): once up front when several tiles read each block; with one tile (a few decodes over a
+// Each (element, KV head)'s keys are packed in float32, transposed into blocks of KB keys
+// ([L / KB][D][KB], zero padding): once up front when several tiles read each block; with one tile (a few decodes over a
 // shared prefix), each task packs the blocks it reads, which no other task reads, so the packed copy never
 // goes to memory. Values are read in place, in their dtype, widened on load. A task is a tile of rows
 // over a range of key blocks; per key block and per micro tile of R rows it runs
 //
-//   scores  s[R, KB] = (scale log2(e) q)[R, D] . K^T[D, KB]   R x NV vector accumulators, D steps
-//   softmax m' = max(m, max s);  c = 2^(m - m');  p = 2^(s - m');  l = c l + sum p;  m = m'
+//   scores  s[R, KB] = (scale q)[R, D] . K^T[D, KB]           R x NV vector accumulators, D steps
+//   softmax m' = max(m, max s);  c = exp(m - m');  p = exp(s - m');  l = c l + sum p;  m = m'
 //   values  o[R, D] = c o + p[R, KB] . V[KB, D]                  R x NV vector accumulators, KB steps
 //
-// and at the end out = o / l, lse = (m + log2(l)) ln(2): scores in base 2, so each weight is one 2^x
-// (a polynomial and a scale by 2^n), and l is a vector of partial sums until the end. Keys a row does not see (causality, padding) score -inf
-// and weigh 0. A call with few tiles splits its keys into ranges whose partial results are merged by
-// their log-sum-exps. Tasks are taken from a shared counter, the heaviest (latest causal) tiles first.
+// and at the end out = o / l, lse = m + log(l) (l is a vector of partial sums until then). Keys a row
+// does not see (causality, padding) score -inf and weigh 0. A call with few tiles splits its keys into
+// ranges whose partial results are merged by their log-sum-exps. Tasks are taken from a shared counter,
+// the heaviest (latest causal) tiles first.
 //
 // Arithmetic is float32 whatever the dtype, as in the CPU flash kernel; results match it up to
 // summation order. bf16 calls on a CPU with bf16 dot products (the build defines BF16_DOT_PRODUCTS) pack
@@ -52,7 +52,7 @@
 #include <utility>
 #include <vector>
 
-#if defined(CPU_CAPABILITY_AVX512)
+#if defined(BF16_DOT_PRODUCTS)
 #include <immintrin.h>
 #endif
 
@@ -170,31 +170,7 @@ inline void accumulate_tile(const float* p, const float* correction, const scala
   }
 }
 
-constexpr float kLog2e = 1.4426950408889634f;  // scores are kept in base 2: scale log2(e) q . k
-constexpr float kLn2 = 0.6931471805599453f;
-
-// 2^x for x <= 0 (-inf gives 0, NaN stays NaN): 2^n 2^f with n = round(x), |f| <= 1/2, 2^f by its
-// Taylor polynomial of degree 6 (relative error below 2.5e-7 in float32).
-inline Vec exp2_nonpositive(Vec x) {
-#if defined(CPU_CAPABILITY_AVX512)
-  // below 2^-125 (and -inf): 0, never computed (an underflow costs a microcode assist); NaN: computed
-  const __mmask16 kept = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-125.0f), _CMP_NLT_UQ);
-  const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_sub_ps(x, n);
-  __m512 p = _mm512_set1_ps(1.5403530393381606e-4f);  // ln2^6 / 6!
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558146428443e-3f));  // ln2^5 / 5!
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.618129107628477e-3f));  // ln2^4 / 4!
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550410866482158e-2f));  // ln2^3 / 3!
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.2402265069591007f));  // ln2^2 / 2!
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(kLn2));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-  return _mm512_maskz_scalef_ps(kept, p, n);  // p 2^n
-#else
-  return (x * Vec(kLn2)).exp_u20();
-#endif
-}
-
-// One row's scores of one key block (base 2) -> weights, updating its running maximum and its running
+// One row's scores of one key block -> weights, updating its running maximum and its running
 // sum (kept as one vector of partial sums, added up at the end); returns the factor its accumulated
 // values are scaled by. Of the `width` scored keys (a multiple of the vector width), the first `visible`
 // count; the rest weigh 0 (keys past `width` are never read). A row that sees none of the block keeps
@@ -208,12 +184,12 @@ inline float softmax_row(float* s, int64_t visible, int64_t width, float& runnin
   Vec block_max_vec(kNegInf);
   for (int64_t j = 0; j < width; j += Vec::size()) block_max_vec = at::vec::maximum(block_max_vec, Vec::loadu(s + j));
   const float block_max = std::max(running_max, at::vec::vec_reduce_all<float>([](Vec a, Vec b) { return at::vec::maximum(a, b); }, block_max_vec));
-  // exp2(-inf - finite) = 0 clears the empty start.
-  const float correction = running_max == block_max ? 1.0f : std::exp2(running_max - block_max);
+  // exp(-inf - finite) = 0 clears the empty start.
+  const float correction = running_max == block_max ? 1.0f : std::exp(running_max - block_max);
   const Vec shift(block_max);
   Vec sum = Vec::loadu(running_sums) * Vec(correction);
   for (int64_t j = 0; j < width; j += Vec::size()) {
-    const Vec p = exp2_nonpositive(Vec::loadu(s + j) - shift);
+    const Vec p = (Vec::loadu(s + j) - shift).exp_u20();
     p.store(s + j);
     sum = sum + p;
   }
@@ -436,7 +412,7 @@ void run_tile(
       std::copy(query_row, query_row + D, w.q_bf16.data() + i * D);
     } else {
       at::vec::convert(query_row, w.q.data() + i * D, D);
-      at::vec::map([scale](Vec x) { return x * Vec(scale * kLog2e); }, w.q.data() + i * D, w.q.data() + i * D, D);
+      at::vec::map([scale](Vec x) { return x * Vec(scale); }, w.q.data() + i * D, w.q.data() + i * D, D);
     }
   }
   std::fill(w.o.begin(), w.o.end(), 0.0f);
@@ -465,7 +441,7 @@ void run_tile(
       }
       const int vectors = static_cast<int>((most_visible + Vec::size() - 1) / Vec::size());
       if constexpr (kPaired<scalar_t>) {
-        score_pairs(w.q_bf16.data() + base * D, static_cast<const at::BFloat16*>(block_keys), D, vectors, scale * kLog2e, w.s.data());
+        score_pairs(w.q_bf16.data() + base * D, static_cast<const at::BFloat16*>(block_keys), D, vectors, scale, w.s.data());
       } else {
         score_tile(w.q.data() + base * D, static_cast<const float*>(block_keys), D, vectors, w.s.data());
       }
@@ -485,7 +461,7 @@ void run_tile(
     const float sum = at::vec::vec_reduce_all<float>([](Vec a, Vec b) { return a + b; }, Vec::loadu(w.running_sums.data() + i * Vec::size()));
     const float inverse = sum == 0.0f ? 0.0f : 1.0f / sum;
     at::vec::map([inverse](Vec x) { return x * Vec(inverse); }, out_rows + i * D, w.o.data() + i * D, D);
-    lse_rows[i] = sum == 0.0f ? kNegInf : (w.running_max[i] + std::log2(sum)) * kLn2;
+    lse_rows[i] = sum == 0.0f ? kNegInf : w.running_max[i] + std::log(sum);
   }
 }
 
