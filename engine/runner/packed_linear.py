@@ -34,6 +34,8 @@ them for its fused elementwise step.
 The original weights stay in place (state dicts, tied embeddings, the reference forward and other devices
 are unchanged); each packed layout costs as much memory again as the packed layers' weights (SmolLM2
 fp32: 425 MB of decoder linears, 113 MB of LM head; the panels only where the engine's library is loaded).
+Panels of 2 MB or more live on transparent huge pages where the kernel grants them
+(`host_memory.on_huge_pages`: a decode step streams them whole).
 """
 
 from __future__ import annotations
