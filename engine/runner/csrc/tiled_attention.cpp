@@ -15,9 +15,9 @@
 // read each key block once, and a tile of rows holds consecutive queries (close causal limits).
 //
 // Each (element, KV head)'s keys are packed in float32, transposed into blocks of KB keys
-// ([L / KB][D][KB], zero padding): once up front when several tiles read each block; with one tile (a few decodes over a
-// shared prefix), each task packs the blocks it reads, which no other task reads, so the packed copy never
-// goes to memory. Values are read in place, in their dtype, widened on load. A task is a tile of rows
+// ([L / KB][D][KB], zero padding): once up front when several tiles read each block; with one tile (a
+// few decodes over a shared prefix), each task packs the blocks it reads, which no other task reads, so
+// the packed copy never goes to memory. Values are read in place, in their dtype, widened on load. A task is a tile of rows
 // over a range of key blocks; per key block and per micro tile of R rows it runs
 //
 //   scores  s[R, KB] = (scale q)[R, D] . K^T[D, KB]           R x NV vector accumulators, D steps
@@ -210,7 +210,7 @@ constexpr bool kBf16Pairs = false;
 void pack_key_pairs(const at::BFloat16* key, int64_t key_stride, int64_t count, int64_t D, at::BFloat16* out, float* staging);
 void pack_value_pairs(const at::BFloat16* value, int64_t value_stride, int64_t count, int64_t D, at::BFloat16* out);
 void score_pairs(const at::BFloat16* q, const at::BFloat16* key_pairs, int64_t D, int vectors, float scale, float* s);
-void accumulate_pairs(float* p, int vectors, const float* correction, const at::BFloat16* value_pairs, int64_t num_keys,
+void accumulate_pairs(const float* p, int vectors, const float* correction, const at::BFloat16* value_pairs, int64_t num_keys,
                       int64_t D, float* o);
 
 #if defined(BF16_DOT_PRODUCTS)
@@ -312,9 +312,9 @@ void accumulate_pairs_chunk(const at::BFloat16* p, const float* correction, cons
     for (int v = 0; v < NV; ++v) _mm512_storeu_ps(o + r * D + v * 16, acc[r][v]);
 }
 
-// The weights p[R][KB] (float32, the first `vectors` vectors of each row set) are rounded to bf16 in
-// place's stead (into the row's first half) and multiplied into the whole head dimension.
-void accumulate_pairs(float* p, int vectors, const float* correction, const at::BFloat16* value_pairs, int64_t num_keys,
+// The weights p[R][KB] (float32; the first `vectors` vectors of each row are set) are rounded to bf16,
+// then multiplied into the whole head dimension.
+void accumulate_pairs(const float* p, int vectors, const float* correction, const at::BFloat16* value_pairs, int64_t num_keys,
                       int64_t D, float* o) {
   alignas(64) at::BFloat16 weights[kRows * kBlockKeys];
   for (int r = 0; r < kRows; ++r)
