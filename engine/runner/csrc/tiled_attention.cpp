@@ -198,6 +198,18 @@ inline float softmax_row(float* s, int64_t visible, int64_t width, float& runnin
   return correction;
 }
 
+// out[i][j] = rows[j][i] for the KB rows of a block and `width` 32-bit lanes each (rows row_stride
+// apart, out [width][KB]): 16 x 16 transposes, the lanes past the last multiple of 16 one by one. Lanes
+// are moved, never computed on, so bf16 pairs can travel as float32 lanes.
+inline void transpose_block(const float* rows, int64_t row_stride, int64_t width, float* out) {
+  int64_t i = 0;
+  for (; i + 16 <= width; i += 16)
+    for (int64_t j = 0; j < kBlockKeys; j += 16)
+      at::vec::transpose_mxn<float, 16, 16>(rows + j * row_stride + i, row_stride, out + i * kBlockKeys + j, kBlockKeys);
+  for (; i < width; ++i)  // bf16 key pairs of head dimensions 16 and 48: 8 lanes left
+    for (int64_t j = 0; j < kBlockKeys; ++j) out[i * kBlockKeys + j] = rows[j * row_stride + i];
+}
+
 #if defined(BF16_DOT_PRODUCTS)
 constexpr bool kBf16Pairs = true;  // bf16 calls run on the CPU's bf16 dot products (vdpbf16ps)
 #else
@@ -229,18 +241,12 @@ inline int32_t pair_at(const at::BFloat16* p) {
 }
 
 // The pairs are moved as 32-bit words: rows of D / 2 words into staging [KB][D / 2] (zero past the last
-// key), then transposed 16 x 16 words at a time (as float32 lanes: permutes, no arithmetic).
+// key), then transposed as float32 lanes.
 void pack_key_pairs(const at::BFloat16* key, int64_t key_stride, int64_t count, int64_t D, at::BFloat16* out, float* staging) {
   const int64_t words = D / 2;
   for (int64_t j = 0; j < count; ++j) std::memcpy(staging + j * words, key + j * key_stride, words * sizeof(float));
   std::fill(staging + count * words, staging + kBlockKeys * words, 0.0f);
-  float* out_words = reinterpret_cast<float*>(out);
-  int64_t i = 0;
-  for (; i + 16 <= words; i += 16)
-    for (int64_t j = 0; j < kBlockKeys; j += 16)
-      at::vec::transpose_mxn<float, 16, 16>(staging + j * words + i, words, out_words + i * kBlockKeys + j, kBlockKeys);
-  for (; i < words; ++i)  // head dimensions of 16 and 48: 8 words left
-    for (int64_t j = 0; j < kBlockKeys; ++j) out_words[i * kBlockKeys + j] = staging[j * words + i];
+  transpose_block(staging, words, words, reinterpret_cast<float*>(out));
 }
 
 void pack_value_pairs(const at::BFloat16* value, int64_t value_stride, int64_t count, int64_t D, at::BFloat16* out) {
@@ -345,9 +351,11 @@ struct Scratch {
   std::vector<at::BFloat16> q_bf16;  // the bf16 path's query rows, unscaled
   std::vector<float> block_keys, staging;  // a block packed in the task (float32 keys or bf16 key pairs)
   std::vector<at::BFloat16> block_values;  // the bf16 path's value pairs of that block
-  explicit Scratch(int64_t D)
+  // packs_blocks: the tasks pack their own blocks (else the block buffers stay empty)
+  Scratch(int64_t D, bool packs_blocks)
       : q(kTileRows * D), o(kTileRows * D), s(kRows * kBlockKeys), running_max(kTileRows), running_sums(kTileRows * Vec::size()), correction(kRows),
-        q_bf16(kTileRows * D), block_keys(kBlockKeys * D), staging(kBlockKeys * D), block_values(kBlockKeys * D) {}
+        q_bf16(kTileRows * D), block_keys(packs_blocks ? kBlockKeys * D : 0), staging(packs_blocks ? kBlockKeys * D : 0),
+        block_values(packs_blocks ? kBlockKeys * D : 0) {}
 };
 
 // One (element, KV head)'s keys and values: rows in place, and the blocks packed up front when many tiles
@@ -374,9 +382,7 @@ void pack_block(const Shape& sh, const scalar_t* key, int64_t key_stride, int64_
     std::fill(staging + count * D, staging + kBlockKeys * D, 0.0f);
     rows = staging, row_stride = D;
   }
-  for (int64_t j = 0; j < kBlockKeys; j += 16)
-    for (int64_t d = 0; d < D; d += 16)
-      at::vec::transpose_mxn<float, 16, 16>(rows + j * row_stride + d, row_stride, keys_t + d * kBlockKeys + j, kBlockKeys);
+  transpose_block(rows, row_stride, D, keys_t);
 }
 
 // Key block `block` in the layout its path reads: float32 keys [D][KB] into keys_out; on bf16 dot
@@ -468,11 +474,11 @@ void run_tile(
 // Runs body(task) for every task in [0, count) on the intra-op threads, each taking the next task from a
 // shared counter (tiles differ in cost, so a static split would leave a thread idle).
 template <typename F>
-void for_each_task(int64_t count, int64_t scratch_dim, const F& body) {
+void for_each_task(int64_t count, int64_t head_dim, bool packs_blocks, const F& body) {
   std::atomic<int64_t> next{0};
   const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), count));
   at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
-    Scratch scratch(scratch_dim);
+    Scratch scratch(head_dim, packs_blocks);
     for (int64_t task = next.fetch_add(1); task < count; task = next.fetch_add(1)) body(task, scratch);
   });
 }
@@ -548,7 +554,7 @@ std::tuple<at::Tensor, at::Tensor> tiled_attention(
       });
     }
     const int64_t q_strides[2] = {query.stride(1), query.stride(2)};
-    for_each_task(units * sh.splits, D, [&](int64_t task, Scratch& scratch) {
+    for_each_task(units * sh.splits, D, !pack_up_front, [&](int64_t task, Scratch& scratch) {
       // heaviest first: causal tiles grow with their index
       const int64_t unit = units - 1 - task / sh.splits, split = task % sh.splits;
       const int64_t tile = unit % sh.tiles, pair = unit / sh.tiles;
