@@ -49,7 +49,11 @@ class StepForward:
         chunks = [self._runner_chunk(chunk) for chunk in out.chunks]
         logits = self.runner.execute(chunks)
         failed = self._non_finite(out.chunks, chunks, logits)
-        ends = [i for i, c in enumerate(out.chunks) if c.reaches_end and c.request.request_id not in failed]
+        ends = [
+            i
+            for i, c in enumerate(out.chunks)
+            if c.reaches_end and c.request.request_id not in failed and c.reads_from not in failed
+        ]
         if not ends:
             return {}, failed
         requests = [out.chunks[i].request for i in ends]
@@ -68,7 +72,12 @@ class StepForward:
         Every chunk's last row is checked, prefill chunks too: causal attention carries a non-finite K/V
         to every later position, so the chunk that first computes one is caught before its blocks enter
         the prefix index. Each such chunk's K/V is zeroed at once (`ModelRunner.clear_slots`), so what
-        its request computed never reaches another request through a reused block.
+        its request computed never reaches another request through a reused block. A chunk that read
+        blocks a failed chunk computed in the same step (an in-flight hit) neither fails nor is sampled,
+        finite or not: its K/V is zeroed too and its request goes back to the queue, to be recomputed on
+        its own (`Scheduler.postprocess`). Its result is not its own: a NaN reaches even the failed
+        chunk's positions before it (a causal mask weighs later keys zero, and 0 x NaN is NaN), so the
+        shared blocks may hold NaN that this request, computed alone, would never see.
 
         A NaN or an infinity makes its row's sum NaN or infinite, so one sum per row finds every candidate
         (64 rows of a 49,152 vocabulary: 0.1 ms, against 5 ms for `isfinite(logits).all(dim=-1)`); a row
@@ -80,7 +89,9 @@ class StepForward:
         for row in (i for i, finite in enumerate(finite_rows) if not finite):
             finite_rows[row] = bool(torch.isfinite(logits[row]).all())
         for chunk, runner_chunk, finite in zip(scheduled, chunks, finite_rows):
-            if not finite:
+            if chunk.reads_from in failed:  # a holder's chunk comes before the chunks that read from it
+                self.runner.clear_slots(runner_chunk)  # recomputed on its own later, whatever its logits
+            elif not finite:
                 self.runner.clear_slots(runner_chunk)
                 position = chunk.start_pos + len(chunk.token_ids) - 1
                 reason = f"non-finite logits (NaN or inf) at position {position}"

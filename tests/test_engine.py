@@ -323,6 +323,42 @@ def test_background_thread_serves_submissions(tmp_path):
     assert engine.failure is None
 
 
+def test_a_burst_shares_its_new_prefix_in_the_step_that_computes_it_and_matches_the_reference(tmp_path, tiny_llama_reference):
+    """In-flight hits: the first request's chunk computes the shared blocks, the others read them in the
+    same forward (the runner writes every chunk's K/V before any attention reads it)."""
+    engine, spy = make_engine(tmp_path)
+    prefix = tokens(26, 3)  # 6 full blocks and 2 tokens: the 2 are not shared
+    ids = [engine.submit(prefix + tokens(3 + i, 10 + i), GREEDY) for i in range(4)]
+    ids.append(engine.submit(prefix[:9] + tokens(8, 20), GREEDY))  # 2 blocks in common with the first
+    engine.step()
+    assert all(len(engine.get(rid).output_token_ids) == 1 for rid in ids), "one step starts every request"
+    engine.check_invariants()
+    engine.run_until_idle()
+    assert [engine.get(rid).cached_tokens for rid in ids] == [0, 24, 24, 24, 8]
+    assert [engine.get(rid).hit_source for rid in ids] == ["none"] + ["prefix"] * 4
+    for rid in ids:
+        assert_matches_reference(engine, spy, tiny_llama_reference, rid)
+        assert_work_skipped(engine, spy, rid)
+    engine.check_invariants()
+    stats = engine.stats()
+    assert stats.used_blocks == 0 and stats.prefix_hit_tokens == 3 * 24 + 8
+
+
+def test_a_burst_waits_for_a_shared_prefix_the_first_request_computes_over_several_steps(tmp_path, tiny_llama_reference):
+    """Sharing the first chunk's blocks now would compute the rest of the shared prefix twice: wait."""
+    engine, spy = make_engine(tmp_path, max_num_batched_tokens=16)
+    prefix = tokens(40, 5)
+    first = engine.submit(prefix + [9], GREEDY)
+    second = engine.submit(prefix + [11], GREEDY)
+    engine.step()
+    assert engine.get(second).status == "waiting"
+    engine.run_until_idle()
+    assert engine.get(second).cached_tokens == 40 and engine.get(second).computed_tokens == 1
+    for rid in (first, second):
+        assert_matches_reference(engine, spy, tiny_llama_reference, rid)
+    engine.check_invariants()
+
+
 def test_a_burst_sharing_a_new_prefix_computes_it_once(make_model):
     """Regression: requests arriving together used to prefill their shared, not yet cached prefix twice."""
     engine = Engine(EngineConfig(model="tiny-llama", num_blocks=64, block_size=16), loaded=make_model("tiny-llama"))

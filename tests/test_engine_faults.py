@@ -97,6 +97,30 @@ def test_blocks_a_failed_request_held_serve_the_next_requests_correctly(tmp_path
     engine.check_invariants()
 
 
+def test_in_flight_sharers_of_a_request_that_goes_nan_fail_only_if_poisoned_themselves(tmp_path, tiny_llama_reference):
+    """Sharers read the first request's blocks in the forward that computes them. When that forward goes
+    non-finite, its K/V is zeroed and none of it enters the index, and the sharers go back to the queue
+    (the NaN reaches even its blocks before the poison: a causal mask's zero weight times NaN is NaN).
+    Recomputed on their own, those whose prompts hold the poison fail; the other matches the reference."""
+    engine = poisoned_engine(tmp_path, num_blocks=32)
+    spy = LogitSpy(engine)
+    prefix = tokens(9, 10) + [POISON] + tokens(2, 11)  # 3 full blocks, the poison in the third
+    poisoned = [engine.submit(prefix + tokens(2, 12 + i), GREEDY) for i in range(2)]
+    clean = engine.submit(prefix[:8] + tokens(3, 20), GREEDY)  # shares 2 blocks, before the poison
+    engine.step()
+    assert [engine.get(rid).cached_tokens for rid in poisoned + [clean]] == [0, 12, 8]  # shared in flight
+    assert [engine.get(rid).status for rid in poisoned + [clean]] == ["failed", "waiting", "waiting"]
+    assert engine.get(clean).preemptions == 1
+    engine.run_until_idle()
+    assert [engine.get(rid).status for rid in poisoned + [clean]] == ["failed", "failed", "finished"]
+    assert_matches_reference(engine, spy, tiny_llama_reference, clean)
+    engine.check_invariants()
+    assert engine.stats().used_blocks == 0
+    assert_block_memory_finite(engine)
+    cached = [b for b in engine.snapshot().blocks if b.key is not None]
+    assert all(POISON not in b.token_ids for b in cached)
+
+
 def test_a_failed_request_on_the_background_loop_leaves_the_loop_serving(tmp_path):
     engine = poisoned_engine(tmp_path, num_blocks=32)
     engine.start()
@@ -214,24 +238,29 @@ TestEngineFaultMachine.settings = settings(max_examples=30, stateful_step_count=
 
 
 def test_only_rows_holding_a_nan_or_an_infinity_fail_not_finite_rows_whose_sum_overflows():
-    """The check sums each row first (one pass) and re-reads a row only when its sum is not finite."""
+    """The check sums each row first (one pass) and re-reads a row only when its sum is not finite. A
+    chunk that read blocks a failed chunk computed in the same step (an in-flight hit) does not fail,
+    finite or not, but its K/V is zeroed with theirs (its request is recomputed)."""
     from types import SimpleNamespace
 
     from engine.forward import StepForward
 
     cleared = []
     runner = SimpleNamespace(clear_slots=cleared.append)
+    reads_from = [None, None, None, None, "r2", "r1", "r3"]
     scheduled = [
-        SimpleNamespace(request=SimpleNamespace(request_id=f"r{i}"), start_pos=10 * i, token_ids=[1, 2])
-        for i in range(4)
+        SimpleNamespace(request=SimpleNamespace(request_id=f"r{i}"), start_pos=10 * i, token_ids=[1, 2], reads_from=holder)
+        for i, holder in enumerate(reads_from)
     ]
-    logits = torch.zeros(4, 8)
+    logits = torch.zeros(7, 8)
     logits[1, :] = 3e38  # finite values whose float32 sum overflows
     logits[2, 3] = float("nan")
     logits[3, 0], logits[3, 1] = float("inf"), float("-inf")
-    failed = StepForward(runner, kv=None, verifier=None)._non_finite(scheduled, ["c0", "c1", "c2", "c3"], logits)
+    logits[6, 2] = float("nan")  # r6 read from r3, which failed: not failed itself, but zeroed
+    chunks = [f"c{i}" for i in range(7)]
+    failed = StepForward(runner, kv=None, verifier=None)._non_finite(scheduled, chunks, logits)
     assert failed == {
         "r2": "non-finite logits (NaN or inf) at position 21",
         "r3": "non-finite logits (NaN or inf) at position 31",
     }
-    assert cleared == ["c2", "c3"]
+    assert cleared == ["c2", "c3", "c4", "c6"]  # r4 and r6 read from failed chunks; r5 from r1, finite

@@ -1,5 +1,5 @@
-"""Property test: random submit / fork / append / finish / retain / release / evict / reset sequences,
-under each eviction policy of the pool.
+"""Property test: random submit / fork / in-flight share / append / finish / retain / release / evict /
+reset sequences, under each eviction policy of the pool.
 
 After every step the pool and table invariants hold, and every live table's blocks spell out exactly
 its request's context (so sharing and copy-on-write never let one request see another's tokens).
@@ -71,6 +71,35 @@ class KVCacheManagerMachine(RuleBasedStateMachine):
             self.m.free(child)
             del self.context[child]
 
+    @rule(stem=st.sampled_from(STEMS), holder_tail=tokens, tail=tokens, salt=st.sampled_from([None, "t1"]), fails=st.booleans())
+    def share_in_flight(self, stem, holder_tail, tail, salt, fails):
+        """One step of a burst: a holder's prompt reserved, a new request sharing its full leading blocks
+        before they are computed, then the forward: both keyed in chunk order, or (the holder's forward
+        went non-finite) both freed, nothing of theirs entering the index."""
+        holder_prompt, prompt = stem + holder_tail, stem + tail
+        hits = self.m.find_prefix_hit(holder_prompt, salt)
+        new = holder_prompt[len(hits) * BLOCK_SIZE :]
+        if not self.m.can_allocate(len(new), hits):
+            return
+        indexed_before = {b.key for b in self.m.pool.blocks if b.key is not None}
+        holder = self._new_id()
+        self.m.allocate(holder, new, hits=hits, salt=salt)
+        common = next((i for i, (a, b) in enumerate(zip(holder_prompt, prompt)) if a != b), min(len(prompt), len(holder_prompt)))
+        num_blocks = min(common, len(prompt) - 1) // BLOCK_SIZE  # the hit cap: its last token is computed
+        rids = [holder]
+        if num_blocks and self.m.can_allocate(len(prompt) - num_blocks * BLOCK_SIZE):
+            rids.append(self._new_id())
+            self.m.share_leading_blocks(holder, rids[1], num_blocks, prompt[num_blocks * BLOCK_SIZE :], salt=salt)
+            assert self.m.block_ids(rids[1])[:num_blocks] == self.m.block_ids(holder)[:num_blocks]
+        if fails:
+            for rid in reversed(rids):
+                self.m.free(rid)
+            assert {b.key for b in self.m.pool.blocks if b.key is not None} <= indexed_before  # (allocation may evict)
+            return
+        for rid, context in zip(rids, (holder_prompt, prompt)):
+            self.m.cache_full_blocks(rid)
+            self.context[rid] = context
+
     @precondition(lambda self: self.context)
     @rule(data=st.data(), new=tokens)
     def append(self, data, new):
@@ -132,9 +161,16 @@ class KVCacheManagerMachine(RuleBasedStateMachine):
 
     @invariant()
     def evictions_only_touch_unreferenced_blocks(self):
-        for event in self.log.take():
+        """An evicted block is unreferenced, unless it was allocated again after its eviction (and then
+        possibly shared in the same rule, as an in-flight hit shares its holder's new blocks)."""
+        events = self.log.take()
+        for i, event in enumerate(events):
             if event.kind == EventKind.EVICT and event.detail["reason"] in ("lru", "reuse-lru", "reset"):
-                assert self.m.pool.blocks[event.block_id].ref_count in (0, 1)  # 1: re-allocated since
+                reallocated = any(
+                    later.kind == EventKind.ALLOCATE and event.block_id in later.detail["block_ids"]
+                    for later in events[i + 1 :]
+                )
+                assert reallocated or self.m.pool.blocks[event.block_id].ref_count == 0
 
 
 def machine_for(policy: EvictionPolicyName):

@@ -128,19 +128,18 @@ def test_one_prompt_sent_as_plain_text_and_as_chat_diverges_with_the_template_to
     assert any("template" in note for note in answer["divergence"]["notes"])
 
 
-def test_two_identical_long_prompts_in_one_step_the_second_is_a_hit_after_its_wait(history) -> None:
+def test_two_identical_long_prompts_in_one_step_the_second_hits_the_first_in_flight(history) -> None:
+    """The second shares the blocks the first computes in the same step: a hit, with no wait."""
     h = history()
     prompt = encode_text(h.engine.tokenizer, SYSTEM + " " + "a long shared context. " * 20)
     first = h.engine.submit(prompt, ONE_TOKEN)
     second = h.engine.submit(prompt, ONE_TOKEN)
     h.engine.run_until_idle()
     view = h.engine.get(second)
-    assert view.cached_tokens == (len(prompt) - 1) // BS * BS  # it waited, then hit everything
+    assert view.cached_tokens == (len(prompt) - 1) // BS * BS
+    assert view.first_token_time == h.engine.get(first).first_token_time  # the same step
     answer = h.why(second)
-    assert answer["cause"] == "hit" and answer["missed_tokens"] == 0
-    assert answer["wait"]["request_id"] == first
-    assert answer["wait"]["seconds"] == pytest.approx(view.first_scheduled_time - view.arrival_time)
-    assert answer["wait"]["seconds"] > 0
+    assert answer["cause"] == "hit" and answer["missed_tokens"] == 0 and answer["wait"] is None
 
 
 def test_a_runs_summary_counts_the_tokens_missed_by_cause(history) -> None:

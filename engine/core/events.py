@@ -73,12 +73,14 @@ class Event(NamedTuple):
 #   CACHE:  block_ids, keys (hex, one per block), parent_keys (hex, one per block; None under the namespace
 #           root), token_ids (the blocks' tokens back to back), start_pos (first block), end_pos (last
 #           block's end), group.
-#   HIT:    cached_tokens, num_blocks, block_ids (the blocks shared, in table order), group.
+#   HIT:    cached_tokens, num_blocks, block_ids (the blocks shared, in table order), group; in_flight_from
+#           (the request whose chunk computes them in the same step) for an in-flight hit.
 #   FORK:   parent_id, shared_blocks, block_ids (the parent's blocks the child now shares, in table order), group.
 #   COW:    src_block, dst_block, num_slots, group.
 #   RESET:  dropped_blocks, ok (bool: False when referenced blocks kept it from being complete), kept_blocks.
-#   SCHEDULE: cached_tokens, computed_tokens, hit_source.   PREEMPT: num_computed_tokens (and waiting: true for
-#   a waiting fork child that gave its parent's blocks back).
+#   SCHEDULE: cached_tokens, computed_tokens, hit_source (and in_flight_from, as HIT's).
+#   PREEMPT: num_computed_tokens (and waiting: true for a waiting fork child that gave its parent's blocks
+#           back; after_failure_of: the request whose failed chunk computed blocks it read in the same step).
 #   REJECT: reason.   FINISH: reason ("length" | "eos" | "stop"), output_tokens.
 #   SUBMIT: parent_id, salt, prompt_token_ids (the context before generation, a fork's inherited part too).
 #   REPLAY: h, s, e, r, mode (ReplayMode value), replayed_tokens; a verification adds verified and the

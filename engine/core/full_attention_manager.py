@@ -11,8 +11,8 @@ from engine.core.block import Block
 from engine.core.block_pool import BlockPool
 from engine.core.chain_keys import ChainKeys
 from engine.core.errors import require
-from engine.core.events import EventLog
-from engine.core.kv_cache_manager import HitShare, KVCacheManager, TableStart
+from engine.core.events import EventKind, EventLog
+from engine.core.kv_cache_manager import BlockTable, HitShare, KVCacheManager, TableStart
 from engine.core.kv_groups import HitPlan, max_hit_blocks
 from engine.core.namespace import CacheNamespace
 
@@ -56,6 +56,50 @@ class FullAttentionManager(KVCacheManager):
             hits.append(block)
             parent = key
         return hits
+
+    def share_leading_blocks(
+        self, holder_id: str, request_id: str, num_blocks: int, new_token_ids: list[int], *, salt: str | None = None
+    ) -> None:
+        """Give a new request a table that shares the holder's first `num_blocks` blocks, then reserve
+        slots for `new_token_ids` after them: an in-flight hit (engine/core/kv_coordinator.py's `share`).
+
+        The blocks are full of the tokens the holder's table reserved for them, computed or to be computed
+        by the holder's chunk in this step; the new table keys them once computed (`cache_full_blocks`),
+        like its own. They are referenced, so only their reference counts change. The caller's check
+        (`can_allocate(len(new_token_ids))`) said yes: this commit does not ask the pool again.
+
+        Raises:
+            ValueError: the request already has a table, the holder's table hangs from another namespace
+                root than `salt`'s, or its first `num_blocks` blocks are not all full (or fewer than one).
+            KeyError: the holder has no table. Nothing changes on a raise.
+        """
+        if request_id in self._tables:
+            raise ValueError(f"request {request_id!r} already has a block table")
+        holder = self._tables[holder_id]
+        if holder.root_key != self.root_key(salt):
+            raise ValueError(f"request {holder_id!r} holds blocks under another namespace root or salt")
+        shared = holder.blocks[:num_blocks]
+        if num_blocks < 1 or len(shared) < num_blocks or any(len(b.token_ids) < self.block_size for b in shared):
+            raise ValueError(f"request {holder_id!r} holds fewer than {num_blocks} full leading blocks")
+        table = BlockTable(
+            holder.root_key,
+            blocks=shared,
+            keys=holder.keys[:num_blocks],
+            retired=num_blocks,  # shared state stays under its own chain's retention
+            block_ids=holder.block_ids[:num_blocks],
+        )
+        self.pool.share_held_blocks(shared)
+        self._tables[request_id] = table
+        tokens = num_blocks * self.block_size
+        detail = {
+            "cached_tokens": tokens,
+            "num_blocks": num_blocks,
+            "block_ids": table.block_ids[:],
+            "group": self.pool.group,
+            "in_flight_from": holder_id,
+        }
+        self._log.emit(EventKind.HIT, detail, request_id=request_id, block_id=table.block_ids[-1], tokens=tokens)
+        self._fill(table, request_id, new_token_ids)
 
     def hit_share(self, plan: HitPlan) -> HitShare:
         """The full group shares the hits [0, h) and writes from h."""

@@ -86,6 +86,16 @@ class KVGrowth(NamedTuple):
     groups: tuple[GroupGrowth, ...]  # in the coordinator's group order
 
 
+class KVShare(NamedTuple):
+    """`plan_share`'s yes: a new request can share the holder's first `num_blocks` blocks and take a first
+    chunk of `num_tokens` tokens after them. `share` commits exactly this."""
+
+    holder_id: str
+    num_blocks: int
+    num_tokens: int
+    plan: HitPlan  # the hit it amounts to: [0, num_blocks * block_size) reused, computed from there on
+
+
 class KVCoordinator:
     def __init__(
         self, specs: Sequence[KVGroupSpec], managers: Sequence[KVCacheManager], policy: WindowPolicy, log: EventLog
@@ -255,6 +265,44 @@ class KVCoordinator:
             self._log.emit(EventKind.REPLAY, detail, request_id=request_id, tokens=plan.replayed_tokens)
         write_from = tuple(max(group.share.write_from, plan.r) for group in admission.groups)
         return Reservation(write_from, 0)
+
+    # ------------------------------------------------------------------ in-flight hits
+    @property
+    def shares_in_flight(self) -> bool:
+        """Whether a new request may share blocks another request computes in the same step: a model
+        with a full-attention group only (a sliding group's hits need window state planned from the index)."""
+        return self.full is not None and self.sliding is None
+
+    def plan_share(self, holder_id: str, num_blocks: int, num_tokens: int) -> KVShare | None:
+        """Whether a new request can share the first `num_blocks` blocks of the holder's table, all full,
+        and take a first chunk of `num_tokens` tokens after them; None when the pool has no room.
+
+        The scheduler plans this for a request whose prompt shares those blocks with a request whose chunk
+        in this step fills them (an in-flight hit, as vLLM caches a block when it schedules it): the runner
+        writes every chunk's K/V before any attention reads it, so the new request's chunk reads them in
+        the same forward. Asks the pool once.
+
+        Raises:
+            InvariantError: a model with a sliding group (`shares_in_flight` is False).
+        """
+        require(self.shares_in_flight and self.full is not None, "in-flight hits need a full-attention-only model")
+        if not self.full.can_allocate(num_tokens):
+            return None
+        h = num_blocks * self.block_size
+        plan = HitPlan(h=h, s=0, e=0, r=h, mode=ReplayMode.FULL, chain_keys=[])
+        return KVShare(holder_id, num_blocks, num_tokens, plan)
+
+    def share(self, request_id: str, token_ids: list[int], share: KVShare, salt: str | None) -> Reservation:
+        """First allocation of a new request, as `plan_share` decided: share the holder's blocks and
+        reserve slots for `token_ids`, the first chunk's tokens from the end of the shared blocks.
+
+        Raises:
+            InvariantError: `token_ids` are not the chunk the share was planned for; nothing changes.
+            ValueError, KeyError: as `FullAttentionManager.share_leading_blocks`; nothing changes.
+        """
+        require(len(token_ids) == share.num_tokens and self.full is not None, f"{request_id}: a chunk other than the one planned")
+        self.full.share_leading_blocks(share.holder_id, request_id, share.num_blocks, token_ids, salt=salt)
+        return Reservation((share.plan.h,), 0)
 
     def plan_append(self, request_id: str, start_pos: int, num_tokens: int) -> KVGrowth | None:
         """Whether every group can take a chunk of `num_tokens` tokens at `start_pos` of the request's

@@ -6,7 +6,10 @@ holds no blocks, except a fork child, which holds its parent's from the fork on;
 cannot start, a fork child that can goes ahead of it, and when no request can start and none runs, the
 waiting children give their parents' blocks back (newest first, until one can start): they then look
 their contexts up in the prefix index like any new request. Without both, a child whose parent ended
-could hold the blocks the requests ahead of it need for ever. A request that cannot get blocks waits;
+could hold the blocks the requests ahead of it need for ever. A new request whose prompt shares blocks
+that a running request's chunk fills in this step shares them at once (an in-flight hit: its chunk reads
+them in the forward that computes them, and goes back to the queue if that chunk goes non-finite); if they take
+more than this step, it waits for them. A request that cannot get blocks waits;
 when a running request cannot grow, the newest running request is preempted: its blocks are released
 and it goes back to the front of the queue, to be recomputed later (usually a prefix hit, since its
 full blocks stay cached). After the forward, `postprocess` accounts for the computed chunks, appends
@@ -28,7 +31,7 @@ from typing import Collection, Mapping
 from engine.core.config import EngineConfig
 from engine.core.events import EventKind, EventLog
 from engine.core.kv_cache_manager import BlockCopy
-from engine.core.kv_coordinator import KVAdmission, KVCoordinator, KVGrowth
+from engine.core.kv_coordinator import KVAdmission, KVCoordinator, KVGrowth, KVShare
 from engine.core.kv_groups import HitPlan, max_hit_blocks
 from engine.core.request import Request, RequestStatus
 
@@ -42,7 +45,8 @@ class ReuseCounters:
         prefix lookup   a new request's prompt looked up in the prefix index (vLLM's
                         `prefix_cache_queries` / `prefix_cache_hits`); a hit counts only the tokens that
                         were not computed: the replay boundary r, not the hit position h (a sliding-window
-                        hit replayed from r = 0 saved nothing)
+                        hit replayed from r = 0 saved nothing); an in-flight hit, on blocks another request
+                        computes in the same step, counts too (vLLM caches blocks when it schedules them)
         fork            a child's context shared from its parent's table (not an index lookup)
         re-admission    a preempted request looked up again; its reuse is its own recomputation, not a
                         prefix hit (vLLM #25780), so it is counted here and nowhere else
@@ -79,6 +83,7 @@ class ScheduledChunk:
     token_ids: list[int]
     start_pos: int
     write_from: tuple[int, ...]  # per KV group: first position this chunk writes (see KVCoordinator)
+    reads_from: str | None = None  # the request whose chunk in this step computes blocks this one reads
 
     @property
     def reaches_end(self) -> bool:
@@ -94,7 +99,8 @@ class Admission:
     request: Request
     start: int  # where its first chunk starts: the hit plan's replay boundary, or a fork child's shared end
     num_tokens: int  # the first chunk's length
-    kv: KVAdmission | KVGrowth  # new tables from a hit plan, or (a fork child) growth of its shared ones
+    # new tables from a hit plan, or shared from a request computing them now, or (a fork child) growth of its shared ones
+    kv: KVAdmission | KVShare | KVGrowth
 
 
 @dataclass(frozen=True, slots=True)
@@ -208,7 +214,8 @@ class Scheduler:
 
         A fork child grows the tables it shares with its parent from their end. Any other request is
         looked up in the prefix index (its chain keys are kept on it, so waiting hashes nothing twice)
-        and starts at its hit plan's replay boundary, unless another request is computing its next block.
+        and starts at its hit plan's replay boundary, unless another request is computing its next block:
+        then it shares that request's blocks now, or waits (`_in_flight_admission`).
         """
         rid = request.request_id
         if self.kv.has_table(rid):
@@ -218,8 +225,9 @@ class Scheduler:
             return None if growth is None else Admission(request, start, n, growth)
         keys = request.lookup_keys(self.kv.root_key(request.salt), self.kv.block_size)
         plan = self.kv.plan_hit(request.all_token_ids, request.salt, keys)
-        if self._computed_by_another(request, plan.r):
-            return None  # wait: next step this request hits the blocks another one is computing now
+        holder = self._computing_next_block(request, plan.r)
+        if holder is not None:
+            return self._in_flight_admission(request, holder, budget)
         n = min(budget, request.num_tokens - plan.r)
         tables = self.kv.plan_admission(plan, n)
         return None if tables is None else Admission(request, plan.r, n, tables)
@@ -230,9 +238,13 @@ class Scheduler:
         rid = request.request_id
         tokens = request.tokens(start, start + admission.num_tokens)
         plan: HitPlan | None = None
+        reads_from = None
         if isinstance(admission.kv, KVAdmission):
             plan = admission.kv.plan
             reservation = self.kv.admit(rid, tokens, admission.kv, request.salt)
+        elif isinstance(admission.kv, KVShare):
+            plan, reads_from = admission.kv.plan, admission.kv.holder_id
+            reservation = self.kv.share(rid, tokens, admission.kv, request.salt)
         else:
             reservation = self.kv.append(rid, tokens, admission.kv)
         first_time = request.first_scheduled_time is None
@@ -245,34 +257,58 @@ class Scheduler:
                 "computed_tokens": request.num_prompt_tokens - start,
                 "hit_source": request.hit_source.value,
             }
+            if reads_from is not None:
+                detail["in_flight_from"] = reads_from
             self._log.emit(EventKind.SCHEDULE, detail, request_id=rid, tokens=request.num_prompt_tokens)
-        return ScheduledChunk(request, tokens, start, reservation.write_from)
+        return ScheduledChunk(request, tokens, start, reservation.write_from, reads_from)
 
-    def _computed_by_another(self, request: Request, hit_end: int) -> bool:
-        """True when a running request is still prefilling the block of this prompt that follows its hit.
-
-        Admitting now would compute that block, and usually the rest of a shared prefix, a second time
-        (a burst of requests with a new system prompt all prefill it together); once the other request's
-        forward caches it, this request hits it instead.
-        """
+    def _computing_next_block(self, request: Request, hit_end: int) -> Request | None:
+        """The running request, if any, still prefilling the block of this prompt that follows its hit."""
         bs = self.kv.block_size
         end = hit_end + bs
         if end > max_hit_blocks(request.num_tokens, bs) * bs:  # past the hit cap: no further block could be reused
-            return False
+            return None
         head = request.tokens(0, end)
-        return any(
-            other.prefilling
-            and other.salt == request.salt
-            and other.num_computed_tokens < end
-            and other.num_tokens >= end
-            and other.tokens(0, end) == head
-            for other in self.running
+        return next(
+            (
+                other
+                for other in self.running
+                if other.prefilling
+                and other.salt == request.salt
+                and other.num_computed_tokens < end
+                and other.num_tokens >= end
+                and other.tokens(0, end) == head
+            ),
+            None,
         )
 
-    def _preempt(self, request: Request) -> None:
+    def _in_flight_admission(self, request: Request, holder: Request, budget: int) -> Admission | None:
+        """A new request whose next block `holder` is computing: share the holder's blocks now when its
+        chunk in this step fills every full block the two prompts share; else None, to wait for them.
+
+        Admitting it on its own would compute those blocks a second time (a burst of requests with a new
+        system prompt would all prefill it together). Sharing them in the same step is what vLLM does (it
+        caches a block when it schedules it): the new request's chunk reads them in the forward that
+        computes them. Where they take more than this step (a prefix in several chunks), or the model has a
+        sliding group, the request waits, and hits them in the prefix index once they are cached.
+        """
+        bs = self.kv.block_size
+        common = _common_prefix(request.all_token_ids, holder.all_token_ids)
+        num_blocks = min(common, max_hit_blocks(request.num_tokens, bs) * bs) // bs
+        if not self.kv.shares_in_flight or self.kv.num_tokens(holder.request_id) < num_blocks * bs:
+            return None
+        n = min(budget, request.num_tokens - num_blocks * bs)
+        share = self.kv.plan_share(holder.request_id, num_blocks, n)
+        return None if share is None else Admission(request, num_blocks * bs, n, share)
+
+    def _preempt(self, request: Request, *, after_failure_of: str | None = None) -> None:
+        """Free a running request's blocks and put it back at the front of the queue. `after_failure_of`:
+        the request whose failed chunk computed blocks this one read in the same step."""
         self.running.remove(request)
         self.kv.free(request.request_id)
-        detail = {"num_computed_tokens": request.num_computed_tokens}
+        detail: dict[str, object] = {"num_computed_tokens": request.num_computed_tokens}
+        if after_failure_of is not None:
+            detail["after_failure_of"] = after_failure_of
         self._log.emit(EventKind.PREEMPT, detail, request_id=request.request_id, tokens=request.num_computed_tokens)
         request.preempted()
         self.num_preemptions += 1
@@ -291,7 +327,8 @@ class Scheduler:
             sampled: the token sampled for each request whose chunk reached its context's end.
             failed: why each request in it failed (request id -> reason), for chunks whose forward came
                 out non-finite: such a chunk is not computed, its request ends FAILED and its blocks are
-                freed, none of them cached.
+                freed, none of them cached. A chunk that read blocks a failed chunk computed (an in-flight
+                hit) is not computed either: its request goes back to the queue, as if preempted.
         """
         failed = failed or {}
         finished = []
@@ -301,6 +338,9 @@ class Scheduler:
             if request.request_id in failed:
                 self.stop_request(request, RequestStatus.FAILED, failed[request.request_id])
                 finished.append(request)
+                continue
+            if chunk.reads_from in failed:  # its in-flight hit's blocks were zeroed: recompute it later
+                self._preempt(request, after_failure_of=chunk.reads_from)
                 continue
             request.chunk_computed(len(chunk.token_ids))
             self.kv.finish_chunk(request.request_id, cacheable=request.cacheable)
@@ -357,3 +397,9 @@ class Scheduler:
         num_output = len(request.output_token_ids)
         detail = {"reason": request.finish_reason, "output_tokens": num_output, "status": request.status.value}
         self._log.emit(EventKind.FINISH, detail, request_id=rid, tokens=num_output)
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    """How many leading tokens `a` and `b` have in common."""
+    n = min(len(a), len(b))
+    return next((i for i in range(n) if a[i] != b[i]), n)
