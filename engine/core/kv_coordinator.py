@@ -300,7 +300,8 @@ class KVCoordinator:
             InvariantError: `token_ids` are not the chunk the share was planned for; nothing changes.
             ValueError, KeyError: as `FullAttentionManager.share_leading_blocks`; nothing changes.
         """
-        require(len(token_ids) == share.num_tokens and self.full is not None, f"{request_id}: a chunk other than the one planned")
+        planned = len(token_ids) == share.num_tokens and self.full is not None
+        require(planned, f"{request_id}: a chunk other than the one planned")
         self.full.share_leading_blocks(share.holder_id, request_id, share.num_blocks, token_ids, salt=salt)
         return Reservation((share.plan.h,), 0)
 

@@ -8,9 +8,9 @@ waiting children give their parents' blocks back (newest first, until one can st
 their contexts up in the prefix index like any new request. Without both, a child whose parent ended
 could hold the blocks the requests ahead of it need for ever. A new request whose prompt shares blocks
 that a running request's chunk fills in this step shares them at once (an in-flight hit: its chunk reads
-them in the forward that computes them, and goes back to the queue if that chunk goes non-finite); if they take
-more than this step, it waits for them. A request that cannot get blocks waits;
-when a running request cannot grow, the newest running request is preempted: its blocks are released
+them in the forward that computes them, and goes back to the queue if that chunk goes non-finite); if
+they take more than this step, it waits for them. A request that cannot get blocks waits; when a
+running request cannot grow, the newest running request is preempted: its blocks are released
 and it goes back to the front of the queue, to be recomputed later (usually a prefix hit, since its
 full blocks stay cached). After the forward, `postprocess` accounts for the computed chunks, appends
 the sampled tokens and finishes the requests that stop; a request whose forward went non-finite fails
@@ -99,7 +99,8 @@ class Admission:
     request: Request
     start: int  # where its first chunk starts: the hit plan's replay boundary, or a fork child's shared end
     num_tokens: int  # the first chunk's length
-    # new tables from a hit plan, or shared from a request computing them now, or (a fork child) growth of its shared ones
+    # new tables from a hit plan, or shared from a request computing them in this step (an in-flight hit),
+    # or (a fork child) growth of the tables it shares with its parent
     kv: KVAdmission | KVShare | KVGrowth
 
 
