@@ -17,7 +17,7 @@ from typing import NamedTuple, Sequence
 
 from engine.core.block import Block
 from engine.core.chain_keys import ChainKeys
-from engine.core.errors import require
+from engine.core.errors import InvariantError, require
 from engine.core.events import EventKind, EventLog
 from engine.core.full_attention_manager import FullAttentionManager
 from engine.core.kv_cache_manager import BlockCopy, HitShare, KVCacheManager
@@ -273,6 +273,12 @@ class KVCoordinator:
         with a full-attention group only (a sliding group's hits need window state planned from the index)."""
         return self.full is not None and self.sliding is None
 
+    def _full_only(self) -> FullAttentionManager:
+        """The full group of a model that has no other (raises InvariantError otherwise)."""
+        if self.full is None or self.sliding is not None:
+            raise InvariantError("in-flight hits need a full-attention-only model")
+        return self.full
+
     def plan_share(self, holder_id: str, num_blocks: int, num_tokens: int) -> KVShare | None:
         """Whether a new request can share the first `num_blocks` blocks of the holder's table, all full,
         and take a first chunk of `num_tokens` tokens after them; None when the pool has no room.
@@ -285,8 +291,7 @@ class KVCoordinator:
         Raises:
             InvariantError: a model with a sliding group (`shares_in_flight` is False).
         """
-        require(self.shares_in_flight and self.full is not None, "in-flight hits need a full-attention-only model")
-        if not self.full.can_allocate(num_tokens):
+        if not self._full_only().can_allocate(num_tokens):
             return None
         h = num_blocks * self.block_size
         plan = HitPlan(h=h, s=0, e=0, r=h, mode=ReplayMode.FULL, chain_keys=[])
@@ -300,9 +305,8 @@ class KVCoordinator:
             InvariantError: `token_ids` are not the chunk the share was planned for; nothing changes.
             ValueError, KeyError: as `FullAttentionManager.share_leading_blocks`; nothing changes.
         """
-        planned = len(token_ids) == share.num_tokens and self.full is not None
-        require(planned, f"{request_id}: a chunk other than the one planned")
-        self.full.share_leading_blocks(share.holder_id, request_id, share.num_blocks, token_ids, salt=salt)
+        require(len(token_ids) == share.num_tokens, f"{request_id}: a chunk other than the one planned")
+        self._full_only().share_leading_blocks(share.holder_id, request_id, share.num_blocks, token_ids, salt=salt)
         return Reservation((share.plan.h,), 0)
 
     def plan_append(self, request_id: str, start_pos: int, num_tokens: int) -> KVGrowth | None:

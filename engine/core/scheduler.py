@@ -293,10 +293,12 @@ class Scheduler:
         computes them. Where they take more than this step (a prefix in several chunks), or the model has a
         sliding group, the request waits, and hits them in the prefix index once they are cached.
         """
+        if not self.kv.shares_in_flight:
+            return None
         bs = self.kv.block_size
         common = _common_prefix(request.all_token_ids, holder.all_token_ids)
         num_blocks = min(common, max_hit_blocks(request.num_tokens, bs) * bs) // bs
-        if not self.kv.shares_in_flight or self.kv.num_tokens(holder.request_id) < num_blocks * bs:
+        if self.kv.num_tokens(holder.request_id) < num_blocks * bs:
             return None
         n = min(budget, request.num_tokens - num_blocks * bs)
         share = self.kv.plan_share(holder.request_id, num_blocks, n)

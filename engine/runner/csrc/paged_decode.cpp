@@ -150,8 +150,7 @@ void attend_one(
     // The next block's rows are prefetched while this one is scored (see the header).
     const bool has_next = b + 1 < lay.max_blocks && (b + 1) * S < valid;
     const bool prefetch = has_next && blocks[b + 1] != blocks[b] + 1;  // the hardware follows the next page
-    const char* next_keys = reinterpret_cast<const char*>(keys + blocks[has_next ? b + 1 : b] * S * D);
-    const char* next_values = reinterpret_cast<const char*>(values + blocks[has_next ? b + 1 : b] * S * D);
+    const int64_t next = prefetch ? blocks[b + 1] * S * D : 0;
     const int64_t first_pos = fields[2 + b] * S;
     // The block's visible slots are one run [lo, hi): positions increase along the block.
     int64_t lo = 0, hi = std::min(S, valid - b * S);
@@ -161,7 +160,7 @@ void attend_one(
     const float* block_keys = block_as_floats(keys + blocks[b] * S * D, lo, hi, D, key_buffer);
     const float* block_values = block_as_floats(values + blocks[b] * S * D, lo, hi, D, value_buffer);
     for (int64_t s = lo; s < hi; ++s) {
-      if (prefetch) prefetch_row(next_keys + s * row_bytes, next_values + s * row_bytes, row_bytes);
+      if (prefetch) prefetch_row(reinterpret_cast<const char*>(keys + next + s * D), reinterpret_cast<const char*>(values + next + s * D), row_bytes);
       for (int64_t g = 0; g < group; ++g) scores[g * S + s] = dot(q + g * D, block_keys + s * D, D);
     }
     for (int64_t g = 0; g < group; ++g) {

@@ -17,8 +17,8 @@
 // Each (element, KV head)'s keys are packed in float32, transposed into blocks of KB keys
 // ([L / KB][D][KB], zero padding): once up front when several tiles read each block; with one tile (a
 // few decodes over a shared prefix), each task packs the blocks it reads, which no other task reads, so
-// the packed copy never goes to memory. Values are read in place, in their dtype, widened on load. A task is a tile of rows
-// over a range of key blocks; per key block and per micro tile of R rows it runs
+// the packed copy never goes to memory. Values are read in place, in their dtype, widened on load. A
+// task is a tile of rows over a range of key blocks; per key block and per micro tile of R rows it runs
 //
 //   scores  s[R, KB] = (scale q)[R, D] . K^T[D, KB]           R x NV vector accumulators, D steps
 //   softmax m' = max(m, max s);  c = exp(m - m');  p = exp(s - m');  l = c l + sum p;  m = m'
