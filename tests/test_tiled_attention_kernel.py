@@ -76,6 +76,29 @@ def test_a_long_causal_call_matches_math_at_every_row(dtype):
     assert (lse - want_lse).abs().max().item() < 2e-5 * max(1.0, want_lse.abs().max().item())
 
 
+@pytest.mark.parametrize("rise", [0.05, 1.0, 7.5, 30.0])
+@pytest.mark.parametrize("queries", [1, 40])
+def test_scores_that_climb_block_after_block_match_math(rise, queries):
+    """Each row's scores rise by about `rise` a key block (64 keys). A row's softmax shift moves only when a
+    score passes it by more than 8: below that its weights grow up to e^8; above, it moves every block,
+    and the last scores (~330) are past exp's float32 range unless shifted. One query: keys split into
+    ranges. Scores that large round in float32 wherever they are computed: the kernel must come as close
+    to a float64 reference as torch's float32 flash kernel does (within 4x its error)."""
+    generator = torch.Generator().manual_seed(11)
+    q = torch.randn(1, queries, 3, 64, generator=generator)
+    q[..., 0] = 8.0  # times the scale 0.125: key component 0 adds to the score as it is
+    k, v = (torch.randn(1, 700, 1, 64, generator=generator) for _ in range(2))
+    k[..., 0] = rise * (torch.arange(700) // 64).view(1, 700, 1)
+    q, k, v = (as_runner_passes(tensor) for tensor in (q, k, v))
+    out, lse = kernel_ops().tiled_attention(q, k, v, False, 0.125)
+    scores = 0.125 * q.double() @ k.double().transpose(-1, -2)  # [1, 3, queries, 700]: the one KV head's keys
+    exact_out, exact_lse = torch.softmax(scores, dim=-1) @ v.double(), torch.logsumexp(scores, dim=-1)
+    flash_out, flash_lse = attend(q, k, v, scale=0.125, kernel=Kernel.CPU_FLASH)
+    assert torch.isfinite(out).all() and torch.isfinite(lse).all()
+    assert (out - exact_out).abs().max() <= 4 * (flash_out - exact_out).abs().max() + 1e-7
+    assert (lse - exact_lse).abs().max() <= 4 * (flash_lse - exact_lse).abs().max() + 1e-7
+
+
 @pytest.mark.parametrize("keys", [70, 1024])  # one pass; key ranges merged by their log-sum-exps
 def test_a_nan_in_one_element_reaches_no_other_element(keys):
     q = as_runner_passes(torch.randn(2, 5, 4, 16))

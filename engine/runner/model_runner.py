@@ -24,7 +24,8 @@ their slots, then runs the plan's kernel calls: decodes in one call (each readin
 the paged decode kernel on the CPU, else one padded batch), prefill chunks whose keys
 are their own tokens causally without a gather, other chunks over their gathered blocks, and, when
 several chunks share leading blocks, the shared run once for all of them, merged by log-sum-exp
-(cascade attention). Only the last token of each chunk reaches the LM head.
+(cascade attention). Only the last token of each chunk reaches the LM head, so the decoder's last layer
+runs a second plan: every token's K/V written, then those last tokens' queries alone, as decodes.
 
 Nothing in a step waits on the device: every index the step needs is built on the host and moved in one
 transfer, masks are built on the device, and the kernels are chosen once per runner
@@ -51,6 +52,7 @@ from engine.runner.attention_plan import (
     CascadeRule,
     ChunkQueries,
     GroupSlots,
+    HostCall,
     IndexPack,
     KeySource,
     plan_group,
@@ -95,6 +97,9 @@ class PagedContext:
     windows: tuple[int | None, ...]  # per KV group: None (full) or the sliding window
     slots: tuple[torch.Tensor, ...]  # per KV group: [T] cache slot every packed token writes
     calls: tuple[tuple[AttentionCall, ...], ...]  # per KV group: the kernel calls, shared (merging) ones last
+    # per KV group: the calls of a layer whose output is wanted only at each chunk's last token (its query
+    # alone, as a decode); None when every chunk is one token (the same calls)
+    last_token_calls: tuple[tuple[AttentionCall, ...], ...] | None
     kernels: KernelChoice  # which kernel runs unmasked, masked and decode calls
     gather: tuple[torch.Tensor, torch.Tensor]  # flat K and V buffers the gathers of every layer reuse
     lse: torch.Tensor  # [T, num_heads] float32: each row's partial log-sum-exp, rewritten by every layer
@@ -218,14 +223,20 @@ class ModelRunner:
             plan_group(queries[g], spec.window, size, self.cascade, pack, decodes_in_place=in_place)
             for g, spec in enumerate(self.groups)
         ]
+        # the decoder's last layer: past its attention only the last tokens reach the LM head
+        last_token_plans = None
+        if self.decoder is not None and len(token_ids) > len(chunks):
+            last_token_plans = [
+                plan_group([_last_token(q) for q in queries[g]], spec.window, size, self.cascade, pack, decodes_in_place=in_place)
+                for g, spec in enumerate(self.groups)
+            ]
         packed = pack.to(device)  # the step's one host-to-device transfer
-        calls = tuple(
-            tuple(call.realize(packed, size, spec.window, self.loaded.dtype) for call in plan)
-            for spec, plan in zip(self.groups, plans)
-        )
+        calls = self._realize(plans, packed)
+        last_token_calls = None if last_token_plans is None else self._realize(last_token_plans, packed)
         # One gather buffer per step, not one allocation per layer: a fresh multi-MB tensor is mapped and
         # page-faulted anew each time, which cost more than the copy itself (decodes of 64 requests: 2x).
-        num_gathered = max((call.num_gathered for plan in plans for call in plan), default=0)
+        every_plan = plans + (last_token_plans or [])
+        num_gathered = max((call.num_gathered for plan in every_plan for call in plan), default=0)
         gather_numel = num_gathered * size * self.loaded.num_kv_heads * self.loaded.head_dim
         context = PagedContext(
             kv=self.kv,
@@ -233,6 +244,7 @@ class ModelRunner:
             windows=tuple(spec.window for spec in self.groups),
             slots=tuple(packed[field] for field in slot_fields),
             calls=calls,
+            last_token_calls=last_token_calls,
             kernels=self.kernels,
             gather=tuple(torch.empty(gather_numel, dtype=self.loaded.dtype, device=device) for _ in range(2)),
             lse=torch.empty(len(token_ids), self.num_heads, dtype=torch.float32, device=device),
@@ -249,6 +261,13 @@ class ModelRunner:
             paged_context=context,
         )
         return output.logits[0].float()
+
+    def _realize(self, plans: Sequence[tuple[HostCall, ...]], packed: torch.Tensor) -> tuple[tuple[AttentionCall, ...], ...]:
+        """Every KV group's planned calls on the device."""
+        return tuple(
+            tuple(call.realize(packed, self.block_size, spec.window, self.loaded.dtype) for call in plan)
+            for spec, plan in zip(self.groups, plans)
+        )
 
     @torch.inference_mode()
     def clear_slots(self, chunk: SeqChunk) -> None:
@@ -345,6 +364,7 @@ def attend_paged(
     keys: torch.Tensor,
     values: torch.Tensor,
     scaling: float,
+    last_tokens_only: bool = False,
 ) -> torch.Tensor:
     """Attention over paged K/V for one layer: write the packed tokens' K/V into their slots, then run
     the plan's kernel calls.
@@ -356,6 +376,8 @@ def attend_paged(
         keys: [T, num_kv_heads, head_dim], written into the cache before any read.
         values: like `keys`.
         scaling: softmax scale.
+        last_tokens_only: only each chunk's last token needs its output: that token's query alone runs,
+            as a decode (every token's K/V is still written); the other rows are left unset.
 
     Returns:
         [T, num_heads, head_dim] attention output.
@@ -370,7 +392,8 @@ def attend_paged(
     num_heads = queries.shape[1]
     output = torch.empty(queries.shape, dtype=queries.dtype, device=queries.device)
     lse = paged_context.lse
-    for call in paged_context.calls[g]:
+    every_token = not last_tokens_only or paged_context.last_token_calls is None
+    for call in (paged_context.calls if every_token else paged_context.last_token_calls)[g]:
         n, rows = call.num_queries, call.rows
         if call.keys is KeySource.PAGED:  # decodes, each over its own blocks in place
             attended, partial_lse = attend_decodes(
@@ -408,6 +431,12 @@ def attend_paged(
             _put_rows(lse, rows, partial_lse)
         _put_rows(output, rows, attended)
     return output
+
+
+def _last_token(chunk: ChunkQueries) -> ChunkQueries:
+    """The chunk's last token alone."""
+    last = chunk.num_queries - 1
+    return chunk._replace(row=chunk.row + last, start=chunk.start + last, num_queries=1)
 
 
 def _take_rows(tensor: torch.Tensor, rows: slice | torch.Tensor) -> torch.Tensor:

@@ -132,13 +132,17 @@ at::Tensor add_rms_norm_(at::Tensor& hidden, const at::Tensor& delta, const at::
 // silu(x) = x / (1 + exp(-x)), as torch's CPU kernel computes it
 Vec silu(Vec x) { return x / (Vec(1.0f) + x.neg().exp()); }
 
-// out[0:n] = silu(gate) * up over float32 rows, vector by vector (the tail through partial loads, so every
-// element takes the same vector arithmetic as the buffered path).
+// out[0:n] = silu(gate) * up over float32 rows, vector by vector; the tail (n not a multiple of the vector)
+// through partial loads, so every element takes the same vector arithmetic as the buffered path. Full
+// vectors take plain loads and stores: with the count-taking forms in the loop, GCC emits masked stores
+// throughout, and two threads of them ran 3x slower than plain ones on this CPU (a 2,048 x 1,536 call:
+// 3.4 ms against 1.1 ms; one thread 2.1 ms either way).
 void silu_and_mul_row(const float* gate, const float* up, float* out, int64_t n) {
-  for (int64_t d = 0; d < n; d += Vec::size()) {
-    const int count = static_cast<int>(std::min<int64_t>(Vec::size(), n - d));
-    const Vec x = Vec::loadu(gate + d, count);
-    (silu(x) * Vec::loadu(up + d, count)).store(out + d, count);
+  const int64_t whole = n - n % Vec::size();
+  for (int64_t d = 0; d < whole; d += Vec::size()) (silu(Vec::loadu(gate + d)) * Vec::loadu(up + d)).store(out + d);
+  if (whole < n) {
+    const int count = static_cast<int>(n - whole);
+    (silu(Vec::loadu(gate + whole, count)) * Vec::loadu(up + whole, count)).store(out + whole, count);
   }
 }
 
