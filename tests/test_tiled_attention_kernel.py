@@ -78,7 +78,7 @@ def test_a_long_causal_call_matches_math_at_every_row(dtype):
 
 @pytest.mark.parametrize("rise", [0.05, 1.0, 7.5, 30.0])
 @pytest.mark.parametrize("queries", [1, 40])
-def test_scores_that_climb_block_after_block_match_math(rise, queries):
+def test_scores_that_climb_block_after_block_match_a_float64_reference(rise, queries):
     """Each row's scores rise by about `rise` a key block (64 keys). A row's softmax shift moves only when a
     score passes it by more than 8: below that its weights grow up to e^8; above, it moves every block,
     and the last scores (~330) are past exp's float32 range unless shifted. One query: keys split into
