@@ -28,6 +28,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Collection, Mapping
 
+from engine.core.arith import common_prefix
 from engine.core.config import EngineConfig
 from engine.core.events import EventKind, EventLog
 from engine.core.kv_cache_manager import BlockCopy
@@ -296,7 +297,7 @@ class Scheduler:
         if not self.kv.shares_in_flight:
             return None
         bs = self.kv.block_size
-        common = _common_prefix(request.all_token_ids, holder.all_token_ids)
+        common = common_prefix(request.all_token_ids, holder.all_token_ids)
         num_blocks = min(common, max_hit_blocks(request.num_tokens, bs) * bs) // bs
         if self.kv.num_tokens(holder.request_id) < num_blocks * bs:
             return None
@@ -400,9 +401,3 @@ class Scheduler:
         num_output = len(request.output_token_ids)
         detail = {"reason": request.finish_reason, "output_tokens": num_output, "status": request.status.value}
         self._log.emit(EventKind.FINISH, detail, request_id=rid, tokens=num_output)
-
-
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    """How many leading tokens `a` and `b` have in common."""
-    n = min(len(a), len(b))
-    return next((i for i in range(n) if a[i] != b[i]), n)

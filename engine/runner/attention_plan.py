@@ -47,7 +47,7 @@ from typing import NamedTuple
 
 import torch
 
-from engine.core.arith import ceil_div
+from engine.core.arith import ceil_div, common_prefix
 
 
 @dataclass(frozen=True, slots=True)
@@ -353,7 +353,7 @@ def _sharing_groups(
         depth = min(shareable[i][1] for i in members) - first
         reference = _blocks_from(chunks[members[0]].table, first, depth)
         for i in members[1:]:
-            depth = _common_prefix(reference, _blocks_from(chunks[i].table, first, depth), depth)
+            depth = common_prefix(reference[:depth], _blocks_from(chunks[i].table, first, depth))
         plain_reads_in_place = decodes_in_place and all(chunks[i].num_queries == 1 for i in members)
         if rule.pays(len(members), depth, _consecutive(reference[:depth]) and not plain_reads_in_place):
             runs.append((members, first, first + depth))
@@ -363,10 +363,3 @@ def _sharing_groups(
 def _blocks_from(table: GroupSlots, first: int, count: int) -> list[int]:
     offset = first - table.first_block
     return table.block_ids[offset : offset + count]
-
-
-def _common_prefix(a: list[int], b: list[int], limit: int) -> int:
-    """Length of the common prefix of a[:limit] and b[:limit]."""
-    if a[:limit] == b[:limit]:
-        return limit
-    return next(i for i in range(limit) if a[i] != b[i])
