@@ -30,7 +30,7 @@ from engine.core.assembly import build_core, never_fits
 from engine.core.config import EngineConfig
 from engine.core.errors import require
 from engine.core.events import Event, EventKind, EventLog
-from engine.core.input_checks import check_length, check_request_id, check_salt, check_tokens
+from engine.core.input_checks import check_length, check_logit_bias, check_request_id, check_salt, check_tokens
 from engine.core.kv_memory import pool_num_blocks
 from engine.runner.model_runner import GroupSlots, ModelRunner, SeqChunk
 from engine.runner.model_loading import LoadedModel, load_model
@@ -142,12 +142,13 @@ class Engine:
 
         Raises:
             ValueError: bad input (engine/core/input_checks.py: empty or out-of-vocabulary tokens, a
-                bad or taken id, a context longer than the model's, a salt over MAX_SALT_LEN characters)
-                or a retired engine; nothing is recorded.
+                logit bias naming tokens outside the vocabulary, a bad or taken id, a context longer than
+                the model's, a salt over MAX_SALT_LEN characters) or a retired engine; nothing is recorded.
             RequestRejected: the request can never fit in the pool; it is recorded as rejected.
         """
         sampling = sampling or SamplingParams()
         check_salt(salt)
+        check_logit_bias(sampling.logit_bias, self.vocab_size)
         with self._lock:
             rid = self._claim_id(request_id)
             tokens = check_tokens(prompt_token_ids, "prompt", self.vocab_size)
@@ -210,6 +211,7 @@ class Engine:
                 is created.
         """
         sampling = sampling or SamplingParams()
+        check_logit_bias(sampling.logit_bias, self.vocab_size)
         if request_ids is not None and len(request_ids) != len(suffixes):
             raise ValueError(f"{len(request_ids)} request ids for {len(suffixes)} suffixes")
         if not suffixes:
@@ -351,8 +353,8 @@ class Engine:
             self.log.step += 1
             out = self.scheduler.schedule()
             with self.thread_governor.step() if self.thread_governor is not None else nullcontext():
-                sampled, failed = self._forward.run(out, self._generators)
-            finished = self.scheduler.postprocess(out, sampled, failed)
+                sampled, logprobs, failed = self._forward.run(out, self._generators)
+            finished = self.scheduler.postprocess(out, sampled, failed, logprobs)
             self._end_step(out, finished)
             return [self._view(r) for r in finished]
 

@@ -13,9 +13,10 @@ import logging
 import torch
 
 from engine.core.kv_coordinator import KVCoordinator
+from engine.core.request import Request, TokenLogprobs
 from engine.core.scheduler import ScheduledChunk, SchedulerOutput
 from engine.runner.model_runner import GroupSlots, ModelRunner, SeqChunk
-from engine.runner.sampler import sample
+from engine.runner.sampler import sample, token_logprobs
 from engine.runner.verify import ReplayVerifier
 
 logger = logging.getLogger(__name__)
@@ -31,7 +32,7 @@ class StepForward:
 
     def run(
         self, out: SchedulerOutput, generators: dict[str, torch.Generator]
-    ) -> tuple[dict[str, int], dict[str, str]]:
+    ) -> tuple[dict[str, int], dict[str, TokenLogprobs], dict[str, str]]:
         """Copy-on-write copies, then one forward over every chunk.
 
         Args:
@@ -39,13 +40,14 @@ class StepForward:
             generators: the seeded generator of each request that samples with one.
 
         Returns:
-            The sampled token of each request whose chunk reached its context's end, and why each request
-            whose chunk came out non-finite fails (its K/V is already zeroed; see `_non_finite`).
+            The sampled token of each request whose chunk reached its context's end, that token's logprobs
+            for each of them whose sampling asks for logprobs, and why each request whose chunk came out
+            non-finite fails (its K/V is already zeroed; see `_non_finite`).
         """
         if any(out.copies):
             self.runner.copy_blocks(out.copies)
         if not out.chunks:
-            return {}, {}
+            return {}, {}, {}
         chunks = [self._runner_chunk(chunk) for chunk in out.chunks]
         logits = self.runner.execute(chunks)
         failed = self._non_finite(out.chunks, chunks, logits)
@@ -55,14 +57,14 @@ class StepForward:
             if c.reaches_end and c.request.request_id not in failed and c.reads_from not in failed
         ]
         if not ends:
-            return {}, failed
+            return {}, {}, failed
         requests = [out.chunks[i].request for i in ends]
         end_logits = logits if len(ends) == len(out.chunks) else logits[ends]  # all of them: no copy
         if self.verifier is not None:
             self.verifier.capture(requests, end_logits)
         seeded = [generators.get(r.request_id) for r in requests]
-        tokens = sample(end_logits, [r.sampling for r in requests], seeded)
-        return {r.request_id: t for r, t in zip(requests, tokens)}, failed
+        tokens = sample(end_logits, [r.sampling for r in requests], seeded, [r.output_token_ids for r in requests])
+        return {r.request_id: t for r, t in zip(requests, tokens)}, _logprobs(requests, end_logits, tokens), failed
 
     def _non_finite(
         self, scheduled: list[ScheduledChunk], chunks: list[SeqChunk], logits: torch.Tensor
@@ -104,3 +106,14 @@ class StepForward:
         tables = self.kv.group_tables(chunk.request.request_id)
         groups = tuple(GroupSlots(t.block_ids, t.first_block, w) for t, w in zip(tables, chunk.write_from))
         return SeqChunk(chunk.token_ids, chunk.start_pos, groups)
+
+
+def _logprobs(requests: list[Request], logits: torch.Tensor, tokens: list[int]) -> dict[str, TokenLogprobs]:
+    """The logprobs of the sampled tokens of the requests that ask for them (none computed otherwise)."""
+    wanted = [i for i, r in enumerate(requests) if r.sampling.logprobs is not None]
+    if not wanted:
+        return {}
+    rows = logits if len(wanted) == len(requests) else logits[wanted]
+    counts = [requests[i].sampling.logprobs or 0 for i in wanted]
+    found = token_logprobs(rows, [tokens[i] for i in wanted], counts)
+    return {requests[i].request_id: lp for i, lp in zip(wanted, found)}

@@ -279,6 +279,7 @@ def test_a_request_view_carries_every_field_of_its_request_by_name(tmp_path):
         "output_token_ids": tuple(request.output_token_ids),
         "block_keys": None,  # the prompt's keys (PromptKeys), once finished
         "content_keys": None,
+        "output_logprobs": None,  # its sampling asked for none
     }
     assert set(derived) < set(RequestView._fields)
     for name in RequestView._fields:
@@ -367,3 +368,37 @@ def test_a_burst_sharing_a_new_prefix_computes_it_once(make_model):
     engine.run_until_idle()
     assert [engine.get(i).cached_tokens for i in ids] == [0, 64, 64, 64]
     assert sum(engine.get(i).computed_tokens for i in ids) == 68 + 3 * 4
+
+
+def test_logprobs_come_one_per_output_token_and_leave_greedy_tokens_as_they_were(tmp_path):
+    engine, _ = make_engine(tmp_path)
+    prompt = tokens(21, 5)
+    plain = engine.submit(prompt, GREEDY)
+    asked = engine.submit(prompt, SamplingParams(max_new_tokens=6, ignore_eos=True, logprobs=3))
+    engine.run_until_idle()
+    assert engine.get(plain).output_logprobs is None
+    view = engine.get(asked)
+    assert view.output_token_ids == engine.get(plain).output_token_ids
+    assert len(view.output_logprobs) == 6
+    for token, logprobs in zip(view.output_token_ids, view.output_logprobs):
+        assert len(logprobs.top) == 3 and logprobs.top[0][0] == token  # greedy: the likeliest token
+        assert logprobs.logprob == logprobs.top[0][1] <= 0.0
+
+
+def test_penalties_change_what_a_greedy_request_repeats(tmp_path):
+    engine, _ = make_engine(tmp_path)
+    prompt = tokens(21, 6)
+    greedy = SamplingParams(max_new_tokens=12, ignore_eos=True)
+    penalized = SamplingParams(max_new_tokens=12, ignore_eos=True, presence_penalty=2.0, frequency_penalty=2.0)
+    plain, fresh = engine.submit(prompt, greedy), engine.submit(prompt, penalized)
+    engine.run_until_idle()
+    repeats = [len(v.output_token_ids) - len(set(v.output_token_ids)) for v in map(engine.get, (plain, fresh))]
+    assert repeats[1] < repeats[0]
+
+
+def test_a_logit_bias_outside_the_vocabulary_is_refused_and_nothing_is_recorded(tmp_path):
+    engine, _ = make_engine(tmp_path)
+    before = len(engine.requests())
+    with pytest.raises(ValueError, match="logit_bias"):
+        engine.submit(tokens(5, 1), SamplingParams(logit_bias=((engine.vocab_size, 1.0),)))
+    assert len(engine.requests()) == before

@@ -41,3 +41,10 @@ def check_length(num_context: int, max_new_tokens: int, max_model_len: int) -> N
             f"context of {num_context} tokens + {max_new_tokens} new tokens exceeds the model's "
             f"maximum of {max_model_len} positions"
         )
+
+
+def check_logit_bias(logit_bias: Sequence[tuple[int, float]], vocab_size: int) -> None:
+    """Every token a sampling's logit bias names is in [0, vocab_size) (the rest SamplingParams checks)."""
+    outside = [token for token, _ in logit_bias if not 0 <= token < vocab_size]
+    if outside:
+        raise ValueError(f"logit_bias names token ids outside [0, {vocab_size}): {outside[:5]}")

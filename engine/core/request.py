@@ -78,17 +78,37 @@ class PromptKeys(NamedTuple):
 
 MIN_TEMPERATURE = 1e-5  # below it (but above 0) logits / temperature can overflow to inf: refused
 MAX_SEED = 2**63 - 1
+MAX_PENALTY = 2.0  # presence and frequency penalties lie in [-MAX_PENALTY, MAX_PENALTY] (OpenAI's bounds)
+MAX_LOGIT_BIAS = 100.0  # a logit bias lies in [-MAX_LOGIT_BIAS, MAX_LOGIT_BIAS]
+MAX_LOGIT_BIAS_ENTRIES = 300  # tokens one request may bias (OpenAI's bound)
+MAX_TOP_LOGPROBS = 20  # most likely alternatives reported per output token (OpenAI's bound)
+
+
+class TokenLogprobs(NamedTuple):
+    """One output token's log-probability and the most likely tokens at its position, as the model gave
+    them (the raw distribution, before logit bias, penalties and temperature: vLLM's default)."""
+
+    logprob: float  # of the token that was chosen
+    top: tuple[tuple[int, float], ...]  # (token id, logprob), most likely first; as many as asked for
 
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """How to pick the next token. temperature 0 means greedy."""
+    """How to pick the next token. temperature 0 means greedy (the argmax of the adjusted logits).
+
+    The logits are adjusted as vLLM does before a token is picked: `logit_bias` is added, then the
+    penalties are subtracted, counted over the output generated so far (the prompt is not counted).
+    """
 
     max_new_tokens: int = 16
     temperature: float = 0.0
     top_p: float = 1.0
     seed: int | None = None  # per-request generator seed for temperature > 0
     ignore_eos: bool = False
+    presence_penalty: float = 0.0  # subtracted once from the logit of each token the output holds
+    frequency_penalty: float = 0.0  # subtracted from a token's logit once per time the output holds it
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias added to its logit), ids distinct
+    logprobs: int | None = None  # None: none reported; k: each output token's logprob and the k likeliest
 
     def __post_init__(self) -> None:
         if type(self.max_new_tokens) is not int or not 1 <= self.max_new_tokens <= MAX_NEW_TOKENS:
@@ -99,6 +119,30 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.seed is not None and (type(self.seed) is not int or not 0 <= self.seed <= MAX_SEED):
             raise ValueError(f"seed must be an integer in [0, 2**63 - 1] or None, got {self.seed!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if type(value) not in (int, float) or not -MAX_PENALTY <= value <= MAX_PENALTY:  # NaN fails too
+                raise ValueError(f"{name} must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}], got {value}")
+        self._check_logit_bias()
+        if self.logprobs is not None and (type(self.logprobs) is not int or not 0 <= self.logprobs <= MAX_TOP_LOGPROBS):
+            raise ValueError(f"logprobs must be None or an integer in [0, {MAX_TOP_LOGPROBS}], got {self.logprobs!r}")
+
+    def _check_logit_bias(self) -> None:
+        bias = self.logit_bias
+        if not isinstance(bias, tuple) or len(bias) > MAX_LOGIT_BIAS_ENTRIES:
+            raise ValueError(f"logit_bias must be a tuple of at most {MAX_LOGIT_BIAS_ENTRIES} (token id, bias) pairs")
+        for pair in bias:
+            if not (isinstance(pair, tuple) and len(pair) == 2 and type(pair[0]) is int and pair[0] >= 0):
+                raise ValueError(f"logit_bias entries are (token id >= 0, bias) pairs, got {pair!r}")
+            if type(pair[1]) not in (int, float) or not -MAX_LOGIT_BIAS <= pair[1] <= MAX_LOGIT_BIAS:
+                raise ValueError(f"a logit bias must be in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], got {pair[1]!r}")
+        if len({token for token, _ in bias}) != len(bias):
+            raise ValueError("logit_bias names a token id twice")
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """Whether a logit bias or a penalty changes the logits before a token is picked."""
+        return bool(self.logit_bias) or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
 
 @dataclass
@@ -113,6 +157,7 @@ class Request:
     salt: str | None = None  # tenant salt folded into the cache namespace
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[TokenLogprobs] = field(default_factory=list)  # one per output token, when asked for
     num_computed_tokens: int = 0  # tokens whose KV is in this request's blocks
     cached_tokens: int = 0  # hit position: tokens reused at first schedule
     computed_tokens: int = 0  # prefill tokens actually run through the model
@@ -231,9 +276,11 @@ class Request:
         if self.prefilling:
             self.computed_tokens += num_tokens
 
-    def append_token(self, token: int, now: float) -> None:
-        """A token was sampled for it."""
+    def append_token(self, token: int, now: float, logprobs: TokenLogprobs | None = None) -> None:
+        """A token was sampled for it (with its logprobs when the request asked for them)."""
         self.output_token_ids.append(token)
+        if logprobs is not None:
+            self.output_logprobs.append(logprobs)
         self.prefilling = False
         if self.first_token_time is None:
             self.first_token_time = now

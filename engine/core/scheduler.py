@@ -34,7 +34,7 @@ from engine.core.events import EventKind, EventLog
 from engine.core.kv_cache_manager import BlockCopy
 from engine.core.kv_coordinator import KVAdmission, KVCoordinator, KVGrowth, KVShare
 from engine.core.kv_groups import HitPlan, max_hit_blocks
-from engine.core.request import Request, RequestStatus
+from engine.core.request import Request, RequestStatus, TokenLogprobs
 
 
 @dataclass(slots=True)
@@ -320,7 +320,11 @@ class Scheduler:
 
     # ------------------------------------------------------------------ after the forward
     def postprocess(
-        self, out: SchedulerOutput, sampled: dict[str, int], failed: Mapping[str, str] | None = None
+        self,
+        out: SchedulerOutput,
+        sampled: dict[str, int],
+        failed: Mapping[str, str] | None = None,
+        logprobs: Mapping[str, TokenLogprobs] | None = None,
     ) -> list[Request]:
         """Account for the forward over `out`: computed chunks enter the cache, sampled tokens are
         appended, requests that stop finish, and requests whose forward went wrong fail. Returns the
@@ -333,8 +337,10 @@ class Scheduler:
                 out non-finite: such a chunk is not computed, its request ends FAILED and its blocks are
                 freed, none of them cached. A chunk that read blocks a failed chunk computed (an in-flight
                 hit) is not computed either: its request goes back to the queue, as if preempted.
+            logprobs: the sampled token's logprobs, for the requests that asked for them.
         """
         failed = failed or {}
+        logprobs = logprobs or {}
         finished = []
         now = time.time()
         for chunk in out.chunks:
@@ -351,7 +357,7 @@ class Scheduler:
             token = sampled.get(request.request_id)
             if token is None:
                 continue
-            request.append_token(token, now)
+            request.append_token(token, now, logprobs.get(request.request_id))
             reason = self._stop_reason(request, token)
             if reason is not None:
                 self._finish(request, reason, now)

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Iterable, Mapping, NamedTuple, Sequence
 
 from engine.core.block_pool import BlockState
-from engine.core.request import Request, RequestStatus, can_release
+from engine.core.request import Request, RequestStatus, TokenLogprobs, can_release
 
 if TYPE_CHECKING:
     from engine.core.kv_cache_manager import KVCacheManager
@@ -56,6 +56,8 @@ class RequestView(NamedTuple):
     replay_divergence: dict[str, float] | None  # engine/runner/verify.py's Divergence, when verified
     block_keys: bytes | None  # the prompt's full-block chain keys, 16 bytes each, once finished (PromptKeys)
     content_keys: bytes | None  # the same blocks' namespace-free keys, once finished
+    # One per output token when its sampling asked for logprobs (`SamplingParams.logprobs`), else None.
+    output_logprobs: tuple[TokenLogprobs, ...] | None = None
 
     # The sliding-window vocabulary of engine/core/kv_groups.py (and of the stored request rows).
     @property
@@ -141,6 +143,7 @@ class RequestView(NamedTuple):
             replay_divergence=request.replay_divergence,
             block_keys=None if request.prompt_keys is None else request.prompt_keys.chain,
             content_keys=None if request.prompt_keys is None else request.prompt_keys.content,
+            output_logprobs=None if request.sampling.logprobs is None else tuple(request.output_logprobs),
         )
 
 
