@@ -4,6 +4,8 @@ Pure computation over history rows (storage/read/why.py reads them; cli/why.py a
 show the result). The cause is the first that applies at the first prompt token not served from the
 cache, `position` (= the request's cached tokens):
 
+    fork       a fork child: it shares its parent's block table (its partial tail too), so everything
+               the parent held was served; `match` names the parent.
     hit        everything reusable was served: the cache served every full block before the last prompt
                token (the engine always computes that token, for its logits; a partial tail is never
                cached), so nothing is missed. A request that waited for another one computing the same
@@ -15,17 +17,29 @@ cache, `position` (= the request's cached tokens):
                (evicted with reason "window", or the request replayed from its boundary `r`).
     namespace  the same tokens through `position`'s block were cached under another namespace (another
                tenant salt, model, weights, dtype or attention spec): no key could match.
+    extended   this prompt continues an earlier request's whole cached context (a chat's next turn
+               holds the previous turn's prompt and reply): every token that request computed was
+               shared, and nothing earlier went further, so the tokens after P were never computed.
     diverged   an earlier request shared the first P tokens and then differed: `divergence` gives P and
                the decoded text after it on both sides; `same_text` says the ids differ but decode to
-               the same text (the tokenization or the template changed, not the text), and the
-               template's special tokens on each side are called out. A request whose visible words an
-               earlier one holds under another template (chat and plain text) diverges at P = 0.
+               the same text (the tokenization or the template changed, not the text), and a template
+               on one side only (its special tokens anywhere in one prompt, none in the other) is called
+               out. A request whose visible words an earlier one holds under another template (chat and
+               plain text) diverges at P = 0.
     new        no earlier request shared even the first block.
+
+What an earlier request left in the cache is its context: its prompt and its output but the last token
+(sampled after the last forward, so its KV is never computed). A later prompt is compared with that
+whole context, so a conversation's next turn matches the reply the engine generated.
+
+The counts add up: cached_tokens + missed_tokens + never_served_tokens == prompt_tokens, where
+never_served_tokens are the last prompt token and the partial block before it (always computed, never
+looked up; a fork child, which shares its parent's partial tail, has only the tokens after its parent's).
 
 The workload analyzer (analysis/breakdown.py) splits misses by reason over a trace; where a cause means
 the same as one of its reasons it has that reason's name in `ANALYZER_REASONS`: "namespace" is the same
-word; "evicted" is its "capacity"; "new" and "diverged" are both its "compulsory" (no cache of any size
-holds the tokens).
+word; "evicted" is its "capacity"; "new", "extended" and "diverged" are its "compulsory" (no cache of any
+size holds the tokens).
 """
 
 from __future__ import annotations
@@ -35,6 +49,8 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from engine.core.arith import common_prefix
+
 WINDOW_BEFORE = 16  # tokens of shared context shown before a divergence
 WINDOW_AFTER = 16  # tokens shown after it, on each side (a date of ten digits fits)
 MIN_SHARED_WORDS = 16  # characters of visible text two prompts must share to count as the same words
@@ -43,15 +59,18 @@ WAIT_EPSILON_S = 1e-3  # a shorter wait between arrival and first schedule is no
 
 class Cause(enum.StrEnum):
     HIT = "hit"
+    FORK = "fork"
     NEW = "new"
+    EXTENDED = "extended"
     DIVERGED = "diverged"
     EVICTED = "evicted"
     NAMESPACE = "namespace"
     WINDOW = "window"
 
 
-ANALYZER_REASONS = {Cause.NEW: "compulsory", Cause.DIVERGED: "compulsory", Cause.EVICTED: "capacity",
-                    Cause.NAMESPACE: "namespace"}  # fmt: skip
+ANALYZER_REASONS = {Cause.NEW: "compulsory", Cause.DIVERGED: "compulsory", Cause.EXTENDED: "compulsory",
+                    Cause.EVICTED: "capacity", Cause.NAMESPACE: "namespace"}  # fmt: skip
+FORK_SOURCE = "fork"  # HitSource.FORK's value: the request's table was shared from its parent
 
 
 class WhyError(ValueError):
@@ -67,9 +86,12 @@ class HistoryRequest(Protocol):
     first_scheduled_time: float | None
     first_token_time: float | None
     prompt_token_ids: tuple[int, ...] | None  # from its SUBMIT event; None when not recorded
+    output_token_ids: tuple[int, ...]  # what it generated (so far, for one still running)
+    parent_id: str | None  # a fork child's parent
     salt: str | None
     cached_tokens: int
     prompt_tokens: int
+    hit_source: str  # HitSource value: "fork" for a fork child
     block_keys: bytes | None  # chain keys of its prompt's full blocks, 16 bytes each, once finished
     replay_mode: str | None
     r: int | None  # replay boundary (sliding windows)
@@ -102,7 +124,8 @@ class Diagnosis:
     cause: Cause
     position: int  # first prompt token not served from the cache
     missed_tokens: int  # cacheable tokens not served: (prompt_tokens - 1) // block_size * block_size - cached
-    match: dict[str, Any] | None = None  # request_id, run_id, shared_tokens
+    never_served_tokens: int  # the last prompt token and the partial block before it: prompt - cached - missed
+    match: dict[str, Any] | None = None  # request_id, run_id, shared_tokens (the parent, for a fork)
     divergence: dict[str, Any] | None = None  # position, before, ours, theirs, same_text, template_tokens
     eviction: dict[str, Any] | None = None  # at, reason, block, key
     namespace: dict[str, Any] | None = None  # what differs: {"salt": [ours, theirs], "model": [...], ...}
@@ -115,7 +138,7 @@ class Diagnosis:
             "request_id": self.request_id, "run_id": self.run_id, "prompt_tokens": self.prompt_tokens,
             "cached_tokens": self.cached_tokens, "reusable_tokens": self.reusable_tokens, "cause": self.cause.value,
             "analyzer_reason": ANALYZER_REASONS.get(self.cause), "position": self.position,
-            "missed_tokens": self.missed_tokens, "match": self.match, "divergence": self.divergence,
+            "missed_tokens": self.missed_tokens, "never_served_tokens": self.never_served_tokens, "match": self.match, "divergence": self.divergence,
             "eviction": self.eviction, "namespace": self.namespace, "wait": self.wait, "window": self.window,
             "notes": list(self.notes),
         }  # fmt: skip
@@ -147,11 +170,21 @@ EvictionLookup = Callable[[str, str, float], EvictionFact | None]  # (run_id, ke
 
 def shared_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     """How many leading tokens two sequences share."""
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
+    return common_prefix(tuple(a), tuple(b))
+
+
+def cached_context(request: HistoryRequest) -> tuple[int, ...]:
+    """The tokens whose KV the request computed: its prompt, then its output but the last token."""
+    return tuple(request.prompt_token_ids or ()) + tuple(request.output_token_ids[:-1])
+
+
+def shared_context(ours: tuple[int, ...], earlier: HistoryRequest) -> int:
+    """How many leading tokens of `ours` an earlier request's cached context holds."""
+    prompt = earlier.prompt_token_ids or ()
+    shared = common_prefix(ours, prompt)
+    if shared < len(prompt) or len(earlier.output_token_ids) < 2:
+        return shared
+    return shared + common_prefix(ours[shared:], tuple(earlier.output_token_ids[:-1]))
 
 
 def diagnose(request: HistoryRequest, earlier: Iterable[HistoryRequest], evictions: EvictionLookup,
@@ -167,9 +200,9 @@ def diagnose(request: HistoryRequest, earlier: Iterable[HistoryRequest], evictio
     Raises:
         WhyError: the request's prompt tokens are not in the history.
     """
-    ours = request.prompt_token_ids
-    if ours is None:
+    if request.prompt_token_ids is None:
         raise WhyError(f"the prompt of {request.request_id!r} is not in the history (recorded before prompts were)")
+    ours = tuple(request.prompt_token_ids)
     bs = request.block_size
     cap = (request.prompt_tokens - 1) // bs * bs  # tokens a lookup may serve
     cached = min(request.cached_tokens, request.prompt_tokens)
@@ -180,13 +213,17 @@ def diagnose(request: HistoryRequest, earlier: Iterable[HistoryRequest], evictio
             candidate.run_id == request.run_id
         ):
             continue
-        shared = shared_prefix(ours, candidate.prompt_token_ids)
+        shared = shared_context(ours, candidate)
         (same if _same_namespace(request, candidate) else other).append((shared, candidate))
     best_shared, best = max(same, key=lambda pair: (pair[0], pair[1].arrival_time), default=(0, None))
-    reusable = max(min(cap, best_shared // bs * bs), min(cached, cap))
+    reusable = max(min(cap, best_shared // bs * bs), cached)
     base = dict(request_id=request.request_id, run_id=request.run_id, prompt_tokens=request.prompt_tokens,
                 cached_tokens=cached, reusable_tokens=reusable, position=position,
-                missed_tokens=max(0, cap - cached))  # fmt: skip
+                missed_tokens=max(0, cap - cached),
+                never_served_tokens=request.prompt_tokens - max(cap, cached))  # fmt: skip
+    if request.hit_source == FORK_SOURCE and request.parent_id is not None:
+        parent = {"request_id": request.parent_id, "run_id": request.run_id, "shared_tokens": cached}
+        return Diagnosis(cause=Cause.FORK, match=parent, **base)
     if cached >= cap:
         return Diagnosis(cause=Cause.HIT, wait=_wait(request, same, bs), **base)
     next_end = position + bs
@@ -200,13 +237,15 @@ def diagnose(request: HistoryRequest, earlier: Iterable[HistoryRequest], evictio
         return Diagnosis(cause=Cause.NAMESPACE, match=_match(stranger, shared),
                          namespace=_namespace_difference(request, stranger), **base)  # fmt: skip
     if best is not None and best_shared >= bs:
-        return Diagnosis(cause=Cause.DIVERGED, match=_match(best, best_shared),
-                         divergence=_divergence(ours, best.prompt_token_ids, best_shared, decoder), **base)  # fmt: skip
+        theirs = cached_context(best)
+        cause = Cause.EXTENDED if best_shared == len(theirs) else Cause.DIVERGED
+        return Diagnosis(cause=cause, match=_match(best, best_shared),
+                         divergence=_divergence(ours, best, best_shared, decoder), **base)  # fmt: skip
     words = _same_words(ours, [c for _, c in same], decoder)
     if words is not None:
-        shared = shared_prefix(ours, words.prompt_token_ids)
+        shared = shared_context(ours, words)
         return Diagnosis(cause=Cause.DIVERGED, match=_match(words, shared),
-                         divergence=_divergence(ours, words.prompt_token_ids, shared, decoder), **base)  # fmt: skip
+                         divergence=_divergence(ours, words, shared, decoder), **base)  # fmt: skip
     return Diagnosis(cause=Cause.NEW, **base)
 
 
@@ -238,7 +277,9 @@ def _evicted(request: HistoryRequest, holder: HistoryRequest, shared: int, evict
              base: dict[str, Any]) -> Diagnosis:  # fmt: skip
     """The block at `position` was held by `holder`: find its eviction (or the window that was not ready)."""
     index = base["position"] // request.block_size
-    keys = holder.block_keys or request.block_keys
+    # Our own keys first: shared blocks of one namespace have the same chain keys, and ours cover every
+    # full prompt block, where the holder's cover its prompt only (not the reply a later turn shares).
+    keys = request.block_keys or holder.block_keys
     match = _match(holder, shared)
     before = request.first_scheduled_time or request.arrival_time
     fact = None
@@ -276,22 +317,36 @@ def _same_words(ours: Sequence[int], candidates: list[HistoryRequest], decoder: 
     return None
 
 
-def _divergence(ours: Sequence[int], theirs: Sequence[int], at: int, decoder: Decoder) -> dict[str, Any]:
-    """The text around the first differing token, on both sides, and what kind of difference it is."""
+def _divergence(ours: tuple[int, ...], earlier: HistoryRequest, at: int, decoder: Decoder) -> dict[str, Any]:
+    """The text around the first differing token, on both sides (theirs: the earlier request's cached
+    context), and what kind of difference it is.
+
+    `template_tokens` lists the special tokens of each side's window after the divergence; `template` names
+    the side whose prompt alone holds special tokens ("ours" / "theirs"), None when both or neither do.
+    """
+    theirs = cached_context(earlier)
     ours_after, theirs_after = list(ours[at : at + WINDOW_AFTER]), list(theirs[at : at + WINDOW_AFTER])
     ours_text, theirs_text = decoder.decode(ours_after), decoder.decode(theirs_after)
     common = min(len(ours_text), len(theirs_text), 32)
     same_text = common > 0 and ours_text[:common] == theirs_text[:common]
     special = decoder.special_ids
-    template = {
-        "ours": [decoder.decode([t]) for t in ours[: at + WINDOW_AFTER] if t in special],
-        "theirs": [decoder.decode([t]) for t in theirs[: at + WINDOW_AFTER] if t in special],
+    template_tokens = {
+        "ours": [decoder.decode([t]) for t in ours_after if t in special],
+        "theirs": [decoder.decode([t]) for t in theirs_after if t in special],
     }
+    ours_templated = any(t in special for t in ours)
+    theirs_templated = any(t in special for t in earlier.prompt_token_ids or ())
+    template = None if ours_templated == theirs_templated else ("ours" if ours_templated else "theirs")
     notes = []
+    if at == len(theirs) < len(ours):
+        notes.append(f"{earlier.request_id}'s cached context (its prompt and its output but the last token) ends "
+                     "here: no earlier request computed the tokens after it")  # fmt: skip
     if same_text:
         notes.append("the ids differ but decode to the same text: the tokenization or template changed, not the text")
-    if template["ours"] != template["theirs"]:
-        notes.append("the chat template's special tokens differ: one prompt was rendered through a template")
+    if template is not None:
+        side = "this request" if template == "ours" else earlier.request_id
+        notes.append(f"only {side} was rendered through a chat template: its prompt holds the template's special "
+                     "tokens, the other's has none")  # fmt: skip
     return {
         "position": at,
         "before": decoder.decode(list(ours[max(0, at - WINDOW_BEFORE) : at])),
@@ -300,7 +355,8 @@ def _divergence(ours: Sequence[int], theirs: Sequence[int], at: int, decoder: De
         "ours_ids": ours_after,
         "theirs_ids": theirs_after,
         "same_text": same_text,
-        "template_tokens": template,
+        "template_tokens": template_tokens,
+        "template": template,
         "notes": notes,
     }
 

@@ -1,7 +1,7 @@
 """What the miss diagnosis (analysis/why.py) reads: requests with their prompts and runs, and evictions.
 
 A request's prompt token ids and tenant salt come from its SUBMIT event's detail (engine/core/events.py);
-its counts, times and prompt keys from `requests`; its namespace, block size, model and dtype from its
+its output token ids, parent, counts, times and prompt keys from `requests`; its namespace, block size, model and dtype from its
 run. A request whose SUBMIT event is gone (retention) or predates prompts in the detail has
 `prompt_token_ids` None.
 """
@@ -28,6 +28,8 @@ class WhyRequest(NamedTuple):
     first_scheduled_time: float | None
     first_token_time: float | None
     prompt_token_ids: tuple[int, ...] | None
+    output_token_ids: tuple[int, ...]
+    parent_id: str | None
     salt: str | None
     cached_tokens: int
     prompt_tokens: int
@@ -54,7 +56,8 @@ class WhyEviction(NamedTuple):
 
 _COLUMNS = (
     REQUESTS.c.run_id, REQUESTS.c.request_id, REQUESTS.c.status, REQUESTS.c.arrival_time,
-    REQUESTS.c.first_scheduled_time, REQUESTS.c.first_token_time, EVENTS.c.detail, REQUESTS.c.cached_tokens,
+    REQUESTS.c.first_scheduled_time, REQUESTS.c.first_token_time, EVENTS.c.detail, REQUESTS.c.output_token_ids,
+    REQUESTS.c.parent_id, REQUESTS.c.cached_tokens,
     REQUESTS.c.prompt_tokens, REQUESTS.c.hit_source, REQUESTS.c.block_keys, REQUESTS.c.replay_mode, REQUESTS.c.r,
     RUNS.c.namespace, RUNS.c.block_size, RUNS.c.model, RUNS.c.dtype, RUNS.c.weights_revision,
 )  # fmt: skip
@@ -70,13 +73,14 @@ def _statement():
 
 
 def _request(row: Any) -> WhyRequest:
-    (run_id, request_id, status, arrival, scheduled, first_token, detail, cached, prompt_tokens, hit_source, keys,
-     replay_mode, r, namespace, block_size, model, dtype, revision) = row  # fmt: skip
+    (run_id, request_id, status, arrival, scheduled, first_token, detail, output, parent_id, cached, prompt_tokens,
+     hit_source, keys, replay_mode, r, namespace, block_size, model, dtype, revision) = row  # fmt: skip
     detail = detail or {}
     prompt = detail.get("prompt_token_ids")
     return WhyRequest(run_id, request_id, status, arrival, scheduled, first_token,
-                      None if prompt is None else tuple(prompt), detail.get("salt"), cached, prompt_tokens,
-                      hit_source, keys, replay_mode, r, namespace, block_size, model, dtype, revision)  # fmt: skip
+                      None if prompt is None else tuple(prompt), tuple(output or ()), parent_id, detail.get("salt"),
+                      cached, prompt_tokens, hit_source, keys, replay_mode, r, namespace, block_size, model, dtype,
+                      revision)  # fmt: skip
 
 
 def find_request(db: Engine, request_id: str, run_id: str | None = None) -> WhyRequest | None:
