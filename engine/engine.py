@@ -12,6 +12,14 @@ method takes one lock, so commands from other threads (the console) land between
 are consistent.
 `start()` runs steps on a background thread whenever there is work; it never touches Streamlit.
 Listeners get each step's events and the requests that changed, on the engine thread, after the step.
+
+Requests leave the engine when they end. It holds the live requests (waiting, running) and the retained
+ones (fork bases, until released), and the final `RequestView`s of the last `RECENT_ENDED` requests that
+ended (finished, released, rejected, failed, aborted) for `get` and `requests`; the history database
+keeps every request. So nothing in the engine's memory or in its per-step work grows with the number of
+requests it ever served: per-request state (the scheduler's queues, the KV block tables, the seeded
+generators, the replay verifier's logits) is held for live and retained requests only, and `stats()`
+counts the retained ones without walking any list.
 """
 
 from __future__ import annotations
@@ -19,6 +27,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import OrderedDict
 from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Callable
@@ -45,6 +54,7 @@ from engine.runner.verify import ReplayVerifier
 logger = logging.getLogger(__name__)
 
 WARM_UP_TOKENS = 256  # prefill length of `Engine.warm_up`: about a typical prompt
+RECENT_ENDED = 256  # ended requests whose final views the engine keeps (`get`, `requests`); older: the history
 Listener = Callable[[list[Event], list[RequestView]], None]
 
 
@@ -99,7 +109,9 @@ class Engine:
         self.thread_governor = ThreadGovernor.for_device(self.loaded.device)  # None: the thread count stays as set
         self.vocab_size = int(self.loaded.model.config.vocab_size)
         self.max_model_len = int(self.loaded.max_position_embeddings)
-        self._requests: dict[str, Request] = {}
+        self._requests: dict[str, Request] = {}  # live (waiting, running) and retained requests only
+        self._retained: set[str] = set()  # the retained ones among them (`stats` counts them without a walk)
+        self._ended: OrderedDict[str, RequestView] = OrderedDict()  # last RECENT_ENDED ended, oldest first
         self._generators: dict[str, torch.Generator] = {}  # seeded sampling of running requests
         self.next_request_number = first_request_number  # the N of the next generated id "req-N"
         self._listeners: list[Listener] = []
@@ -218,11 +230,12 @@ class Engine:
             raise ValueError("give at least one fork suffix")
         with self._lock:
             parent = self._requests.get(parent_id)
-            if parent is None:
+            status = self._status_of(parent_id)
+            if status is None:
                 raise ValueError(f"unknown parent request {parent_id!r}")
-            if not parent.status.holds_blocks:
+            if parent is None or not parent.status.holds_blocks:
                 raise ValueError(
-                    f"cannot fork {parent_id!r}: it is {parent.status.value}; only running or retained requests "
+                    f"cannot fork {parent_id!r}: it is {status.value}; only running or retained requests "
                     "hold KV to share"
                 )
             children: list[Request] = []
@@ -260,13 +273,15 @@ class Engine:
         """
         with self._lock:
             request = self._requests.get(request_id)
-            if request is None:
+            status = self._status_of(request_id)
+            if status is None:
                 raise ValueError(f"unknown request {request_id!r}")
-            if not can_release(request.status, request.retain):  # the rule RequestView.releasable answers with
-                raise ValueError(f"request {request_id!r} is {request.status.value}: nothing to release")
+            if request is None or not can_release(request.status, request.retain):  # RequestView.releasable's rule
+                raise ValueError(f"request {request_id!r} is {status.value}: nothing to release")
             if request.status is RequestStatus.RETAINED:
                 self.kv.free(request_id)
                 request.released()
+                self._settle(request)
                 self._publish(self.log.take(), [request])  # its RELEASE events leave now, not with the next step
             else:
                 request.release_when_finished()
@@ -285,6 +300,8 @@ class Engine:
         with self._lock:
             request = self._requests.get(request_id)
             if request is None:
+                if request_id in self._ended:
+                    return False
                 raise ValueError(f"unknown request {request_id!r}")
             if request.status not in (RequestStatus.WAITING, RequestStatus.RUNNING):
                 return False
@@ -311,7 +328,7 @@ class Engine:
         with self._lock:
             self._retired = reason
             changed = []
-            for request in self._requests.values():
+            for request in list(self._requests.values()):  # each one leaves as it ends
                 if request.status in (RequestStatus.WAITING, RequestStatus.RUNNING):
                     self.scheduler.stop_request(request, RequestStatus.ABORTED, reason)
                 elif request.status is RequestStatus.RETAINED:
@@ -366,10 +383,36 @@ class Engine:
 
     def _let_go(self, request: Request) -> None:
         """Drop what the engine kept for a request that ended: its generator and its captured replay
-        logits (verified first when it finished; see `ReplayVerifier.verify`)."""
+        logits (verified first when it finished; see `ReplayVerifier.verify`); then it leaves (`_settle`)."""
         self._generators.pop(request.request_id, None)
         if self._verifier is not None:
             self._verifier.verify(request)
+        self._settle(request)
+
+    def _settle(self, request: Request) -> None:
+        """File a request after a change of status: a retained one stays (counted as retained); any other
+        that ended leaves the engine, its final view going into the ring of recently ended requests (the
+        oldest drops out past RECENT_ENDED). Changes nothing for a live request; calling it twice is harmless."""
+        rid = request.request_id
+        if request.status is RequestStatus.RETAINED:
+            self._retained.add(rid)
+            return
+        self._retained.discard(rid)
+        if not request.status.is_final:
+            return
+        self._requests.pop(rid, None)
+        self._ended.pop(rid, None)
+        self._ended[rid] = self._view(request)
+        while len(self._ended) > RECENT_ENDED:
+            self._ended.popitem(last=False)
+
+    def _status_of(self, request_id: str) -> RequestStatus | None:
+        """The status of a live, retained or recently ended request; None for an id the engine does not know."""
+        request = self._requests.get(request_id)
+        if request is not None:
+            return request.status
+        ended = self._ended.get(request_id)
+        return None if ended is None else RequestStatus(ended.status)
 
     def has_work(self) -> bool:
         with self._lock:
@@ -418,15 +461,27 @@ class Engine:
 
     # ------------------------------------------------------------------ reading
     def get(self, request_id: str) -> RequestView:
+        """A live or retained request as of now, or a recently ended one as it ended.
+
+        Raises:
+            KeyError: an id the engine does not know, or one that ended more than RECENT_ENDED requests ago
+                (the history database has it).
+        """
         with self._lock:
             request = self._requests.get(request_id)
-            if request is None:
+            if request is not None:
+                return self._view(request)
+            ended = self._ended.get(request_id)
+            if ended is None:
                 raise KeyError(f"unknown request {request_id!r}")
-            return self._view(request)
+            return ended
 
     def requests(self) -> list[RequestView]:
+        """The live and retained requests as of now and the last RECENT_ENDED ended ones as they ended,
+        by arrival, oldest first (older requests: the history database)."""
         with self._lock:
-            return [self._view(r) for r in self._requests.values()]
+            views = [*self._ended.values(), *(self._view(r) for r in self._requests.values())]
+        return sorted(views, key=lambda view: view.arrival_time)
 
     def forward_threads(self) -> int:
         """Threads the forward runs on now: the thread governor's count, or torch's where none governs."""
@@ -435,19 +490,33 @@ class Engine:
     def stats(self) -> PoolStats:
         """Counters summed over the KV groups, with each group's own numbers in `groups`."""
         with self._lock:
-            return pool_stats(self.kv, self.scheduler, self._requests.values(), self.log.step)
+            return pool_stats(self.kv, self.scheduler, len(self._retained), self.log.step)
 
     def snapshot(self) -> EngineSnapshot:
-        """Every block of every KV group, every request and the counters, all from the same moment."""
+        """Every block of every KV group, the requests `requests()` lists and the counters, all from the same moment."""
         with self._lock:
-            views = tuple(self._view(r) for r in self._requests.values())
-            return EngineSnapshot(time.time(), self.stats(), block_views(self.kv), views)
+            return EngineSnapshot(time.time(), self.stats(), block_views(self.kv), tuple(self.requests()))
 
     def check_invariants(self) -> None:
-        """Raise InvariantError if a KV invariant is broken or a request's table disagrees with its status."""
+        """Raise InvariantError if a KV invariant is broken, a request's table disagrees with its status,
+        or the engine keeps anything for a request that left (see the module docstring)."""
         with self._lock:
             self.kv.check_invariants()
+            require(len(self._ended) <= RECENT_ENDED, f"{len(self._ended)} ended requests kept")
+            require(not self._ended.keys() & self._requests.keys(), "a request is both live and ended")
+            live = self._requests.keys()
+            require(self._generators.keys() <= live, "a generator outlived its request")
+            for manager in self.kv.managers:
+                require(manager.tables().keys() <= live, "a block table outlived its request")
+            queued = [r.request_id for r in (*self.scheduler.waiting, *self.scheduler.running)]
+            require(len(queued) == len(set(queued)) and set(queued) <= live, "the scheduler queues a request that left")
+            retained = {rid for rid, r in self._requests.items() if r.status is RequestStatus.RETAINED}
+            require(self._retained == retained, "the retained count disagrees with the requests")
             for request in self._requests.values():
+                require(
+                    not request.status.is_final or request.status is RequestStatus.RETAINED,
+                    f"{request.request_id}: {request.status.value} but still held",
+                )
                 rid = request.request_id
                 holds = request.status.holds_blocks or (
                     request.status is RequestStatus.WAITING and self.kv.has_table(rid)
@@ -474,11 +543,11 @@ class Engine:
         if self._retired is not None:
             raise ValueError(f"this engine takes no new requests: {self._retired}; reload the page for the new one")
         if request_id is None:  # the next "req-N" that no request holds (a caller may have named one so)
-            while (request_id := f"req-{self.next_request_number}") in self._requests:
+            while (request_id := f"req-{self.next_request_number}") in self._requests or request_id in self._ended:
                 self.next_request_number += 1
             self.next_request_number += 1
         check_request_id(request_id)
-        if request_id in self._requests or request_id in taken:
+        if request_id in self._requests or request_id in self._ended or request_id in taken:
             raise ValueError(f"request id {request_id!r} is already taken")
         return request_id
 
@@ -493,13 +562,14 @@ class Engine:
         if request.sampling.temperature > 0 and reason is None:  # before anything is recorded
             seed = request.sampling.seed if request.sampling.seed is not None else self.config.seed
             self._generators[request.request_id] = torch.Generator().manual_seed(seed)
-        self._requests[request.request_id] = request
-        if reason is not None:
+        if reason is not None:  # recorded among the recently ended, never live
             request.rejected("too large for the pool")
+            self._settle(request)
             detail = {"reason": reason}
             self.log.emit(EventKind.REJECT, detail, request_id=request.request_id, tokens=request.num_prompt_tokens)
             self._publish(self.log.take(), [request])
             raise RequestRejected(f"request {request.request_id!r} rejected: {reason}")
+        self._requests[request.request_id] = request
         self.scheduler.add(request)
         # The prompt and the salt let the history explain later misses (analysis/why.py reads them).
         detail = {"parent_id": request.parent_id, "salt": request.salt, "prompt_token_ids": request.prompt_token_ids}

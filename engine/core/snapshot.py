@@ -270,8 +270,9 @@ def group_stats(manager: KVCacheManager) -> GroupStats:
     )
 
 
-def pool_stats(kv: KVCoordinator, scheduler: Scheduler, requests: Iterable[Request], steps: int) -> PoolStats:
-    """Every group's counters, their sums, and the scheduler's counters, as of now."""
+def pool_stats(kv: KVCoordinator, scheduler: Scheduler, num_retained: int, steps: int) -> PoolStats:
+    """Every group's counters, their sums, and the scheduler's counters, as of now (`num_retained`: the
+    engine's count; nothing here walks the requests)."""
     groups = tuple(group_stats(manager) for manager in kv.managers)
 
     def total(name: str) -> int:
@@ -299,7 +300,7 @@ def pool_stats(kv: KVCoordinator, scheduler: Scheduler, requests: Iterable[Reque
         steps=steps,
         num_waiting=len(scheduler.waiting),
         num_running=len(scheduler.running),
-        num_retained=sum(1 for r in requests if r.status is RequestStatus.RETAINED),
+        num_retained=num_retained,
         groups=groups,
     )
 
