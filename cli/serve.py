@@ -1,14 +1,16 @@
-"""`serve`: the OpenAI-compatible API alone (no console), on one engine, writing the console's history.
+"""`serve`: the engine server: the engine in its own process, the OpenAI-compatible API and the console's
+`/engine/...` routes in front of it, writing the console's history.
 
     python -m cli serve --model smollm2 --port 8000 --db sqlite:///data/history.sqlite
 
 The engine takes the console's settings as flags (`--num-blocks`, `--block-size`, `--dtype`, `--device`,
-`--attention`, as PREFIX_CONSOLE_*); the API is serving/api.py's, on 127.0.0.1 unless `--host` says
-otherwise. With `--db URL` the run, its events and its requests are written there through a
-`WriterProcess`, as the console writes them, so `python -m cli why --db URL --request ID` explains any
-response's id. It runs until SIGINT or SIGTERM. Exit status: 0; 2 for an invalid option, a database URL
-that cannot be used or an address that cannot be bound; 1 when history rows could not be written.
-"""
+`--attention`, as PREFIX_CONSOLE_*) and steps in a process of its own (engine/engine_process.py); this
+process serves serving/api.py's API over it, on 127.0.0.1 unless `--host` says otherwise, as soon as the
+model is loaded. A console attaches with `make run ENGINE=http://127.0.0.1:8000` (or its Settings page).
+With `--db URL` the engine process writes the run, its events and its requests there through a
+`WriterProcess`, so `python -m cli why --db URL --request ID` explains any response's id. It runs until
+SIGINT or SIGTERM. Exit status: 0; 2 for an invalid option, a database URL that cannot be used or an
+address that cannot be bound; 1 when the engine could not start."""
 
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ import argparse
 import signal
 import socket
 import sys
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from cli.engine_options import add_engine_options, engine_config
 from engine.core.config import EngineConfig
@@ -54,57 +56,46 @@ def run(args: argparse.Namespace) -> int:
     except (ValueError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    writer = None
-    if args.db is not None:  # storage is imported only when the history is asked for
-        from storage.db import DatabaseUrlError
-        from storage.write.writer_process import WriterProcess
+    if args.db is not None:  # a bad URL fails at once, before the model loads
+        from storage.db import DatabaseUrlError, db_engine
 
         try:
-            writer = WriterProcess(args.db)  # before the model loads: a bad URL fails at once
+            db_engine(args.db).dispose()
         except DatabaseUrlError as exc:
             sock.close()
             print(f"error: {exc}", file=sys.stderr)
             return 2
     try:
-        _serve(config, limits, sock, writer)
+        _serve(config, limits, sock, args.db)
+    except RuntimeError as exc:  # the engine could not start (EngineGone): its own error
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
     finally:
         sock.close()
-        if writer is not None:
-            writer.close()  # the rows handed over so far are written, also after a failure
-    stats = None if writer is None else writer.stats()
-    if stats is not None and stats.dropped:
-        print(f"error: {stats.dropped} history rows could not be written (last error: {stats.last_error})",
-              file=sys.stderr)  # fmt: skip
-        return 1
     return 0
 
 
-def _serve(config: EngineConfig, limits: ApiLimits, sock: socket.socket, writer: Any) -> None:
-    """Load the engine, start its run in `writer`'s history (a WriterProcess, or None), and serve on `sock`
-    until a signal."""
-    from engine.engine import Engine
+def _serve(config: EngineConfig, limits: ApiLimits, sock: socket.socket, db_url: str | None) -> None:
+    """Start the engine process (its history run in `db_url`, when given) and serve on `sock` until a signal."""
     from serving.api import create_app
+    from serving.console_routes import EngineHolder
+    from serving.engine_client import EngineClient
     from serving.server import uvicorn_server
 
-    engine = Engine(config)
-    engine.warm_up()
-    run_id = None
-    if writer is not None:
-        from storage.write.recorder import record_engine
-
-        run_id = record_engine(engine, writer)
-    app = create_app(lambda: engine, limits)
-    server = uvicorn_server(app)
-    host, port = sock.getsockname()[:2]
-    history = f"; history run {run_id}" if run_id is not None else ""
-    print(f"serving {engine.loaded.model_id} on http://{host}:{port}/v1{history}", file=sys.stderr, flush=True)
-    engine.start()
-    # uvicorn handles SIGINT and SIGTERM while it runs, then raises the signal again under the handlers it
-    # found: with these it returns here, and the engine and the history writer shut down cleanly.
-    for signum in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(signum, lambda *_: None)
+    holder = EngineHolder(EngineClient.start(config, db_url=db_url), db_url)
     try:
+        app = create_app(holder, limits)
+        server = uvicorn_server(app)
+        host, port = sock.getsockname()[:2]
+        run_id = holder.current().info.run_id
+        history = f"; history run {run_id}" if run_id is not None else ""
+        print(f"serving {holder.current().model_name} on http://{host}:{port}/v1{history}", file=sys.stderr,
+              flush=True)  # fmt: skip
+        # uvicorn handles SIGINT and SIGTERM while it runs, then raises the signal again under the handlers it
+        # found: with these it returns here, and the engine process and its history writer shut down cleanly.
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(signum, lambda *_: None)
         server.run(sockets=[sock])  # until SIGINT / SIGTERM
-    finally:
-        engine.stop()
         app.state.bindings.close()
+    finally:
+        holder.close()

@@ -1,4 +1,4 @@
-"""The OpenAI-compatible HTTP API over one embedded engine (FastAPI; uvicorn serves it, serving/server.py).
+"""The OpenAI-compatible HTTP API over one engine process (FastAPI; uvicorn serves it, serving/server.py).
 
     GET  /v1/models             the one model the engine serves
     POST /v1/completions        a prompt as text or token ids
@@ -18,8 +18,10 @@ Errors are OpenAI's body (serving/errors.py) with 400 (malformed JSON, wrong typ
 refuses, `max_tokens` or `n` out of bounds), 404 (unknown model), 413 (a body over `max_body_bytes`, by
 its Content-Length or as it streams in) and 429 (`max_in_flight` engine requests unfinished).
 
-The engine is found through a callable at each request, so the console's restart (a new engine) is
-followed; each engine gets its own gateway and metrics registry (`Bindings`).
+The engine (engine/engine_process.py) steps in its own process; the handlers talk to it through an
+`EngineClient` and never wait for a forward. It is found through a callable at each request, so a
+restart (a new engine process) is followed; each engine gets its own gateway (`Bindings`). The console
+reads and drives the same engine through serving/console_routes.py's `/engine/...` routes.
 """
 
 from __future__ import annotations
@@ -34,13 +36,13 @@ from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, ValidationError
 
 from engine.core.config import MAX_NEW_TOKENS
 from engine.core.request import MAX_SEED, SamplingParams
-from engine.engine import Engine
-from engine.feeds.metrics_server import BlockResidency, engine_registry
+from serving.console_routes import EngineHolder, console_router
+from serving.engine_client import EngineClient
 from serving.errors import ApiError, bad_request, too_large, unknown_model
 from serving.gateway import DEFAULT_MAX_IN_FLIGHT, EngineGateway, request_label
 from serving.generation import ChoiceText, ChoiceUpdate, Generation
@@ -67,31 +69,24 @@ class ApiLimits:
 
 
 class EngineBinding:
-    """What the API keeps per engine: its gateway and its metrics registry (with their listeners)."""
+    """What the API keeps per engine process: its gateway (with its listener on the client)."""
 
-    def __init__(self, engine: Engine, limits: ApiLimits) -> None:
+    def __init__(self, engine: EngineClient, limits: ApiLimits) -> None:
         self.engine = engine
         self.gateway = EngineGateway(engine, max_in_flight=limits.max_in_flight)
-        self.residency = BlockResidency()
-        engine.add_listener(self.residency.on_step)
-        self.registry = engine_registry(engine, self.residency)
 
     @property
     def model_name(self) -> str:
-        return str(self.engine.loaded.model_id)
+        return self.engine.model_name
 
     def close(self) -> None:
         self.gateway.close()
-        try:
-            self.engine.remove_listener(self.residency.on_step)
-        except ValueError:
-            pass  # closed twice
 
 
 class Bindings:
     """The binding of the engine `engines()` returns now; a new engine gets a new one, the old is closed."""
 
-    def __init__(self, engines: Callable[[], Engine], limits: ApiLimits) -> None:
+    def __init__(self, engines: Callable[[], EngineClient], limits: ApiLimits) -> None:
         self._engines = engines
         self._limits = limits
         self._lock = threading.Lock()
@@ -113,12 +108,15 @@ class Bindings:
                 self._binding = None
 
 
-def create_app(engines: Callable[[], Engine], limits: ApiLimits | None = None) -> FastAPI:
-    """The API over the engine `engines()` names at each request (the console's current one, or a fixed one)."""
+def create_app(holder: EngineHolder, limits: ApiLimits | None = None) -> FastAPI:
+    """The API over the engine process `holder` runs now (a restart replaces it), and the console's
+    `/engine/...` routes over the same process."""
     limits = limits or ApiLimits()
-    bindings = Bindings(engines, limits)
+    bindings = Bindings(holder.current, limits)
     app = FastAPI(title="prefix-console OpenAI-compatible API", docs_url=None, redoc_url=None)
     app.state.bindings = bindings
+    app.state.holder = holder
+    app.include_router(console_router(holder))
 
     @app.exception_handler(ApiError)
     async def api_error(_: Request, exc: ApiError) -> JSONResponse:
@@ -172,7 +170,8 @@ def create_app(engines: Callable[[], Engine], limits: ApiLimits | None = None) -
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        return Response(generate_latest(bindings.current().registry), media_type=CONTENT_TYPE_LATEST)
+        # Rendered by the engine process after its steps (at most a second old): a scrape never waits for one.
+        return Response(bindings.current().engine.metrics_text(), media_type=CONTENT_TYPE_LATEST)
 
     return app
 
@@ -257,7 +256,7 @@ async def _respond(
     samplings = _samplings(params, max_new)
     if params.stop_sequences() and binding.engine.tokenizer is None:
         raise bad_request("stop sequences need a model with a tokenizer: this one only takes token ids", "stop")
-    generation = binding.gateway.start(tokens, samplings, label=request_label(params.user), salt=params.cache_salt,
+    generation = await binding.gateway.start(tokens, samplings, label=request_label(params.user), salt=params.cache_salt,
                                        kind="chatcmpl" if chat else "cmpl")  # fmt: skip
     texts = [ChoiceText(binding.engine.tokenizer, params.stop_sequences()) for _ in samplings]
     shape = _Shape(generation.request_id, binding.model_name, chat)

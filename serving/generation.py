@@ -1,7 +1,7 @@
 """One API request's choices as they come out of the engine: text, token ids, how each choice ended.
 
 A `Generation` is fed on its event loop (`deliver`, which the gateway's listener schedules there once per
-engine step) and read on the same loop (`updates`). Each choice's text is decoded from its whole output so far (byte-level BPE pieces only
+engine step, with the new tokens of each choice) and read on the same loop (`updates`). Each choice's text is decoded from its whole output so far (byte-level BPE pieces only
 make characters together), and a stop sequence ends the choice: its text is cut before the sequence and
 its engine request is aborted. Text that could still become a stop sequence is held back until it cannot.
 """
@@ -9,13 +9,15 @@ its engine request is aborted. Text that could still become a stop sequence is h
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from engine.core.snapshot import RequestView
+from engine.engine_process import RequestUpdate
 
-POLL_S = 0.5  # how often a waiting reader checks the engine's health and its client
+POLL_S = 0.5  # how often a waiting reader checks the engine's health
+DISCONNECT_CHECK_S = 0.1  # how often a reader checks its client, also while tokens flow
 ENDED = frozenset({"finished", "retained", "released", "rejected", "failed", "aborted"})
 FINISH_REASONS = {"eos": "stop", "length": "length"}  # the engine's finish reasons as OpenAI names them
 REPLACEMENT_CHAR = "\ufffd"  # what a decode gives for bytes that do not make a character yet
@@ -87,11 +89,12 @@ class Generation:
     def __init__(self, gateway: Gateway, loop: asyncio.AbstractEventLoop, *, num_choices: int, prompt_tokens: int):
         self._gateway = gateway
         self._loop = loop
-        self._queue: asyncio.Queue[tuple[int, RequestView]] = asyncio.Queue()
+        self._queue: asyncio.Queue[tuple[int, RequestUpdate]] = asyncio.Queue()
         self.num_choices = num_choices
         self.prompt_tokens = prompt_tokens
         self.request_ids: list[str] = []  # set by the gateway once every choice is submitted
-        self.last_views: dict[int, RequestView] = {}  # the newest view of each choice
+        self.last_updates: dict[int, RequestUpdate] = {}  # the newest update of each choice
+        self.outputs: list[list[int]] = [[] for _ in range(num_choices)]  # each choice's output ids so far
         self.texts: list[ChoiceText] = []
         self._open: set[int] = set(range(num_choices))
 
@@ -105,18 +108,24 @@ class Generation:
         """The event loop that reads it: `deliver` must run there."""
         return self._loop
 
-    def deliver(self, index: int, view: RequestView) -> None:
-        """A choice's request changed (on the generation's loop; the gateway batches a step's views)."""
-        self._queue.put_nowait((index, view))
+    def deliver(self, index: int, update: RequestUpdate) -> None:
+        """A choice's request changed (on the generation's loop; the gateway batches a step's updates)."""
+        self._queue.put_nowait((index, update))
 
-    def _newest(self, first: tuple[int, RequestView]) -> list[tuple[int, RequestView]]:
-        """`first` and every view queued behind it, only the newest per choice: a view holds the whole
-        output so far, so a reader that fell behind sends one larger update instead of several."""
-        newest = dict([first])
-        while not self._queue.empty():
-            index, view = self._queue.get_nowait()
-            newest[index] = view
-        return sorted(newest.items())
+    def _drain(self, first: tuple[int, RequestUpdate]) -> list[tuple[int, RequestUpdate]]:
+        """`first` and every update queued behind it, folded into one per choice (new tokens in order, the
+        newest status): a reader that fell behind sends one larger chunk instead of several."""
+        folded: dict[int, RequestUpdate] = {}
+        item: tuple[int, RequestUpdate] | None = first
+        while item is not None:
+            index, update = item
+            earlier = folded.get(index)
+            if earlier is not None:
+                update = update._replace(new_token_ids=earlier.new_token_ids + update.new_token_ids,
+                                         new_logprobs=earlier.new_logprobs + update.new_logprobs)  # fmt: skip
+            folded[index] = update
+            item = self._queue.get_nowait() if not self._queue.empty() else None
+        return sorted(folded.items())
 
     async def updates(
         self, texts: list[ChoiceText], disconnected: Callable[[], Awaitable[bool]] | None = None
@@ -125,44 +134,48 @@ class Generation:
 
         Args:
             texts: one decoder per choice.
-            disconnected: polled while nothing arrives; when it says the client left, the generation
-                stops (its requests are aborted by `close`).
+            disconnected: polled every DISCONNECT_CHECK_S, while tokens flow too; when it says the client
+                left, the generation stops (its requests are aborted by `close`, before the next step).
 
         Raises:
             RuntimeError: the engine's loop died (its failure is the message).
         """
         self.texts = texts
+        checked = time.monotonic()
         while self._open:
+            if disconnected is not None and time.monotonic() - checked >= DISCONNECT_CHECK_S:
+                checked = time.monotonic()
+                if await disconnected():
+                    return
             try:
-                first = await asyncio.wait_for(self._queue.get(), POLL_S)
+                first = await asyncio.wait_for(self._queue.get(), min(POLL_S, DISCONNECT_CHECK_S))
             except TimeoutError:
                 failure = getattr(self._gateway.engine, "failure", None)
                 if failure is not None:
                     raise RuntimeError(f"the engine stopped: {failure}") from None
-                if disconnected is not None and await disconnected():
-                    return
                 continue
-            for index, view in self._newest(first):
+            for index, update in self._drain(first):
                 if index not in self._open:
                     continue  # a choice that already ended (a stop sequence's abort arriving)
-                update = self._update(index, view)
-                if update is not None:
-                    yield update
+                choice = self._update(index, update)
+                if choice is not None:
+                    yield choice
 
-    def _update(self, index: int, view: RequestView) -> ChoiceUpdate | None:
-        """What a choice's newest view adds; ends the choice at a stop sequence or at the engine's end."""
-        self.last_views[index] = view
-        ended = view.status in ENDED
-        text, ids, stopped = self.texts[index].update(view.output_token_ids, final=ended)
+    def _update(self, index: int, update: RequestUpdate) -> ChoiceUpdate | None:
+        """What a choice's update adds; ends the choice at a stop sequence or at the engine's end."""
+        self.last_updates[index] = update
+        self.outputs[index] += update.new_token_ids
+        ended = update.status in ENDED
+        text, ids, stopped = self.texts[index].update(tuple(self.outputs[index]), final=ended)
         finish = None
         if stopped:
             finish = "stop"
-            self._gateway.abort(view.request_id, "a stop sequence matched")
+            self._gateway.abort(update.request_id, "a stop sequence matched")
         elif ended:
-            finish = FINISH_REASONS.get(view.finish_reason or "", "abort")
+            finish = FINISH_REASONS.get(update.finish_reason or "", "abort")
         if finish is not None:
             self._open.discard(index)
-            self._gateway.finished(view.request_id)
+            self._gateway.finished(update.request_id)
         return ChoiceUpdate(index, text, ids, finish) if text or ids or finish else None
 
     def close(self, reason: str) -> None:
@@ -176,7 +189,7 @@ class Generation:
         """OpenAI's usage object: the prompt counted once, every choice's output, and the prompt tokens
         the engine served from the prefix cache for choice 0 (`prompt_tokens_details.cached_tokens`)."""
         completion = sum(text.num_tokens for text in self.texts)
-        first = self.last_views.get(0)
+        first = self.last_updates.get(0)
         cached = first.cached_tokens if first is not None else 0
         return {
             "prompt_tokens": self.prompt_tokens,

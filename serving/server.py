@@ -1,6 +1,6 @@
 """Serving the API with uvicorn on a background thread (the console, tests) or in the foreground (`cli serve`).
 
-    server = ApiServer(lambda: engine, port=8000)   # bound when this returns (OSError if it cannot)
+    server = ApiServer(EngineHolder(client, db_url), port=8000)   # bound when this returns (OSError if it cannot)
     server.url                                      # "http://127.0.0.1:8000"
     server.close()
 
@@ -12,13 +12,11 @@ from __future__ import annotations
 
 import socket
 import threading
-from collections.abc import Callable
-
 import uvicorn
 from fastapi import FastAPI
 
-from engine.engine import Engine
 from serving.api import ApiLimits, create_app
+from serving.console_routes import EngineHolder
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8000
@@ -54,7 +52,7 @@ class ApiServer:
 
     def __init__(
         self,
-        engines: Callable[[], Engine],
+        holder: EngineHolder,
         *,
         host: str = DEFAULT_HOST,
         port: int = DEFAULT_PORT,
@@ -70,7 +68,8 @@ class ApiServer:
         self.host = host
         self.port = self._socket.getsockname()[1]
         self.url = f"http://{host}:{self.port}"
-        self._app = create_app(engines, limits)
+        self.holder = holder
+        self._app = create_app(holder, limits)
         self._server = uvicorn_server(self._app)
         self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [self._socket]},
                                         name="openai-api", daemon=True)  # fmt: skip
@@ -85,7 +84,8 @@ class ApiServer:
             raise RuntimeError(f"the API server did not start on {self.url}")
 
     def close(self) -> None:
-        """Stop serving (open streams are cut) and release the port. Safe to call twice."""
+        """Stop serving (open streams are cut) and release the port; the engine process goes on (its
+        holder's owner stops it). Safe to call twice."""
         self._server.should_exit = True
         if self._thread.is_alive():
             self._thread.join(timeout=10)

@@ -90,22 +90,14 @@ def test_requests_past_the_in_flight_bound_get_429_until_one_finishes(served: Se
 
 
 def test_a_model_without_a_tokenizer_takes_token_ids_and_refuses_text_and_stop_sequences(test_data_dir) -> None:
-    from engine.core.config import EngineConfig
-    from engine.engine import Engine
-    from serving.server import ApiServer
-    from tests.ports import free_port
-
-    engine = Engine(EngineConfig(model="tiny-llama", device="cpu", num_blocks=32, data_dir=test_data_dir))
-    engine.start()
-    server = ApiServer(lambda: engine, port=free_port())
+    served = serve(test_data_dir, num_blocks=32, model="tiny-llama")
     try:
         good = {"model": "tiny-llama", "prompt": [5, 6, 7], "max_tokens": 3, "temperature": 0, "ignore_eos": True}
-        status, answer = post_json(server, "/v1/completions", good)
+        status, answer = post_json(served.server, "/v1/completions", good)
         assert status == 200 and answer["choices"][0]["text"] == "" and len(answer["choices"][0]["token_ids"]) == 3
-        status, answer = post_json(server, "/v1/completions", {**good, "prompt": "some text"})
+        status, answer = post_json(served.server, "/v1/completions", {**good, "prompt": "some text"})
         assert status == 400 and "tokenizer" in answer["error"]["message"]
-        status, answer = post_json(server, "/v1/completions", {**good, "stop": ["x"]})
+        status, answer = post_json(served.server, "/v1/completions", {**good, "stop": ["x"]})
         assert status == 400 and answer["error"]["param"] == "stop"
     finally:
-        server.close()
-        engine.stop()
+        shut(served)

@@ -132,6 +132,30 @@ def load_model(config: EngineConfig) -> LoadedModel:
     return _describe(model, tokenizer, name, revision, torch_device)
 
 
+def load_tokenizer(config: EngineConfig) -> PreTrainedTokenizerBase | None:
+    """The tokenizer `load_model(config)` would load, without the model (an engine's clients encode and
+    decode text with it in their own process). None for the token-id-only presets.
+
+    Raises:
+        ValueError: an unknown model (as `load_model`).
+    """
+    name, data_dir = config.model, config.resolved_data_dir
+    if name == SMOLLM2:
+        return _directory_tokenizer(ensure_smollm2_converted(data_dir))
+    if name in TINY_PRESETS:
+        return smollm2_tokenizer(data_dir) if name == "tiny-chat" else None
+    path = Path(name)
+    if not path.is_dir():
+        raise ValueError(f"unknown model {name!r}: not a preset {PRESETS} nor a directory")
+    return _directory_tokenizer(path)
+
+
+def _directory_tokenizer(path: Path) -> PreTrainedTokenizerBase | None:
+    """The tokenizer saved in a model directory, or None when it holds none."""
+    has_tokenizer = any((path / f).is_file() for f in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json"))
+    return AutoTokenizer.from_pretrained(path, local_files_only=True) if has_tokenizer else None
+
+
 # --- presets -------------------------------------------------------------------------------------------
 
 _TINY = dict(
@@ -190,9 +214,7 @@ def _load_directory(
     model = AutoModelForCausalLM.from_pretrained(
         path, config=config, dtype=dtype, attn_implementation="sdpa", local_files_only=True
     )
-    has_tokenizer = any((path / f).is_file() for f in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json"))
-    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True) if has_tokenizer else None
-    return model, tokenizer, _fingerprint_files(weight_files)
+    return model, _directory_tokenizer(path), _fingerprint_files(weight_files)
 
 
 def _fingerprint_files(files: list[Path]) -> str:

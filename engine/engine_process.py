@@ -1,0 +1,341 @@
+"""The engine stepping in a process of its own, as vLLM V1 runs its EngineCore.
+
+    spec = EngineProcessSpec(config, inbox="ipc:///tmp/x/in", outbox="ipc:///tmp/x/out", db_url=None)
+    multiprocessing.get_context("spawn").Process(target=run_engine_process, args=(spec,)).start()
+
+The process owns the model, the KV pool, the scheduler and (with `db_url`) the history writer. Its loop:
+
+    drain the inbox          every command that arrived (submit, fork, release, abort, reset, get, ...)
+    step                     one schedule + forward + post-process, when there is work
+    publish                  one STEP message: what changed for each request, the stats when due
+
+Nothing a client does waits for a forward, and nothing in here waits for a client: commands queue in
+the inbox socket while a step runs and are applied, in order, before the next one; their replies and
+every step's updates leave through the outbox (ZeroMQ PUSH/PULL over ipc://, pickle frames: the peer
+is the parent that spawned this process and created both endpoints in a private directory).
+
+Messages out (tuples, the first item the kind):
+    (READY, info)                        the engine is loaded and warmed up (`EngineInfo`)
+    (START_FAILED, message)              it could not be built; the process exits
+    (REPLY, call_id, ok, value)          a command's result, or (ok False) its error as (type name, message)
+    (STEP, updates, stats, metrics)      after each step or command batch: `RequestUpdate`s, then
+                                         `PublishedStats` and the Prometheus text when due (else None)
+    (SNAPSHOT, EngineSnapshot)           while a client wants them (WANT_SNAPSHOTS), at most every
+                                         SNAPSHOT_INTERVAL_S, and on SNAPSHOT
+    (DIED, message)                      the loop failed; the process exits
+
+Invariants:
+    * Commands are applied on the loop's thread only, between steps, in arrival order.
+    * A request's updates carry its new output tokens exactly once and in order; `sent` holds an entry
+      per request that has not ended, so it is bounded by the live requests.
+    * On STOP (or a closed parent) the engine stops, the history writer flushes, and the process exits.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import time
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+from engine.core.config import EngineConfig
+from engine.core.snapshot import PoolStats, RequestView
+
+logger = logging.getLogger(__name__)
+
+READY, START_FAILED, REPLY, STEP, SNAPSHOT, DIED = "ready", "start_failed", "reply", "step", "snapshot", "died"
+STATS_INTERVAL_S = 0.5  # stats ride on a STEP message at most this often (the Overview's samples)
+METRICS_INTERVAL_S = 1.0  # the Prometheus text at most this often
+SNAPSHOT_INTERVAL_S = 0.5  # snapshots while wanted
+IDLE_POLL_MS = 1000  # an idle engine wakes this often to publish what is due
+# Commands the loop applies by calling the engine method of the same name (with the given arguments).
+ENGINE_COMMANDS = frozenset(
+    {"submit", "fork_many", "release", "abort", "reset_cache", "get", "requests", "retire", "check_invariants"}
+)
+STOP, SNAPSHOT_NOW, WANT_SNAPSHOTS = "stop", "snapshot", "want_snapshots"
+WRITER_MARK = "writer_mark"  # replies with the history writer's mark (None without a writer)
+
+
+@dataclass(frozen=True)
+class EngineProcessSpec:
+    """What the child needs to start: the engine's configuration and where to talk."""
+
+    config: EngineConfig
+    inbox: str  # ZeroMQ endpoint the parent PUSHes commands to (the child connects a PULL)
+    outbox: str  # ZeroMQ endpoint the child PUSHes messages to (the parent binds a PULL)
+    db_url: str | None = None  # write the history here (a WriterProcess), or nowhere
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    """The engine's fixed facts, sent once with READY (the API validates and names things with them)."""
+
+    model_id: str
+    weights_revision: str
+    device: str
+    dtype: str
+    block_size: int
+    num_blocks: int
+    max_model_len: int
+    vocab_size: int
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    attention_spec: tuple[str, ...]
+    group_names: tuple[str, ...]
+    forward_path: str
+    kernels: str
+    run_id: str | None  # the history run, when a database was given
+    started_at: float
+    pid: int
+
+
+class RequestUpdate(NamedTuple):
+    """What changed for one request in one step (the API's streams read these)."""
+
+    request_id: str
+    status: str  # a RequestStatus value
+    new_token_ids: tuple[int, ...]  # output tokens since its previous update
+    finish_reason: str | None
+    cached_tokens: int  # hit position at first schedule
+    num_prompt_tokens: int
+    new_logprobs: tuple[Any, ...] = ()  # per new token, when the request asked for logprobs
+
+
+class PublishedStats(NamedTuple):
+    """The engine's counters and its history writer's progress, as of one moment."""
+
+    pool: PoolStats
+    forward_threads: int
+    writer: Any  # storage's WriterStats, or None without a history
+    writer_done_through: int  # every writer message up to this mark is written or dropped (-1: no writer)
+
+
+def engine_info(engine: Any, run_id: str | None, started_at: float) -> EngineInfo:
+    loaded = engine.loaded
+    return EngineInfo(
+        model_id=str(loaded.model_id),
+        weights_revision=loaded.weights_revision,
+        device=str(loaded.device),
+        dtype=engine.config.dtype,
+        block_size=engine.config.block_size,
+        num_blocks=engine.num_blocks,
+        max_model_len=engine.max_model_len,
+        vocab_size=engine.vocab_size,
+        num_layers=loaded.num_layers,
+        num_kv_heads=loaded.num_kv_heads,
+        head_dim=loaded.head_dim,
+        attention_spec=tuple(loaded.attention_spec),
+        group_names=tuple(g.name for g in engine.stats().groups),
+        forward_path=engine.runner.forward_path,
+        kernels=engine.runner.kernels.summary(),
+        run_id=run_id,
+        started_at=started_at,
+        pid=os.getpid(),
+    )
+
+
+class UpdateTracker:
+    """Turns changed `RequestView`s into `RequestUpdate`s carrying only the new tokens (see the invariants)."""
+
+    def __init__(self) -> None:
+        self.sent: dict[str, int] = {}  # request id -> output tokens already sent, for requests not ended
+
+    def updates(self, views: list[RequestView]) -> list[RequestUpdate]:
+        latest: dict[str, RequestView] = {}
+        for view in views:  # a request changed by a command and by the step: its newest view only
+            latest[view.request_id] = view
+        out = []
+        for rid, view in latest.items():
+            sent = self.sent.get(rid, 0)
+            outputs = view.output_token_ids
+            logprobs = getattr(view, "output_logprobs", None) or ()
+            if view.is_final:
+                self.sent.pop(rid, None)
+            else:
+                self.sent[rid] = len(outputs)
+            out.append(
+                RequestUpdate(rid, str(getattr(view.status, "value", view.status)), tuple(outputs[sent:]),
+                              view.finish_reason, view.cached_tokens, view.num_prompt_tokens,
+                              tuple(logprobs[sent:]))  # fmt: skip
+            )
+        return out
+
+
+def run_engine_process(spec: EngineProcessSpec) -> None:
+    """The child's entry point: build the engine, say READY, loop until STOP. Never raises."""
+    import zmq
+
+    from engine.openmp import set_openmp_defaults
+
+    set_openmp_defaults()
+    context = zmq.Context()
+    outbox = context.socket(zmq.PUSH)
+    outbox.setsockopt(zmq.LINGER, 5000)
+    outbox.connect(spec.outbox)
+    inbox = context.socket(zmq.PULL)
+    inbox.setsockopt(zmq.LINGER, 0)
+    inbox.connect(spec.inbox)
+
+    def send(*message: Any) -> None:
+        outbox.send(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
+
+    try:
+        core = _EngineLoop.start(spec, send)
+    except BaseException as exc:  # a bad model path, a database that cannot be used: the parent says why
+        logger.exception("the engine could not start")
+        send(START_FAILED, f"{type(exc).__name__}: {exc}")
+        outbox.close()
+        inbox.close()
+        context.term()
+        return
+    try:
+        core.run(inbox)
+    except BaseException as exc:
+        logger.exception("the engine loop died")
+        send(DIED, f"{type(exc).__name__}: {exc}")
+    finally:
+        core.close()
+        outbox.close()
+        inbox.close()
+        context.term()
+
+
+class _EngineLoop:
+    """The engine and what the loop keeps beside it (the child's side of the module docstring)."""
+
+    def __init__(self, engine: Any, writer: Any, feeds: Any, send: Any) -> None:
+        from engine.feeds.metrics_server import BlockResidency, engine_registry
+
+        self.engine = engine
+        self.writer = writer
+        self.feeds = feeds
+        self._send = send
+        self._changed: list[RequestView] = []
+        self._tracker = UpdateTracker()
+        self._residency = BlockResidency()
+        engine.add_listener(self._residency.on_step)
+        engine.add_listener(self._collect)
+        self._registry = engine_registry(engine, self._residency)
+        self._stats_at = self._metrics_at = self._snapshot_at = 0.0
+        self._snapshots_until = 0.0  # a client wants snapshots until then (monotonic)
+        self._snapshot_due = False
+        self._stopping = False
+
+    @classmethod
+    def start(cls, spec: EngineProcessSpec, send: Any) -> _EngineLoop:
+        from engine.engine import Engine
+        from engine.feeds.outbound import open_feeds
+
+        writer = run_id = None
+        first_number = 0
+        if spec.db_url is not None:
+            from storage.db import db_engine
+            from storage.read.queries import next_request_number
+            from storage.write.writer_process import WriterProcess
+
+            writer = WriterProcess(spec.db_url)
+            db = db_engine(spec.db_url)
+            try:
+                first_number = next_request_number(db)
+            except Exception:  # an empty or unreadable history: ids start at 0 (the writer reports errors)
+                first_number = 0
+            finally:
+                db.dispose()
+        try:
+            engine = Engine(spec.config, first_request_number=first_number)
+            engine.warm_up()
+            started = time.time()
+            if writer is not None:
+                from storage.write.recorder import record_engine
+
+                run_id = record_engine(engine, writer)
+            feeds = open_feeds(engine)
+        except BaseException:
+            if writer is not None:
+                writer.close(timeout_s=5)
+            raise
+        loop = cls(engine, writer, feeds, send)
+        send(READY, engine_info(engine, run_id, started))
+        return loop
+
+    def _collect(self, events: list[Any], views: list[RequestView]) -> None:
+        self._changed.extend(views)
+
+    def run(self, inbox: Any) -> None:
+        import zmq
+
+        poller = zmq.Poller()
+        poller.register(inbox, zmq.POLLIN)
+        while not self._stopping:
+            busy = self.engine.has_work()
+            timeout = 0 if busy else IDLE_POLL_MS
+            while poller.poll(timeout):  # drain: everything that arrived, without waiting once there is some
+                self._apply(pickle.loads(inbox.recv()))
+                timeout = 0
+                if self._stopping:
+                    return
+            if self.engine.has_work():
+                self.engine.step()
+            self._publish()
+
+    def _apply(self, command: tuple[Any, ...]) -> None:
+        call_id, name, args, kwargs = command
+        if name == STOP:
+            self._stopping = True
+            return
+        if name == WANT_SNAPSHOTS:
+            self._snapshots_until = time.monotonic() + float(args[0])
+            return
+        if name == SNAPSHOT_NOW:
+            self._snapshot_due = True
+            return
+        if name == WRITER_MARK:
+            self._stats_at = 0.0  # the writer's progress goes out with the next stats
+            self._send(REPLY, call_id, True, None if self.writer is None else self.writer.mark())
+            return
+        try:
+            if name not in ENGINE_COMMANDS:
+                raise ValueError(f"unknown engine command {name!r}")
+            value = getattr(self.engine, name)(*args, **kwargs)
+        except Exception as exc:  # the client's error: its reply says why, the engine goes on
+            if call_id is not None:
+                self._send(REPLY, call_id, False, (type(exc).__name__, str(exc)))
+            return
+        if call_id is not None:
+            self._send(REPLY, call_id, True, value)
+
+    def _publish(self) -> None:
+        now = time.monotonic()
+        updates = self._tracker.updates(self._changed) if self._changed else []
+        self._changed = []
+        stats = metrics = None
+        settled = bool(updates) and not self.engine.has_work()  # the last step of a burst: its numbers now
+        if settled or now - self._stats_at >= STATS_INTERVAL_S:
+            stats, self._stats_at = self._stats(), now
+        if settled or now - self._metrics_at >= METRICS_INTERVAL_S:
+            from prometheus_client import generate_latest
+
+            metrics, self._metrics_at = generate_latest(self._registry), now
+        if updates or stats is not None or metrics is not None:
+            self._send(STEP, updates, stats, metrics)
+        wanted = now < self._snapshots_until and now - self._snapshot_at >= SNAPSHOT_INTERVAL_S
+        if self._snapshot_due or wanted:
+            self._snapshot_due, self._snapshot_at = False, now
+            self._send(SNAPSHOT, self.engine.snapshot())
+
+    def _stats(self) -> PublishedStats:
+        writer = self.writer
+        return PublishedStats(self.engine.stats(), self.engine.forward_threads(),
+                              None if writer is None else writer.stats(),
+                              -1 if writer is None else writer.done_through())  # fmt: skip
+
+    def close(self) -> None:
+        self.engine.stop()
+        if self.feeds is not None:
+            self.feeds.close()
+        if self.writer is not None:
+            self.writer.close(timeout_s=10)
+
