@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from engine.openmp import SPIN_COUNT, cpu_stall_us, set_openmp_defaults
-from engine.runner.thread_governor import MAX_HOLD_S, MIN_HOLD_S, WINDOW_S, ThreadGovernor
+from engine.runner.thread_governor import IDLE_RESET_S, MAX_HOLD_S, MIN_HOLD_S, WINDOW_S, ThreadGovernor
 
 
 class Machine:
@@ -112,6 +112,70 @@ def test_a_try_that_survives_resets_the_hold():
     assert governor.threads == 1 and governor.hold_s == MIN_HOLD_S
 
 
+def test_the_first_step_after_an_idle_gap_runs_on_every_thread_and_judging_starts_afresh():
+    """Regression (issue 43): a neighbour's burst left the forward on one thread with a long hold, and the
+    next request, after a pause on a quiet machine, ran on that one thread (0.63 s against 0.22 s)."""
+    machine = Machine()
+    governor = machine.governor()
+    for _ in range(3):  # contention, and tries that meet it: the hold grows to 4 s
+        machine.run_until(governor, 1, stalled=0.9, limit_s=2 * WINDOW_S + 0.05)
+        machine.run_until(governor, 2, stalled=0.0, limit_s=governor.hold_s + WINDOW_S + 0.05)
+    machine.run_until(governor, 1, stalled=0.9, limit_s=2 * WINDOW_S + 0.05)
+    assert governor.hold_s == 8 and machine.set_calls[-1] == 1
+    machine.idle(5.0, stalled=0.0)  # the neighbour is gone; the engine waits for a request
+    threads_seen = []
+    with governor.step():
+        threads_seen.append(governor.threads)  # set before the forward runs
+        machine.now += 0.05
+    assert threads_seen == [2] and machine.set_calls[-1] == 2
+    assert governor.hold_s == MIN_HOLD_S
+    # The contention comes back: the judgement is the fresh one's, and a drop holds MIN_HOLD_S, not 16 s.
+    machine.run_until(governor, 1, stalled=0.9, limit_s=2 * WINDOW_S + 0.05)
+    assert governor.hold_s == MIN_HOLD_S
+
+
+def test_a_window_open_before_an_idle_gap_is_dropped():
+    machine = Machine()
+    governor = machine.governor()
+    machine.run(governor, 0.2, stalled=0.9)  # most of a window, under pressure
+    machine.idle(IDLE_RESET_S, stalled=0.0)
+    machine.run(governor, 0.1, stalled=0.9)  # 0.3 s in all, but only 0.1 s since the gap
+    assert governor.threads == 2 and machine.set_calls == []
+
+
+def test_a_gap_shorter_than_the_idle_reset_keeps_the_judgement():
+    machine = Machine()
+    governor = machine.governor()
+    machine.run_until(governor, 1, stalled=0.9, limit_s=2 * WINDOW_S + 0.05)
+    for _ in range(3):
+        machine.idle(IDLE_RESET_S / 2, stalled=0.0)
+        machine.run(governor, 0.05, stalled=0.0)
+    assert governor.threads == 1 and machine.set_calls == [1]
+
+
+def test_seconds_at_each_count_add_up_to_the_stepping_time_and_every_change_is_logged(caplog):
+    machine = Machine()
+    governor = machine.governor(max_threads=3)
+    assert governor.time_at_threads() == {1: 0.0, 2: 0.0, 3: 0.0}
+    with caplog.at_level("INFO", logger="engine.runner.thread_governor"):
+        machine.run(governor, 1.0, stalled=0.0)
+        machine.run_until(governor, 1, stalled=0.9, limit_s=4 * WINDOW_S + 0.2)
+        machine.run(governor, 0.2, stalled=0.0)  # on one thread, shorter than the hold
+        machine.idle(3.0, stalled=0.0)
+        machine.run(governor, 0.5, stalled=0.0)
+    seconds = governor.time_at_threads()
+    assert set(seconds) == {1, 2, 3}
+    assert seconds[1] == pytest.approx(0.2) and seconds[2] > 0 and seconds[3] >= 1.5
+    assert sum(seconds.values()) == pytest.approx(machine.now - 100.0 - 3.0)  # all but the idle gap
+    seconds[3] = -1.0  # a copy: the governor's own count is untouched
+    assert governor.time_at_threads()[3] >= 1.5
+    moves = [r.getMessage() for r in caplog.records if r.levelname == "INFO"]
+    assert len(moves) == governor.changes == 3
+    assert moves[0].startswith("forward threads 3 -> 2 (pressure 0.")
+    assert moves[1].startswith("forward threads 2 -> 1 (pressure 0.9")
+    assert moves[2] == "forward threads 1 -> 3 (idle 3.0 s)"
+
+
 def test_without_a_pressure_counter_the_count_never_moves():
     calls: list[int] = []
     clock = iter(range(1000))
@@ -125,17 +189,24 @@ def test_without_a_pressure_counter_the_count_never_moves():
 
 
 @settings(max_examples=200, deadline=None)
-@given(st.lists(st.tuples(st.floats(0.0, 3.0), st.floats(0.0, 1.0)), max_size=40), st.integers(1, 8))
-def test_the_count_stays_in_range_and_moves_one_thread_at_a_time(phases, max_threads):
+@given(
+    st.lists(st.tuples(st.floats(0.0, 3.0), st.floats(0.0, 1.0), st.sampled_from([0.0, 0.5, 2.0])), max_size=40),
+    st.integers(1, 8),
+)
+def test_the_count_stays_in_range_and_moves_one_thread_at_a_time_or_back_to_all_after_idling(phases, max_threads):
     machine = Machine()
     governor = machine.governor(max_threads)
-    for seconds, stalled in phases:
+    stepping_s = 0.0
+    for seconds, stalled, idle_s in phases:
+        machine.idle(idle_s, stalled)
         machine.run(governor, seconds, stalled)
+        stepping_s += round(seconds / 0.05) * 0.05
         assert 1 <= governor.threads <= max_threads
         assert MIN_HOLD_S <= governor.hold_s <= MAX_HOLD_S
     counts = [max_threads, *machine.set_calls]
-    assert all(abs(a - b) == 1 for a, b in zip(counts, counts[1:]))
+    assert all(abs(a - b) == 1 or b == max_threads for a, b in zip(counts, counts[1:]))
     assert governor.threads == counts[-1] and governor.changes == len(machine.set_calls)
+    assert sum(governor.time_at_threads().values()) == pytest.approx(stepping_s)
 
 
 PRESSURE_FILE = """some avg10=1.50 avg60=5.98 avg300=19.48 total=246063068
