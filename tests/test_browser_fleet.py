@@ -3,8 +3,8 @@ watching two pods that are vLLM's own KVCacheManager published by vLLM's own Zmq
 
 The pods publish before the console starts, so its collector joins late and recovers every batch
 through the replay sockets. The walk checks each page's headline numbers against what vLLM's block pools
-hold, routes a prompt, and saves a screenshot of each page to artifacts/ (git-ignored; docs/console-fleet-pods.png
-is one of them).
+hold, routes a prompt, and saves a screenshot of each page to artifacts/ (git-ignored;
+docs/images/console-fleet-pods.png is one of them).
 
 Without chromium the test skips locally and fails when CI=true; without vLLM it skips.
 """

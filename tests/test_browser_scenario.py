@@ -3,7 +3,7 @@
 One click on the Blocks page plays issue 15's exercise; the test then finds the drawn timeline and checks,
 on the rendered page, that the words "no holder left: safe to reuse" sit in the row of the parent's
 half-full tail (and "evictable from here on" in the shared full block's), not merely somewhere on the
-page. The timeline's screenshot lands in artifacts/ (docs/console-sharing-timeline.png is one).
+page. The timeline's screenshot lands in artifacts/ (docs/images/console-sharing-timeline.png is one).
 """
 
 from __future__ import annotations
@@ -76,7 +76,7 @@ def play_scenario(page, url: str, expect) -> None:
 
 
 def test_the_blocks_page_after_the_scenario_keeps_every_marker_whole(console_server: ConsoleServer) -> None:
-    """After the exercise the Blocks page (docs/console-blocks.png) draws every marker's words inside its
+    """After the exercise the Blocks page (docs/images/console-blocks.png) draws every marker's words inside its
     figure, the scenario's four rows titled as before."""
     from playwright.sync_api import expect, sync_playwright
 
@@ -102,13 +102,14 @@ def test_the_blocks_page_after_the_scenario_keeps_every_marker_whole(console_ser
 
 def test_the_replay_page_says_why_an_exact_replay_saved_nothing(tmp_path) -> None:
     """A hybrid model (every other layer sliding, W = 64): a second prompt sharing the first's 96 tokens hits
-    them, but the window state kept was not the window's; the page says so in a sentence (docs/console-replay.png)."""
+    them, but the window state kept was not the window's; the page says so in a sentence
+    (docs/images/console-replay.png)."""
     from playwright.sync_api import expect, sync_playwright
 
     from tests.browser_support import serve_console
     from tests.test_browser import PROMPT, apply_text
 
-    with serve_console(tmp_path, {"PREFIX_CONSOLE_ATTENTION": "hybrid:64"}, num_blocks=64) as server:
+    with serve_console(tmp_path, num_blocks=64, attention="hybrid:64") as server:
         with sync_playwright() as playwright:
             browser, page = launch_page(playwright, expect)
             try:
