@@ -45,6 +45,7 @@ size holds the tokens).
 from __future__ import annotations
 
 import enum
+import functools
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -150,19 +151,32 @@ class Decoder:
 
     decode: Callable[[Sequence[int]], str]  # ids -> text, special tokens kept
     visible: Callable[[Sequence[int]], str]  # ids -> text without special tokens
-    special_ids: frozenset[int]  # the template's special tokens
+    specials: Callable[[], frozenset[int]]  # the template's special tokens (asked only to show a divergence)
+
+    @property
+    def special_ids(self) -> frozenset[int]:
+        return self.specials()
 
     @staticmethod
     def of(tokenizer: Any) -> Decoder:
         """The model's tokenizer as a decoder; without one, ids are shown as numbers."""
         if tokenizer is None:
             as_text = lambda ids: " ".join(map(str, ids))  # noqa: E731
-            return Decoder(as_text, as_text, frozenset())
+            return Decoder(as_text, as_text, frozenset)
+        special_ids = frozenset(getattr(tokenizer, "all_special_ids", ()))
         return Decoder(
             lambda ids: tokenizer.decode(list(ids), skip_special_tokens=False),
             lambda ids: tokenizer.decode(list(ids), skip_special_tokens=True),
-            frozenset(getattr(tokenizer, "all_special_ids", ())),
+            lambda: special_ids,
         )
+
+    @staticmethod
+    def deferred(load: Callable[[], Decoder]) -> Decoder:
+        """A decoder that calls `load` (once) the first time it decodes: most causes decode nothing, and
+        loading a tokenizer costs a command line more than the rest of its answer."""
+        loaded = functools.cache(load)
+        return Decoder(lambda ids: loaded().decode(ids), lambda ids: loaded().visible(ids),
+                       lambda: loaded().special_ids)  # fmt: skip
 
 
 EvictionLookup = Callable[[str, str, float], EvictionFact | None]  # (run_id, key hex, before) -> latest eviction

@@ -8,6 +8,11 @@ newest run holding that id is read. The decoded text windows use the run's model
 `--data-dir`, default the console's); a model without one shows token ids. Exit status: 0; 2 for a
 database URL that cannot be used, an unknown request or run, or a request whose prompt the history does
 not hold.
+
+It answers in well under a second: nothing here imports torch or transformers when the model's tokenizer
+is cached as a `tokenizer.json` (the console caches SmolLM2's on first use); it is read with the
+`tokenizers` library alone, which only decodes here. Only a model without that file goes through
+`serving.prompts.load_tokenizer` (transformers, seconds to import).
 """
 
 from __future__ import annotations
@@ -19,6 +24,11 @@ from pathlib import Path
 from typing import Any
 
 NAME = "why"
+CHAT_PRESETS = ("smollm2", "tiny-chat")  # the presets with a tokenizer: SmolLM2's (serving.prompts.load_tokenizer)
+# Where the console caches SmolLM2's tokenizer under the data directory: the converted model, else a
+# tokenizer-only copy (engine.runner.model_loading's SMOLLM2_CACHE_NAME and SMOLLM2_TOKENIZER_CACHE_NAME).
+SMOLLM2_TOKENIZER_DIRS = ("models/smollm2-135m-instruct", "models/smollm2-135m-instruct-tokenizer")
+SPECIAL_TOKEN_FIELDS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -88,9 +98,47 @@ def _summary(db: Any, args: argparse.Namespace) -> Any:
 def _decoder(model: str, data_dir: Path | None) -> Any:
     from analysis.why import Decoder
     from engine.core.config import default_data_dir
-    from serving.prompts import load_tokenizer
 
-    return Decoder.of(load_tokenizer(model, data_dir or default_data_dir()))
+    data_dir = data_dir or default_data_dir()
+    if model in CHAT_PRESETS:
+        directories = [data_dir / name for name in SMOLLM2_TOKENIZER_DIRS]
+    elif Path(model).is_dir():
+        directories = [Path(model)]
+    else:
+        return Decoder.of(None)  # a token-id-only preset (load_tokenizer's None)
+    for directory in directories:
+        if (directory / "tokenizer.json").is_file():
+            return Decoder.deferred(lambda: file_decoder(directory))
+    from serving.prompts import load_tokenizer  # not cached yet: transformers builds (and caches) it
+
+    return Decoder.of(load_tokenizer(model, data_dir))
+
+
+def file_decoder(directory: Path) -> Any:
+    """A decoder from a tokenizer directory's `tokenizer.json`, through the `tokenizers` library.
+
+    Decodes as the transformers tokenizer of the same directory does; the special ids are the ones it
+    calls special (`all_special_ids`): the tokens `tokenizer_config.json` and `special_tokens_map.json` name
+    in SPECIAL_TOKEN_FIELDS and `additional_special_tokens`.
+    """
+    from tokenizers import Tokenizer
+
+    from analysis.why import Decoder
+
+    tokenizer = Tokenizer.from_file(str(directory / "tokenizer.json"))
+    names: list[Any] = []
+    for config_name in ("tokenizer_config.json", "special_tokens_map.json"):
+        path = directory / config_name
+        config = json.loads(path.read_text()) if path.is_file() else {}
+        names += [config.get(field) for field in SPECIAL_TOKEN_FIELDS]
+        names += list(config.get("additional_special_tokens") or ())
+    contents = {name["content"] if isinstance(name, dict) else name for name in names if name}
+    ids = frozenset(i for i in map(tokenizer.token_to_id, contents) if i is not None)
+    return Decoder(
+        lambda tokens: tokenizer.decode(list(tokens), skip_special_tokens=False),
+        lambda tokens: tokenizer.decode(list(tokens), skip_special_tokens=True),
+        lambda: ids,
+    )
 
 
 def render(result: dict[str, Any]) -> str:
@@ -105,17 +153,27 @@ def render(result: dict[str, Any]) -> str:
         if result["unexplained"]:
             lines.append(f"  {result['unexplained']} requests without a recorded prompt")
         return "\n".join(lines)
-    lines = [f"{result['request_id']} (run {result['run_id']}): {result['cause']}; {result['cached_tokens']} of "
-             f"{result['prompt_tokens']} prompt tokens served from the cache, {result['reusable_tokens']} reusable, "
-             f"{result['missed_tokens']} missed (first not served: token {result['position']})"]  # fmt: skip
+    lines = [f"{result['request_id']} (run {result['run_id']}): {result['cause']}; of {result['prompt_tokens']} "
+             f"prompt tokens {result['cached_tokens']} were served from the cache, {result['missed_tokens']} missed, "
+             f"{result['never_served_tokens']} never served (the last token and a partial block are always "
+             f"computed); {result['reusable_tokens']} reusable (first not served: token {result['position']})"]  # fmt: skip
     if result["match"]:
         match = result["match"]
         shared = match["shared_tokens"]
-        lines.append(f"  earlier request {match['request_id']} (run {match['run_id']}) shared {shared} tokens")
+        if result["cause"] == "fork":
+            lines.append(f"  a fork of {match['request_id']}: shares its {shared} tokens of KV (its blocks, a partial "
+                         "tail too)")  # fmt: skip
+        else:
+            lines.append(f"  earlier request {match['request_id']} (run {match['run_id']}) shared {shared} tokens "
+                         "(its prompt and its output)")  # fmt: skip
     if result["divergence"]:
         d = result["divergence"]
-        lines += [f"  diverged at token {d['position']} after {d['before']!r}", f"    ours:   {d['ours']!r}",
-                  f"    theirs: {d['theirs']!r}"]  # fmt: skip
+        if result["cause"] == "extended":
+            lines += [f"  its cached context ends at token {d['position']}, after {d['before']!r}",
+                      f"    ours continues: {d['ours']!r}"]  # fmt: skip
+        else:
+            lines += [f"  diverged at token {d['position']} after {d['before']!r}", f"    ours:   {d['ours']!r}",
+                      f"    theirs: {d['theirs']!r}"]  # fmt: skip
         lines += [f"  {note}" for note in d["notes"]]
     if result["eviction"]:
         e = result["eviction"]

@@ -147,7 +147,7 @@ def test_a_block_of_an_earlier_reply_that_was_evicted_names_the_eviction_by_this
 def two_chat_prompts_through_one_template() -> tuple[list[int], list[int], Decoder]:
     start, end = 1, 2  # <|im_start|>, <|im_end|>
     decoder = Decoder(lambda ids: " ".join(map(str, ids)), lambda ids: " ".join(str(t) for t in ids if t > 2),
-                      frozenset({0, start, end}))  # fmt: skip
+                      lambda: frozenset({0, start, end}))  # fmt: skip
     system = [start, 50, 51, 52, 53, 54, 55, end]
     ours = system + [start, 60, 61, 62, 63, 64, end, start, 70]
     theirs = system + [start, 60, 61, *range(66, 86), end, start, 70]  # no special token in its window

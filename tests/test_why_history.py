@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import io
 import json
+import subprocess
+import sys
 from contextlib import redirect_stdout
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +24,7 @@ from storage.read.why import find_request, latest_eviction, requests_before
 from storage.write.recorder import record_engine
 from storage.write.writer import EventWriter
 
+ROOT = Path(__file__).resolve().parent.parent
 BS = 8
 SYSTEM = ("You are the on-call assistant of the prefix-cache console team. Answer in one sentence and name "
           "the blocks you used. Date:")  # fmt: skip
@@ -171,3 +174,85 @@ def test_the_python_diagnosis_and_the_cli_agree(history) -> None:
                       Decoder.of(h.engine.tokenizer))  # fmt: skip
     db.dispose()
     assert direct.as_json() == answer and direct.cause is Cause.DIVERGED and answer["match"]["request_id"] == first
+
+
+def test_a_chats_next_turn_is_compared_with_the_reply_the_engine_generated(history) -> None:
+    """Issue 47 item 9: turn 2 holds turn 1's prompt and reply, and the cache serves both; the diagnosis
+    compared prompts only and said "diverged where turn 1's prompt ended, theirs: (nothing)"."""
+    h = history()
+    tokenizer = h.engine.tokenizer
+    turn_1 = encode_chat(tokenizer, [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Hello?"}])
+    first = h.engine.submit(turn_1, SamplingParams(max_new_tokens=12, ignore_eos=True))
+    h.engine.run_until_idle()
+    reply = list(h.engine.get(first).output_token_ids)
+    next_question = "<|im_end|>\n<|im_start|>user\nAnd which blocks did you use?<|im_end|>\n<|im_start|>assistant\n"
+    turn_2 = turn_1 + reply + list(tokenizer(next_question, add_special_tokens=False)["input_ids"])
+    second = h.submit(turn_2)
+    computed = len(turn_1) + len(reply) - 1  # the reply's last token was sampled after the last forward
+    assert h.engine.get(second).cached_tokens == computed // BS * BS  # the test's own premise
+    answer = h.why(second)
+    assert answer["cause"] == "extended" and answer["analyzer_reason"] == "compulsory"
+    assert answer["match"] == {"request_id": first, "run_id": answer["run_id"], "shared_tokens": computed}
+    assert answer["divergence"]["position"] == computed and answer["divergence"]["theirs"] == ""
+    assert answer["reusable_tokens"] == answer["cached_tokens"] == computed // BS * BS
+    assert answer["cached_tokens"] + answer["missed_tokens"] + answer["never_served_tokens"] == len(turn_2)
+
+
+def test_two_chats_through_one_template_are_not_said_to_differ_in_their_template(history) -> None:
+    """Issue 47 item 10: a short and a long user message through the same template: the special tokens of
+    unequal windows (and of the shared prefix) were compared, and a template "on one side" was reported."""
+    h = history()
+    tokenizer = h.engine.tokenizer
+
+    def chat(question: str) -> list[int]:
+        return encode_chat(tokenizer, [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}])
+
+    long = chat("Walk me through, in many careful words and with examples of blocks, keys and chains, what you did")
+    first = h.submit(long)
+    second = h.submit(chat("Why?"))
+    answer = h.why(second)
+    assert answer["cause"] == "diverged" and answer["match"]["request_id"] == first
+    assert not any("template" in note for note in answer["divergence"]["notes"])
+    assert "<|im_end|>" in answer["divergence"]["template_tokens"]["ours"]  # the short side's window ends its turn
+    assert answer["divergence"]["template_tokens"]["theirs"] == []
+    assert answer["divergence"]["template"] is None
+    db = db_engine(h.url)
+    request = find_request(db, second)
+    direct = diagnose(request, requests_before(db, request.arrival_time), lambda *key: latest_eviction(db, *key),
+                      Decoder.of(tokenizer))  # fmt: skip
+    db.dispose()
+    assert direct.as_json() == answer  # the CLI's tokenizer-file decoder decodes as the model's tokenizer
+
+
+def test_a_fork_child_names_its_parent_and_no_wait(history) -> None:
+    """Issue 47 item 11: after the guided scenario, child-b was "hit, cached 12/14, reusable 8" and "waited
+    for child-a to compute the shared prefix"; a fork shares its parent's blocks."""
+    h = history()
+    parent = h.engine.submit(list(range(100, 112)), SamplingParams(max_new_tokens=1, ignore_eos=True), retain=True)
+    h.engine.run_until_idle()
+    children = h.engine.fork_many(parent, [[5], [6]], SamplingParams(max_new_tokens=2, ignore_eos=True), retain=True)
+    h.engine.run_until_idle()
+    answer = h.why(children[1])
+    assert answer["cause"] == "fork" and answer["wait"] is None
+    assert answer["match"] == {"request_id": parent, "run_id": answer["run_id"], "shared_tokens": 12}
+    assert (answer["prompt_tokens"], answer["cached_tokens"], answer["reusable_tokens"]) == (14, 12, 12)
+    assert (answer["missed_tokens"], answer["never_served_tokens"]) == (0, 2)
+    for rid in (parent, *children):
+        h.engine.release(rid)
+
+
+def test_the_why_command_imports_neither_torch_nor_transformers(history) -> None:
+    """Issue 47 item 12: `cli why` took 8-12 s, importing torch and transformers to load the tokenizer."""
+    h = history()
+    tokenizer = h.engine.tokenizer
+    h.submit(encode_text(tokenizer, SYSTEM + "2024-06-03."))
+    second = h.submit(encode_text(tokenizer, SYSTEM + "1999-12-31."))
+    h.writer.flush(timeout_s=30)
+    data_dir = str(h.engine.config.resolved_data_dir)
+    script = ("import json, sys; from cli.__main__ import main; "
+              f"status = main(['why', '--db', {h.url!r}, '--request', {second!r}, '--data-dir', {data_dir!r}]); "
+              "print(json.dumps([status, 'torch' in sys.modules, 'transformers' in sys.modules]))")  # fmt: skip
+    done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    *shown, verdict = done.stdout.strip().splitlines()
+    assert json.loads(verdict) == [0, False, False], done.stderr
+    assert any(line.startswith("  diverged at token") for line in shown) and "1999-12-31" in "\n".join(shown)
