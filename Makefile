@@ -4,8 +4,13 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 HOST   ?= 127.0.0.1
 PORT   ?= 8501
-# The OpenAI-compatible API beside the console, on 127.0.0.1 (`make run API_PORT=off`: none).
+# The engine server (`python -m cli serve`: the engine in its own process, the OpenAI-compatible API and the
+# console's routes) on 127.0.0.1:API_PORT, writing the history to DB. ENGINE=URL: attach the console to an
+# engine server started before instead (`make run ENGINE=http://127.0.0.1:8000`); none is started then.
 API_PORT ?= 8000
+MODEL    ?= smollm2
+DB       ?= sqlite:///$(CURDIR)/data/history.sqlite
+ENGINE   ?=
 
 .PHONY: install native system-deps run test bench live-vllm peer-vllm
 
@@ -53,8 +58,19 @@ system-deps:
 	  if [ "$$(id -u)" = 0 ]; then apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium postgresql; \
 	  else echo "warning: chromium/postgresql missing and not root; their tests will fail" >&2; fi; fi
 
+# The console is restarted when it exits with an error: its crash never stops the engine or its clients' streams.
+CONSOLE := $(VENV)/bin/streamlit run app --server.address $(HOST) --server.port $(PORT) --server.headless true
+
 run: install
-	PREFIX_CONSOLE_API_PORT=$(API_PORT) $(VENV)/bin/streamlit run app --server.address $(HOST) --server.port $(PORT)
+ifeq ($(ENGINE),)
+	@mkdir -p data
+	$(PY) -m cli serve --model $(MODEL) --port $(API_PORT) --db $(DB) & server=$$!; \
+	trap 'kill $$server 2>/dev/null; wait $$server' EXIT INT TERM; \
+	echo "engine server starting on http://127.0.0.1:$(API_PORT) (the API answers once the model is loaded)"; \
+	until PREFIX_CONSOLE_ENGINE=http://127.0.0.1:$(API_PORT) $(CONSOLE); do kill -0 $$server || exit 1; sleep 1; done
+else
+	until PREFIX_CONSOLE_ENGINE=$(ENGINE) $(CONSOLE); do sleep 1; done
+endif
 
 # The engine's checks must not lean on `assert` (python -O drops them): these run a second time under -O.
 OPTIMIZED_TESTS := tests/test_kv_cache_manager.py tests/test_kv_cache_manager_properties.py \

@@ -1,29 +1,29 @@
-"""The one engine per server process, shared by every browser session.
+"""The engine the console shows, shared by every browser session.
 
     host = get_host()            # st.cache_resource: created once, shut down on release
-    console = host.console       # the running engine, its run id and its in-process history
+    console = host.console       # the engine, its run id and its stats samples
     host.restart(new_config)     # Settings: a new engine (and a new run) replaces the old one
 
-With PREFIX_CONSOLE_API_PORT (`make run` sets 8000) the host also serves the OpenAI-compatible API
-(serving/api.py) on 127.0.0.1, over whichever engine is current: API requests land in the same engine,
-history and pages as the console's own. A port that cannot be bound is shown; the console runs.
-When the configuration asks (PREFIX_CONSOLE_KV_EVENTS_ENDPOINT, ..._METRICS_PORT), each engine also
-publishes vLLM's KV-event feed and /metrics (`engine.feeds.outbound.open_feeds`); a restart closes the old
-engine's feeds before the new engine opens its own. A feed that cannot bind is shown, the engine runs.
+Two ways to have an engine:
+    attached     PREFIX_CONSOLE_ENGINE=http://127.0.0.1:8000 (what `make run` sets): the engine is an engine
+                 server's process (`python -m cli serve`), driven through `serving.remote_engine.RemoteEngine`
+                 with the engine's own method names. The console restarting or crashing never stops it or its
+                 clients' streams; its restart (Settings, or the server's) is noticed by its boot id and the
+                 console follows. The history is the server's (its `--db`), written by the engine process.
+    embedded     no PREFIX_CONSOLE_ENGINE: the engine steps on a background thread of this process, with its
+                 own history writer process (the page tests' way; `streamlit run app` alone).
 
-The engine steps on its own background thread. A listener, called on that thread after every step,
-feeds the storage writer process (through `storage.write.recorder.persistence_listener`: events and request
-views of the current run) and a bounded ring of `PoolStats` samples for the Overview charts. Block
-histories are read back from the database (storage.read.queries.block_timelines), not kept here. Nothing here
-calls `st.*` except the cached constructor at the bottom, so the engine thread never touches Streamlit.
-The engine is warmed up (one throwaway forward) before it serves, so the first request is not slower.
-Each engine numbers its generated request ids ("req-N") on from the highest one in the history, so the ids
-of all runs (also of earlier console processes on the same database) never repeat.
+Embedded: a listener, called on the engine thread after every step, feeds the storage writer process
+(through `storage.write.recorder.persistence_listener`) and a bounded ring of `PoolStats` samples for the
+Overview charts. When the configuration asks (PREFIX_CONSOLE_KV_EVENTS_ENDPOINT, ..._METRICS_PORT), each
+engine also publishes vLLM's KV-event feed and /metrics (`engine.feeds.outbound.open_feeds`); a restart
+closes the old engine's feeds before the new engine opens its own. Nothing here calls `st.*` except the
+cached constructor at the bottom, so the engine thread never touches Streamlit. Each engine numbers its
+generated request ids ("req-N") on from the highest one in the history.
 
 Configuration comes from environment variables (see `config_from_env`) and, after a restart, from the
 Settings page. The history database is `storage.db.default_db_url(data_dir)`: $PREFIX_CONSOLE_DB_URL, else
-`history.sqlite` in the configuration's data directory.
-"""
+the attached server's database, else `history.sqlite` in the configuration's data directory."""
 
 from __future__ import annotations
 
@@ -47,7 +47,7 @@ from engine.core.config import DEFAULT_MODEL, EngineConfig
 from engine.engine import Engine
 from engine.core.events import Event
 from engine.feeds.outbound import EngineFeeds, open_feeds
-from serving.server import ApiServer
+from serving.remote_engine import EngineUnreachable, RemoteEngine, wait_for_server
 from engine.core.snapshot import PoolStats, RequestView
 from storage import migrate
 from storage.db import db_engine, default_db_url
@@ -68,11 +68,13 @@ ENV_KV_EVENTS_ENDPOINT = "PREFIX_CONSOLE_KV_EVENTS_ENDPOINT"  # publish vLLM's K
 ENV_KV_EVENTS_REPLAY = "PREFIX_CONSOLE_KV_EVENTS_REPLAY_ENDPOINT"  # and its replay socket (ROUTER)
 ENV_KV_EVENTS_TOPIC = "PREFIX_CONSOLE_KV_EVENTS_TOPIC"  # the feed's topic
 ENV_METRICS_PORT = "PREFIX_CONSOLE_METRICS_PORT"  # vLLM-named /metrics on 127.0.0.1:PORT
-ENV_API_PORT = "PREFIX_CONSOLE_API_PORT"  # the OpenAI-compatible API on 127.0.0.1:PORT; unset or "off": none
+ENV_ENGINE = "PREFIX_CONSOLE_ENGINE"  # attach to the engine server at this URL (`make run` sets it)
 
 HISTORY_SAMPLES = 3600  # PoolStats samples kept for the Overview charts
 HISTORY_INTERVAL_S = 0.5  # at most one sample per this many seconds
 RESTART_REASON = "the engine was restarted"  # finish reason of the requests a restart aborts
+ATTACH_TIMEOUT_S = 120.0  # how long the console waits for an engine server that is still loading
+BOOT_CHECK_S = 2.0  # how often an attached console asks whether its engine was restarted
 
 
 def config_from_env(environ: Mapping[str, str] | None = None) -> EngineConfig:
@@ -115,20 +117,19 @@ def config_from_env(environ: Mapping[str, str] | None = None) -> EngineConfig:
         raise ValueError(f"invalid console configuration from the environment: {exc}") from None
 
 
-def api_port_from_env(environ: Mapping[str, str] | None = None) -> int | None:
-    """The port of the OpenAI-compatible API ($PREFIX_CONSOLE_API_PORT; `make run` sets 8000), or None for
-    no API (unset, empty or "off").
+def engine_url_from_env(environ: Mapping[str, str] | None = None) -> str | None:
+    """The engine server to attach to ($PREFIX_CONSOLE_ENGINE, e.g. http://127.0.0.1:8000), or None.
 
     Raises:
-        ValueError: a value that is neither "off" nor a port number.
+        ValueError: a value that is not an http:// or https:// URL.
     """
     env = os.environ if environ is None else environ
-    text = (env.get(ENV_API_PORT) or "off").strip()
-    if text == "off":
+    url = (env.get(ENV_ENGINE) or "").strip()
+    if not url:
         return None
-    if not text.isdigit() or not 0 <= int(text) <= 65535:
-        raise ValueError(f"{ENV_API_PORT} must be a port number or 'off', got {text!r}")
-    return int(text)
+    if not url.startswith(("http://", "https://")):
+        raise ValueError(f"{ENV_ENGINE} must be an http:// URL such as http://127.0.0.1:8000, got {url!r}")
+    return url.rstrip("/")
 
 
 class StatsHistory:
@@ -172,7 +173,9 @@ class Console:
 class ConsoleHost:
     """Owns the shared engine, the history writer and a read-only database handle."""
 
-    def __init__(self, config: EngineConfig, db_url: str | None = None, api_port: int | None = None) -> None:
+    api_url: str | None = None  # an embedded engine serves no API (`python -m cli serve` does)
+
+    def __init__(self, config: EngineConfig, db_url: str | None = None) -> None:
         self.db_url = db_url or default_db_url(config.resolved_data_dir)
         self.db: DbEngine = db_engine(self.db_url)  # for the pages' reads (storage.read.queries)
         self.schema_error: str | None = None
@@ -189,18 +192,10 @@ class ConsoleHost:
             self.writer.close(timeout_s=5)
             self.db.dispose()
             raise
-        self.api: ApiServer | None = None  # the OpenAI-compatible API over the current engine, when asked for
-        self.api_error: str | None = None  # why it could not be started (shown on the pages)
-        if api_port is not None:
-            try:
-                self.api = ApiServer(lambda: self.console.engine, port=api_port)
-            except (OSError, RuntimeError) as exc:  # a port in use: shown, the console still runs
-                self.api_error = f"{type(exc).__name__}: {exc}"
-                logger.exception("the OpenAI-compatible API could not be started")
 
     @classmethod
     def from_env(cls) -> ConsoleHost:
-        return cls(config_from_env(), api_port=api_port_from_env())
+        return cls(config_from_env())
 
     @property
     def console(self) -> Console:
@@ -241,8 +236,6 @@ class ConsoleHost:
             if self._closed:
                 return
             self._closed = True
-            if self.api is not None:
-                self.api.close()  # no new API requests reach the engine being stopped
             self._console.active = False
             self._console.engine.stop()
             if self._console.feeds is not None:
@@ -291,16 +284,132 @@ class ConsoleHost:
         return on_step
 
 
-@st.cache_resource(show_spinner="Loading the model and starting the engine…", on_release=ConsoleHost.shutdown)
-def get_host() -> ConsoleHost:
-    """The process-wide host (created on first use, shared by every session)."""
-    host = ConsoleHost.from_env()
+class AttachedWriter:
+    """The history writer of an attached engine (it runs beside the engine process), as pages ask of one:
+    `mark`, `wait` and `stats`, answered from what the engine server publishes."""
+
+    def __init__(self, engine: RemoteEngine) -> None:
+        self._engine = engine
+
+    def mark(self) -> int:
+        """A mark for every row the engine handed its writer so far (0 without a history)."""
+        return self._engine.writer_mark() or 0
+
+    def wait(self, mark: int, timeout_s: float | None = None) -> bool:
+        """Wait until the rows up to `mark` are written or dropped; False when `timeout_s` passed first."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while self.stats().done_mark < mark:
+            if deadline is not None and time.monotonic() >= deadline:
+                return False
+            time.sleep(0.05)
+        return True
+
+    def flush(self, timeout_s: float | None = None) -> bool:
+        return self.wait(self.mark(), timeout_s)
+
+    def stats(self) -> WriterStats:
+        written = self._engine.published().writer
+        if written is None:  # the server keeps no history: nothing is queued, nothing lost
+            return WriterStats(queued=0, written_events=0, written_requests=0, written_batches=0, dropped=0,
+                               failed_batches=0, retries=0, retrying=False, last_error=None, schema_ready=True,
+                               pruned_rows=0, done_mark=1 << 62)  # fmt: skip
+        return WriterStats(**written)
+
+
+class RemoteSamples:
+    """The Overview's stats samples of an attached engine: the server's bounded ring."""
+
+    def __init__(self, engine: RemoteEngine) -> None:
+        self._engine = engine
+
+    def samples(self) -> list[tuple[float, PoolStats]]:
+        return self._engine.stats_history()
+
+    def offer(self, now: float, stats: PoolStats, *, force: bool = False) -> None:
+        """Nothing to add: the server samples its engine by itself, idle too (every second or so)."""
+
+
+class AttachedHost:
+    """The console of an engine server it did not start (see the module docstring): the same answers as
+    `ConsoleHost` (`console`, `db`, `writer`, `restart`, `shutdown`), the engine behind HTTP."""
+
+    def __init__(self, url: str, db_url: str | None = None, *, timeout_s: float = ATTACH_TIMEOUT_S) -> None:
+        self.api_url = url
+        engine = wait_for_server(url, timeout_s)
+        self.db_url = db_url or engine.db_url or default_db_url(engine.config.resolved_data_dir)
+        self.db: DbEngine = db_engine(self.db_url)
+        self.schema_error: str | None = None
+        try:
+            migrate.upgrade(self.db)
+        except Exception as exc:  # reported on the pages
+            self.schema_error = f"{type(exc).__name__}: {exc}"
+        self.engine_error: str | None = None  # why the server does not answer now (shown; pages wait)
+        self._lock = threading.Lock()
+        self._console = self._console_of(engine)
+        self._checked_at = time.monotonic()
+
+    @classmethod
+    def from_env(cls, url: str) -> AttachedHost:
+        return cls(url, os.environ.get("PREFIX_CONSOLE_DB_URL") or None)
+
+    @staticmethod
+    def _console_of(engine: RemoteEngine) -> Console:
+        return Console(config=engine.config, engine=engine, run_id=engine.run_id or "", started_at=engine.info.started_at,
+                       history=RemoteSamples(engine))  # type: ignore[arg-type]  # fmt: skip
+
+    @property
+    def console(self) -> Console:
+        """The attached engine; a restart of it (a new boot id) is followed here, at most BOOT_CHECK_S late."""
+        with self._lock:
+            if time.monotonic() - self._checked_at >= BOOT_CHECK_S:
+                self._checked_at = time.monotonic()
+                engine = self._console.engine
+                try:
+                    if engine.current_boot_id() != engine.boot_id:
+                        engine.refresh()
+                        self._console = self._console_of(engine)
+                    self.engine_error = None
+                except EngineUnreachable as exc:
+                    self.engine_error = str(exc)
+            return self._console
+
+    @property
+    def writer(self) -> AttachedWriter:
+        return AttachedWriter(self._console.engine)
+
+    def writer_stats(self) -> WriterStats:
+        return self.writer.stats()
+
+    def restart(self, config: EngineConfig) -> Console:
+        """Have the server replace its engine process (see `serving.console_routes.EngineHolder.restart`).
+
+        Raises:
+            ValueError: the new engine could not start; the old one still serves.
+        """
+        with self._lock:
+            engine = self._console.engine
+            engine.restart(config)
+            self._console = self._console_of(engine)
+            return self._console
+
+    def shutdown(self) -> None:
+        """Let go of the server (it and its engine go on)."""
+        self._console.engine.close()
+        self.db.dispose()
+
+
+@st.cache_resource(show_spinner="Loading the model and starting the engine…", on_release=lambda host: host.shutdown())
+def get_host() -> ConsoleHost | AttachedHost:
+    """The process-wide host (created on first use, shared by every session): attached to the engine server
+    $PREFIX_CONSOLE_ENGINE names, else an embedded engine."""
+    url = engine_url_from_env()
+    host = AttachedHost.from_env(url) if url is not None else ConsoleHost.from_env()
     atexit.register(_shutdown_at_exit, weakref.ref(host))  # on_release is not guaranteed at server shutdown
     HOST_STARTED.set()
     return host
 
 
-def _shutdown_at_exit(host_ref: weakref.ref[ConsoleHost]) -> None:
+def _shutdown_at_exit(host_ref: weakref.ref[ConsoleHost | AttachedHost]) -> None:
     host = host_ref()
     if host is not None:
         host.shutdown()

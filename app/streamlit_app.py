@@ -64,19 +64,21 @@ except Exception as exc:  # a bad environment or a model that fails to load: say
     st.stop()
 notice.empty()
 
+with st.container():  # one element whatever it holds: the page's live fragments keep their place in the tree
+    health_banners(host)  # first: an attached engine server that does not answer stops the page here
 console = host.console
+threads = console.engine.forward_threads()
 with st.sidebar:
     st.caption(  # named as this console's own engine: the Fleet pages show other servers
         "This console's own engine (not a fleet pod): "
         f"**{console.engine.loaded.model_id}** · {console.engine.num_blocks} blocks × "
         f"{console.config.block_size} tokens · {console.config.dtype} on {console.engine.loaded.device}, "
-        f"{console.engine.forward_threads()} threads  \n"
-        f"run `{console.run_id}`"
+        f"{threads} thread{'' if threads == 1 else 's'}  \n"
+        f"run `{console.run_id}`  \n"
+        + (f"API: `{host.api_url}/v1`" if host.api_url else "no API (embedded engine: `make run` serves one)")
     )
     # Live panels rerun every second or so; Streamlit's "Running… / Stop" indicator would flicker with each.
     st.markdown("<style>[data-testid='stStatusWidget'] {visibility: hidden;}</style>", unsafe_allow_html=True)
     if console.engine.loaded.model_id.startswith("tiny-"):  # the test presets: seeded random weights
         st.caption(f"**{console.engine.loaded.model_id}** has random weights: its output is gibberish by design.")
-with st.container():  # one element whatever it holds: the page's live fragments keep their place in the tree
-    health_banners(host)
 navigation.run()

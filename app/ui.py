@@ -73,6 +73,11 @@ def health_banners(host: ConsoleHost) -> None:
     """What an operator must see on every page: a dead engine loop, a history database the writer cannot
     write (locked, full, read-only, unreachable), a writer process that had to be restarted, lost rows."""
     console = host.console
+    unreachable = getattr(host, "engine_error", None)  # an attached engine server that does not answer
+    if unreachable is not None:
+        st.error(f"The engine server at {host.api_url} does not answer: {unreachable}. The console reconnects "
+                 "by itself once it is back (a restarted server is picked up within seconds).")  # fmt: skip
+        st.stop()
     if console.engine.failure is not None:
         st.error(
             f"The engine loop stopped after an error: {console.engine.failure!r}. "

@@ -109,8 +109,7 @@ class PublishedStats(NamedTuple):
 
     pool: PoolStats
     forward_threads: int
-    writer: Any  # storage's WriterStats, or None without a history
-    writer_done_through: int  # every writer message up to this mark is written or dropped (-1: no writer)
+    writer: Any  # storage's WriterStats (its `done_mark`: every row up to that mark is written), or None
 
 
 def engine_info(engine: Any, run_id: str | None, started_at: float) -> EngineInfo:
@@ -329,8 +328,7 @@ class _EngineLoop:
     def _stats(self) -> PublishedStats:
         writer = self.writer
         return PublishedStats(self.engine.stats(), self.engine.forward_threads(),
-                              None if writer is None else writer.stats(),
-                              -1 if writer is None else writer.done_through())  # fmt: skip
+                              None if writer is None else writer.stats())  # fmt: skip
 
     def close(self) -> None:
         self.engine.stop()

@@ -161,7 +161,8 @@ class RemoteEngine:
         return decode(self._raw("GET", f"/engine/requests/{request_id}"), RequestView)
 
     def requests(self) -> list[RequestView]:
-        return decode(self._raw("GET", "/engine/requests"), list[RequestView])
+        """Live, retained and recently ended requests, from the newest published snapshot (no step waited for)."""
+        return list(self.snapshot().requests)
 
     def published(self) -> PublishedStats:
         """The engine's newest counters, forward threads and history writer progress."""

@@ -1,7 +1,8 @@
 """The real-browser test's console server (registered from tests/conftest.py; no tests here).
 
-`console_server` runs `streamlit run app` on a free loopback port against the tiny-chat model and a
-temporary SQLite history. Without chromium it skips locally and fails when CI=true.
+`console_server` runs an engine server (`python -m cli serve`: the engine in its own process) on the
+tiny-chat model with a temporary SQLite history, and `streamlit run app` attached to it, each on a free
+loopback port, as `make run` does. Without chromium it skips locally and fails when CI=true.
 """
 
 from __future__ import annotations
@@ -58,10 +59,58 @@ def require_chromium() -> None:
 
 @dataclass(frozen=True)
 class ConsoleServer:
-    """A running `streamlit run app`."""
+    """A running `streamlit run app`, attached to a running engine server."""
 
     url: str  # http://127.0.0.1:PORT
     pid: int  # its process
+    engine_url: str  # the engine server's http://127.0.0.1:PORT (its API under /v1)
+    engine_pid: int  # the engine server's process
+
+
+def _wait_until_answers(url: str, process: subprocess.Popen, log: Path, what: str) -> None:
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while True:
+        try:
+            with urllib.request.urlopen(url, timeout=2) as response:
+                if response.status == 200:
+                    return
+        except OSError:
+            pass
+        if process.poll() is not None or time.monotonic() > deadline:
+            raise AssertionError(f"{what} did not start; see {log}")
+        time.sleep(0.2)
+
+
+def _stop(process: subprocess.Popen) -> None:
+    process.terminate()
+    try:
+        process.wait(timeout=15)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+
+
+@contextlib.contextmanager
+def engine_server(
+    db_path: Path, num_blocks: int = 24, attention: str | None = None, log_name: str = "engine-server.log"
+) -> Iterator[tuple[str, int]]:
+    """`python -m cli serve` on tiny-chat (its attention overridden when `attention` says, e.g. "hybrid:64"),
+    a free loopback port and the SQLite history at `db_path`; yields (url, pid) once it answers."""
+    ARTIFACTS.mkdir(exist_ok=True)
+    port = free_port()
+    env = {**os.environ, "PREFIX_CONSOLE_DATA_DIR": str(TEST_DATA_DIR), "HF_HUB_OFFLINE": "1"}
+    command = [sys.executable, "-m", "cli", "serve", "--model", "tiny-chat", "--device", "cpu", "--block-size", "16",
+               "--num-blocks", str(num_blocks), "--port", str(port), "--db", f"sqlite:///{db_path}"]  # fmt: skip
+    if attention is not None:
+        command += ["--attention", attention]
+    with open(ARTIFACTS / log_name, "w") as log:
+        process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+        url = f"http://127.0.0.1:{port}"
+        try:
+            _wait_until_answers(f"{url}/v1/models", process, ARTIFACTS / log_name, "the engine server")
+            yield url, process.pid
+        finally:
+            _stop(process)
 
 
 def open_connections(server: ConsoleServer) -> int:
@@ -94,19 +143,23 @@ def console_server(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[C
 
 @contextlib.contextmanager
 def serve_console(
-    tmp_path: Path, extra_env: dict[str, str] | None = None, num_blocks: int = 24
+    tmp_path: Path, extra_env: dict[str, str] | None = None, num_blocks: int = 24, attention: str | None = None
 ) -> Iterator[ConsoleServer]:
-    """`streamlit run app` on a free loopback port, a pool of `num_blocks` blocks of 16, with `extra_env`
-    added to its environment; yields the server."""
+    """An engine server with a pool of `num_blocks` blocks of 16 and `streamlit run app` attached to it, on free
+    loopback ports, with `extra_env` added to the console's environment; yields the console server."""
     require_chromium()
+    with engine_server(tmp_path / "history.sqlite", num_blocks, attention) as (engine_url, engine_pid):
+        with _console(tmp_path, engine_url, extra_env) as (url, pid):
+            yield ConsoleServer(url, pid, engine_url, engine_pid)
+
+
+@contextlib.contextmanager
+def _console(tmp_path: Path, engine_url: str, extra_env: dict[str, str] | None) -> Iterator[tuple[str, int]]:
     ARTIFACTS.mkdir(exist_ok=True)
     port = free_port()
     env = {
         **os.environ,
-        "PREFIX_CONSOLE_MODEL": "tiny-chat",
-        "PREFIX_CONSOLE_NUM_BLOCKS": str(num_blocks),
-        "PREFIX_CONSOLE_BLOCK_SIZE": "16",
-        "PREFIX_CONSOLE_DEVICE": "cpu",
+        "PREFIX_CONSOLE_ENGINE": engine_url,
         "PREFIX_CONSOLE_DB_URL": f"sqlite:///{tmp_path / 'history.sqlite'}",
         "PREFIX_CONSOLE_DATA_DIR": str(TEST_DATA_DIR),
         "HF_HUB_OFFLINE": "1",
@@ -122,23 +175,8 @@ def serve_console(
     )
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while True:
-            try:
-                with urllib.request.urlopen(f"{url}/_stcore/health", timeout=2) as response:
-                    if response.status == 200:
-                        break
-            except OSError:
-                pass
-            if process.poll() is not None or time.monotonic() > deadline:
-                raise AssertionError(f"streamlit did not start; see {ARTIFACTS / 'browser-server.log'}")
-            time.sleep(0.2)
-        yield ConsoleServer(url, process.pid)
+        _wait_until_answers(f"{url}/_stcore/health", process, ARTIFACTS / "browser-server.log", "streamlit")
+        yield url, process.pid
     finally:
-        process.terminate()
-        try:
-            process.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+        _stop(process)
         log.close()

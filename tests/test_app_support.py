@@ -45,7 +45,7 @@ def console_env(tmp_path, monkeypatch) -> Iterator[Callable[..., None]]:
         monkeypatch.setenv("PREFIX_CONSOLE_DB_URL", f"sqlite:///{tmp_path / 'history.sqlite'}")
         monkeypatch.setenv("PREFIX_CONSOLE_DATA_DIR", str(TEST_DATA_DIR))
         opt_in = ("PREFIX_CONSOLE_FLEET_PODS", "PREFIX_CONSOLE_KV_EVENTS_ENDPOINT", "PREFIX_CONSOLE_METRICS_PORT",
-                  "PREFIX_CONSOLE_API_PORT")  # fmt: skip
+                  "PREFIX_CONSOLE_ENGINE")  # fmt: skip
         for name in opt_in:
             monkeypatch.delenv(name, raising=False)  # the fleet, the feeds and the API are opt-in
         if attention is None:

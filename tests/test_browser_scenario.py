@@ -109,7 +109,7 @@ def test_the_replay_page_says_why_an_exact_replay_saved_nothing(tmp_path) -> Non
     from tests.browser_support import serve_console
     from tests.test_browser import PROMPT, apply_text
 
-    with serve_console(tmp_path, {"PREFIX_CONSOLE_ATTENTION": "hybrid:64"}, num_blocks=64) as server:
+    with serve_console(tmp_path, num_blocks=64, attention="hybrid:64") as server:
         with sync_playwright() as playwright:
             browser, page = launch_page(playwright, expect)
             try:

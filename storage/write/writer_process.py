@@ -262,11 +262,6 @@ class WriterProcess:
                 self._hand_over(("hurry",), 0)
             return self._changed.wait_for(lambda: self._done_through() >= mark or self._gone, timeout_s)
 
-    def done_through(self) -> int:
-        """Every message up to this number (a `mark`) is written or dropped."""
-        with self._lock:
-            return self._done_through()
-
     def flush(self, timeout_s: float | None = None) -> bool:
         """Wait until everything queued before this call was written or dropped (`wait(mark())`)."""
         return self.wait(self.mark(), timeout_s)
