@@ -37,6 +37,13 @@ run_labels = {ALL_RUNS: "All runs"}
 for run in runs.itertuples():
     run_labels[run.id] = (
         f"{run.id} · {run.model} · {run.num_blocks}×{run.block_size}" + (" (current)" if run.id == current_run else "")
+        + (" (interrupted)" if run.end_reason == "interrupted" else "")
+    )
+interrupted = read_history(queries.interrupted_runs, host.db)
+for run in [] if interrupted is None else interrupted.itertuples():
+    st.warning(
+        f"Run {run.id} interrupted (closed at next start): its server and history writer died without stopping it; "
+        f"last seen {fmt_time(run.stopped_at)}. Its requests still waiting or running then are marked interrupted."
     )
 
 # ---------------------------------------------------------------- filters

@@ -11,6 +11,8 @@ Tables:
     fleet_sources, fleet_events, fleet_blocks, fleet_evictions  what KV-event collectors saw of vLLM /
                SGLang servers (revision 0006; see "Fleet" below); fleet_metrics their /metrics scrapes,
                and fleet_sources' link state and heartbeat (revision 0007).
+    runs also say who owns each run (host, pid) and its writer's heartbeat, so a later start can close a
+               run whose owner died as interrupted, with its open requests (revision 0009).
     writer_progress  per writer process: the rows it has committed so far, updated in every one of its
                transactions, so a writer started after a crash knows exactly what its predecessor wrote
                (the fleet's rows too, revision 0008).
@@ -22,6 +24,8 @@ Invariants:
     * Strings are unbounded (VARCHAR without a length on PostgreSQL): an engine value that outgrew a
       length would otherwise fail its whole batch, or block a run row forever.
     * Every row but a run's belongs to a run (foreign key to ``runs.id``).
+    * A run has ``stopped_at`` and ``end_reason`` both NULL (running, or its end not known yet) or both set;
+      a request of an interrupted run is never ``waiting`` or ``running`` (they became ``interrupted``).
     * After every commit of a writer process, its ``writer_progress`` row counts exactly the event rows,
       request records and other producers' rows (the fleet's) it has committed (storage.write.progress).
     * ``requests.block_keys`` and ``content_keys`` are NULL or hold ``prompt_tokens // runs.block_size``
@@ -32,10 +36,13 @@ Invariants:
 
 from __future__ import annotations
 
+import enum
 from typing import Any
 
 from sqlalchemy import JSON, BigInteger, Column, Double, ForeignKey, Index, Integer, LargeBinary, String, Table
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+from engine.core.request import RequestStatus
 
 # SQLite only makes INTEGER PRIMARY KEY an alias of the rowid; other backends get a 64-bit key.
 RowId = BigInteger().with_variant(Integer(), "sqlite")
@@ -67,7 +74,24 @@ class Run(Base):
     dtype: Mapped[str] = mapped_column(String)
     device: Mapped[str] = mapped_column(String)
     started_at: Mapped[float] = mapped_column(Double, index=True)
-    stopped_at: Mapped[float | None] = mapped_column(Double)  # None while running or after a crash
+    stopped_at: Mapped[float | None] = mapped_column(Double)  # None while running; interrupted: its last sign of life
+    # Revision 0009 (None in older rows): who owns the run and how it ended (storage.write.run_liveness).
+    host: Mapped[str | None] = mapped_column(String)  # host name of the owning process
+    pid: Mapped[int | None] = mapped_column(Integer)  # its process id there
+    heartbeat_at: Mapped[float | None] = mapped_column(Double)  # wall clock of its writer's last sign of life
+    end_reason: Mapped[str | None] = mapped_column(String)  # RunEnd value; None while running
+
+
+class RunEnd(enum.StrEnum):
+    """How a run ended (`runs.end_reason`)."""
+
+    STOPPED = "stopped"  # its writer stopped it: a new run of the same writer, or close
+    INTERRUPTED = "interrupted"  # its owner died; a later start closed it (storage.write.run_liveness)
+
+
+# The status a request of an interrupted run gets if it was still open: the engine never gives it.
+INTERRUPTED_STATUS = "interrupted"
+OPEN_STATUSES = (RequestStatus.WAITING.value, RequestStatus.RUNNING.value)  # what an interruption closes
 
 
 class RequestRecord(Base):
@@ -78,7 +102,7 @@ class RequestRecord(Base):
     run_id: Mapped[str] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True)
     request_id: Mapped[str] = mapped_column(String, primary_key=True)
     parent_id: Mapped[str | None] = mapped_column(String)  # set for forks
-    status: Mapped[str] = mapped_column(String)  # RequestStatus value
+    status: Mapped[str] = mapped_column(String)  # RequestStatus value, or INTERRUPTED_STATUS
     prompt_tokens: Mapped[int] = mapped_column(Integer)
     output_token_ids: Mapped[list[int]] = mapped_column(JSON)
     cached_tokens: Mapped[int] = mapped_column(Integer)

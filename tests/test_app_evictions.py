@@ -2,8 +2,19 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+import time
+
+from sqlalchemy import insert
+
 from engine.core.config import EngineConfig
 from engine.core.request import SamplingParams
+from storage import migrate
+from storage.db import db_engine
+from storage.read import queries
+from storage.schema import REQUESTS, RUNS
+from storage.write.run_liveness import this_host
 from tests.test_app_support import (  # noqa: F401
     console_env,
     errors,
@@ -14,6 +25,7 @@ from tests.test_app_support import (  # noqa: F401
     texts,
     wait_idle,
 )
+from tests.storage_support import RUN_INFO
 
 PARAMS = SamplingParams(max_new_tokens=2, ignore_eos=True)
 
@@ -97,3 +109,31 @@ def test_earlier_runs_stay_visible_with_a_run_selector(console_env):
     at.selectbox(key="evict_run").set_value(old_run).run()
     assert "3 evictions" in [h.value for h in at.subheader]
     assert set(log_rows(at)["run_id"]) == {old_run}
+
+
+def test_a_run_whose_server_was_killed_shows_as_interrupted_after_the_next_start(console_env, tmp_path):
+    """A run whose owner died (a pid no longer alive on this host) and its running request are closed when
+    the console starts its own run, and the page says so (issue 47 item 7)."""
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    db = db_engine(f"sqlite:///{tmp_path / 'history.sqlite'}")  # the console's database (console_env)
+    migrate.upgrade(db)
+    now = time.time()  # recent: the console's retention keeps it
+    run = {**vars(RUN_INFO), "started_at": now, "id": "crashed-run", "host": this_host(), "pid": int(dead.stdout), "stopped_at": None,
+           "end_reason": None, "heartbeat_at": now}  # fmt: skip
+    request = {"run_id": "crashed-run", "request_id": "req-0", "status": "running", "prompt_tokens": 3,
+               "output_token_ids": [], "cached_tokens": 0, "computed_tokens": 0, "hit_source": "none",
+               "cow_copies": 0, "preemptions": 0, "arrival_time": now}  # fmt: skip
+    with db.begin() as connection:
+        connection.execute(insert(RUNS), [run])
+        connection.execute(insert(REQUESTS), [request])
+    db.dispose()
+
+    at = open_page("evictions")  # starts the console: its writer's first run closes the dead one
+    flush_history()
+    at.run()
+    no_exceptions(at)
+    assert any(w.value.startswith("Run crashed-run interrupted (closed at next start)") for w in at.warning)
+    labels = at.selectbox(key="evict_run")
+    assert labels.format_func("crashed-run").endswith("(interrupted)")
+    requests = queries.recent_requests(host().db, "crashed-run")
+    assert requests["status"].tolist() == ["interrupted"]

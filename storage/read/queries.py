@@ -5,8 +5,8 @@ Plain functions returning DataFrames or small values. Each takes `db`, an Engine
 and out; buckets are `floor(time / bucket_seconds)`, computed per backend so results match on SQLite and
 PostgreSQL. The functions live in one module per job; this module only gathers them:
     evictions        the eviction log, its counts, charts, histograms and CSV export
-    runs             runs, recent requests, a request's event timeline, retention's log, prompt keys, the
-                     next run's first request number
+    runs             runs, interrupted runs, recent requests, a request's event timeline, retention's log,
+                     prompt keys, the next run's first request number
     hit_rates        prefix-cache reuse over time
     block_timelines  blocks' reference-count timelines, the blocks requests held, fork families
 """
@@ -35,6 +35,7 @@ from storage.read.evictions import (
 from storage.read.hit_rates import hit_rate_over_time
 from storage.read.runs import (
     has_run,
+    interrupted_runs,
     latest_run_id,
     next_request_number,
     prompt_chains,
@@ -49,6 +50,7 @@ __all__ = [
     "EVICTION_COLUMNS", "MAX_FAMILY", "MAX_TIMELINE_BLOCKS", "BlockTimeline", "Cursor", "EvictionFilters",
     "EvictionPage", "Readable", "age_at_eviction_histogram", "block_timeline", "block_timelines", "eviction_count",
     "eviction_log", "evictions_over_time", "export_evictions_csv", "fork_family", "has_run", "hit_rate_over_time",
+    "interrupted_runs",
     "hits_before_eviction_histogram", "latest_run_id", "next_request_number", "prompt_chains", "prune_log",
     "recent_requests", "request_blocks", "request_timeline", "runs",
 ]  # fmt: skip

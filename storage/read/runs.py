@@ -9,7 +9,7 @@ import pandas as pd
 from sqlalchemy import BigInteger, cast, func, inspect, select
 
 from storage.read.access import Readable, connect, frame
-from storage.schema import EVENTS, PRUNES, REQUESTS, RUNS
+from storage.schema import EVENTS, PRUNES, REQUESTS, RUNS, RunEnd
 
 _REQ_N = "^req-[0-9]{1,18}$"  # an id the engine generates; 18 digits always fit a BIGINT
 
@@ -19,6 +19,19 @@ def runs(db: Readable, limit: int = 100) -> pd.DataFrame:
     statement = select(RUNS).order_by(RUNS.c.started_at.desc()).limit(limit)
     with connect(db) as connection:
         return frame(connection, statement)
+
+
+def interrupted_runs(db: Readable, limit: int = 5) -> pd.DataFrame:
+    """The newest runs a later start closed as interrupted (their owner died; storage.write.run_liveness),
+    newest first: id, started_at, stopped_at (the run's last sign of life)."""
+    statement = (
+        select(RUNS.c.id, RUNS.c.started_at, RUNS.c.stopped_at)
+        .where(RUNS.c.end_reason == RunEnd.INTERRUPTED.value)
+        .order_by(RUNS.c.started_at.desc(), RUNS.c.id.desc())
+        .limit(limit)
+    )
+    with connect(db) as connection:
+        return frame(connection, statement, ("id", "started_at", "stopped_at"))
 
 
 def recent_requests(db: Readable, run_id: str | None = None, limit: int = 100) -> pd.DataFrame:

@@ -8,6 +8,7 @@ caller's transaction); `is_transient` says which failures are worth another try.
 from __future__ import annotations
 
 import operator
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -15,8 +16,10 @@ from sqlalchemy import Connection, update
 from sqlalchemy.exc import DBAPIError, OperationalError
 
 from engine.core.snapshot import RequestView
-from storage.schema import EVICTION_ROW_COLUMNS, EVICTIONS, RUN_COLUMNS, RUNS
-from storage.write import bulk, rollups
+from storage.schema import (
+    EVICTION_ROW_COLUMNS, EVICTIONS, INTERRUPTED_STATUS, OPEN_STATUSES, REQUESTS, RUN_COLUMNS, RUNS, RunEnd,
+)  # fmt: skip
+from storage.write import bulk, rollups, run_liveness
 from storage.write.rows import EncodedEvents, eviction_values
 from storage.write.writer_types import RowWriter
 
@@ -51,9 +54,16 @@ class Item:
         return self.num_events + self.num_requests + self.num_other
 
 
-def write_batch(connection: Connection, items: list[Item], runs: dict[str, dict[str, Any]], stops: dict[str, float]) -> None:
-    """Insert the `runs` not in the table yet, the items' rows, and the `stops` (run id -> stopped_at)."""
-    _insert_runs(connection, runs)
+Stops = dict[str, tuple[float, RunEnd]]  # run id -> (stopped_at, how it ended)
+
+
+def write_batch(connection: Connection, items: list[Item], runs: dict[str, dict[str, Any]], stops: Stops) -> None:
+    """Insert the `runs` not in the table yet (closing other runs whose owner died: storage.write.run_liveness),
+    the items' rows, and the `stops`."""
+    if runs:
+        now = time.time()
+        _insert_runs(connection, runs, now)
+        run_liveness.close_interrupted_runs(connection, now, keep=runs.keys())
     _insert_rows(connection, items)
     _stop_runs(connection, stops)
 
@@ -65,11 +75,10 @@ def is_transient(error: Exception) -> bool:
     return isinstance(error, DBAPIError) and error.connection_invalidated
 
 
-def _insert_runs(connection: Connection, runs: dict[str, dict[str, Any]]) -> None:
-    """Insert the pending runs that are not in the table yet (a commit may have been lost)."""
-    if runs:
-        rows = [tuple(row[name] for name in RUN_COLUMNS) for row in runs.values()]
-        bulk.insert_new_rows(connection, RUNS, RUN_COLUMNS, rows)
+def _insert_runs(connection: Connection, runs: dict[str, dict[str, Any]], now: float) -> None:
+    """Insert the pending runs that are not in the table yet (a commit may have been lost), alive `now`."""
+    rows = [tuple({**row, "heartbeat_at": now}[name] for name in RUN_COLUMNS) for row in runs.values()]
+    bulk.insert_new_rows(connection, RUNS, RUN_COLUMNS, rows)
 
 
 def _insert_rows(connection: Connection, items: list[Item]) -> None:
@@ -99,6 +108,13 @@ def _insert_rows(connection: Connection, items: list[Item]) -> None:
         write(connection, sets)
 
 
-def _stop_runs(connection: Connection, stops: dict[str, float]) -> None:
-    for run_id, stopped_at in stops.items():
-        connection.execute(update(RUNS).where(RUNS.c.id == run_id).values(stopped_at=stopped_at))
+def _stop_runs(connection: Connection, stops: Stops) -> None:
+    """End the runs; an interrupted one's open requests are closed too (its engine died with them)."""
+    for run_id, (stopped_at, end) in stops.items():
+        connection.execute(update(RUNS).where(RUNS.c.id == run_id).values(stopped_at=stopped_at, end_reason=end.value))
+        if end is RunEnd.INTERRUPTED:
+            connection.execute(
+                update(REQUESTS)
+                .where(REQUESTS.c.run_id == run_id, REQUESTS.c.status.in_(OPEN_STATUSES))
+                .values(status=INTERRUPTED_STATUS)
+            )

@@ -40,6 +40,9 @@ Contract with the engine thread:
       totals (storage.write.progress: events, request records and other producers' rows), and the
       counters start from the totals saved under that key: the `written_*` counts are then those of
       every writer that ran under the key.
+    * Runs: a new run's row names its owner (host, pid) and is inserted in a transaction that also closes
+      every other run whose owner died as interrupted, with its open requests; the writer refreshes its
+      current run's heartbeat every `run_liveness.HEARTBEAT_S` (storage.write.run_liveness has the rule).
 
 Only the writer thread touches the database; it also applies the retention policy every
 `prune_interval_s` seconds. A batch's rows go in through storage.write.batch and storage.write.bulk,
@@ -62,8 +65,9 @@ from engine.core.events import Event
 from engine.core.snapshot import RequestView
 from storage import migrate
 from storage.db import db_engine
-from storage.write import progress
-from storage.write.batch import Item, is_transient, write_batch
+from storage.schema import RunEnd
+from storage.write import progress, run_liveness
+from storage.write.batch import Item, Stops, is_transient, write_batch
 from storage.write.retention import prune
 from storage.write.rows import EncodedEvents, checked_events, checked_views, encode_events
 from storage.write.writer_types import RowWriter, RunInfo, WriterOptions, WriterStats, new_run_id
@@ -90,6 +94,11 @@ class _Counters:
 
 
 
+def _run_row(run_id: str, info: RunInfo) -> dict[str, Any]:
+    """A new run's row; `heartbeat_at` is set when it is written."""
+    return {"id": run_id, "stopped_at": None, "heartbeat_at": None, "end_reason": None, **asdict(info)}
+
+
 class EventWriter:
     """The one writer of the history database. See the module docstring for its contract."""
 
@@ -111,7 +120,7 @@ class EventWriter:
         self._progress = threading.Condition(self._lock)
         self._counters = _Counters()
         self._pending_runs: dict[str, dict[str, Any]] = {}  # run rows not yet committed
-        self._pending_stops: dict[str, float] = {}  # run id -> stopped_at, not yet committed
+        self._pending_stops: Stops = {}  # run id -> (stopped_at, how it ended), not yet committed
         self._current_run: str | None = None
         self._last_seq = 0  # the newest item put into the queue
         self._done_seq = 0  # the newest item written or dropped by the thread
@@ -129,11 +138,10 @@ class EventWriter:
         """Record a new engine start (stopping the previous run of this writer) and return its id
         (`run_id`, else a new one from `new_run_id`)."""
         run_id = run_id or new_run_id(info.started_at)
-        row = {"id": run_id, "stopped_at": None, **asdict(info)}
         with self._lock:
             if self._current_run is not None:
-                self._pending_stops[self._current_run] = info.started_at
-            self._pending_runs[run_id] = row
+                self._pending_stops[self._current_run] = (info.started_at, RunEnd.STOPPED)
+            self._pending_runs[run_id] = _run_row(run_id, info)
             self._current_run = run_id
         self._enqueue(lambda seq: Item(seq))
         return run_id
@@ -146,9 +154,9 @@ class EventWriter:
         """
         with self._lock:
             for run_id, (info, stopped_at) in runs.items():
-                self._pending_runs[run_id] = {"id": run_id, "stopped_at": None, **asdict(info)}
+                self._pending_runs[run_id] = _run_row(run_id, info)
                 if stopped_at is not None:
-                    self._pending_stops[run_id] = stopped_at
+                    self._pending_stops[run_id] = (stopped_at, RunEnd.STOPPED)
                 self._current_run = run_id
         self._enqueue(lambda seq: Item(seq))
 
@@ -258,8 +266,11 @@ class EventWriter:
         with self._progress:
             self._progress.wait_for(lambda: self._done_seq > done_mark, timeout_s)
 
-    def close(self, timeout_s: float | None = 30.0) -> bool:
+    def close(self, timeout_s: float | None = 30.0, *, interrupted: bool = False) -> bool:
         """Mark the current run stopped, write what is queued, stop the thread, release the engine.
+
+        With `interrupted` (a writer process whose owner died) the run ends as interrupted instead, and its
+        requests still waiting or running are closed so (storage.write.run_liveness).
 
         A batch failing while closing is retried until `timeout_s` has passed (at most `retry_for_s`);
         then it and the rest of the queue are dropped (and counted) rather than retried batch by batch.
@@ -271,7 +282,8 @@ class EventWriter:
         """
         with self._lock:
             if self._current_run is not None and not self._closing.is_set():
-                self._pending_stops[self._current_run] = time.time()
+                end = RunEnd.INTERRUPTED if interrupted else RunEnd.STOPPED
+                self._pending_stops[self._current_run] = (time.time(), end)
             if not self._closing.is_set() and timeout_s is not None:
                 self._close_deadline = time.monotonic() + timeout_s
         self._closing.set()
@@ -319,6 +331,7 @@ class EventWriter:
             self._drop_queued()
             return
         next_prune = time.monotonic()
+        next_beat = time.monotonic() + run_liveness.HEARTBEAT_S
         while True:
             items = self._next_batch()
             if items or self._has_pending_runs():
@@ -328,6 +341,9 @@ class EventWriter:
             if time.monotonic() >= next_prune:
                 self._prune()
                 next_prune = time.monotonic() + self._options.prune_interval_s
+            if time.monotonic() >= next_beat:
+                self._beat()
+                next_beat = time.monotonic() + run_liveness.HEARTBEAT_S
             if self._closing.is_set() and self._queue.empty() and not self._has_pending_runs():
                 return
 
@@ -468,6 +484,18 @@ class EventWriter:
             return
         with self._lock:
             self._counters.pruned_rows += sum(result.rows_deleted for result in results)
+
+    def _beat(self) -> None:
+        """Refresh the current run's heartbeat (storage.write.run_liveness); a failure waits for the next one."""
+        with self._lock:
+            run_id = None if self._closing.is_set() else self._current_run
+        if run_id is None:
+            return
+        try:
+            with self._engine.begin() as connection:
+                run_liveness.beat(connection, run_id, time.time())
+        except Exception as error:  # the next beat tries again; report it
+            self._note_failure(error, retrying=False)
 
     def _has_pending_runs(self) -> bool:
         with self._lock:

@@ -17,7 +17,8 @@ Each numbered message is one item of the writer's queue (or none). Reports out: 
 after every transaction (at most every poll_s while nothing is done), and ("closed", stats, done) last:
 every message up to number `done` is written or dropped, and `stats` counts it so.
 
-If the parent dies, the connection ends: the child writes everything it received, stops the run and exits.
+If the parent dies, the connection ends: the child writes everything it received, ends the run as
+interrupted (its requests still waiting or running with it: storage.write.run_liveness) and exits.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from engine.core.snapshot import RequestView
 from storage.write.rows import EncodedEvents
 from storage.write.writer import EventWriter, WriterStats
 
-PARENT_GONE = (0, "close", None)  # what the child does when its parent's connection ends
+PARENT_GONE = (0, "parent gone", None)  # what the child does when its parent's connection ends
 
 
 class _Done:
@@ -116,9 +117,10 @@ def serve(inbox: Connection, outbox: Connection) -> None:
             writer.restore_runs(arguments[0])
         elif kind == "hurry":
             writer.hurry(writer.mark())
-        elif kind == "close":  # failing batches are given up after the parent's timeout; then wait for the end
-            if not writer.close(arguments[0]):
-                writer.close(None)
+        elif kind in ("close", "parent gone"):  # failing batches are given up after the timeout; then wait
+            interrupted = kind == "parent gone"  # the engine died with its requests: the run ends interrupted
+            if not writer.close(arguments[0], interrupted=interrupted):
+                writer.close(None, interrupted=interrupted)
             closing.set()
             send(("closed", *done.report()))
             return

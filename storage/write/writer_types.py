@@ -3,6 +3,7 @@ run, how the writer buffers, batches, retries and prunes, and what it reports.""
 
 from __future__ import annotations
 
+import os
 import secrets
 import time
 from collections.abc import Callable
@@ -14,6 +15,7 @@ from sqlalchemy import Connection
 
 from storage.db import DEFAULT_BUSY_TIMEOUT_MS
 from storage.write.retention import RetentionPolicy
+from storage.write.run_liveness import this_host
 
 # A producer's bulk function: writes the row sets of its items (in submission order) on the batch's
 # connection. A WriterProcess sends it to its child by name: a module-level function.
@@ -32,6 +34,9 @@ class RunInfo:
     weights_revision: str | None = None  # hash or revision of the loaded weights
     namespace: str | None = None  # prefix-cache namespace (hex)
     started_at: float = field(default_factory=time.time)  # epoch seconds
+    # The process that owns the run, where this RunInfo was made (storage.write.run_liveness).
+    host: str = field(default_factory=this_host)
+    pid: int = field(default_factory=os.getpid)
 
 
 @dataclass(frozen=True)
