@@ -30,10 +30,8 @@ st.caption(
     "Pick a request (the console's own, or an API response's id) to see why its prompt tokens were or were not "
     "served from the prefix cache, down to the token. Read from the history, so earlier runs count too."
 )
-if host.api is not None:
-    st.caption(f"OpenAI-compatible API: `{host.api.url}/v1` (a response's `id` is its request id here).")
-elif host.api_error is not None:
-    st.warning(f"The OpenAI-compatible API could not start: {host.api_error}")
+if host.api_url is not None:
+    st.caption(f"OpenAI-compatible API: `{host.api_url}/v1` (a response's `id` is its request id here).")
 
 TYPE_ONE = "(type one)"
 options = [TYPE_ONE, *(view.request_id for view in newest_first(console.engine.requests()))]
