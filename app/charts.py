@@ -196,14 +196,20 @@ def table_alignment(alignment: TableAlignment) -> go.Figure:
     return fig
 
 
+ICICLE_MIN_TEXT_PX = 10  # a tile label that would be drawn smaller is left out (its hover still has it)
+
+
 def prefix_icicle(
     ids: list[str], parents: list[str], labels: list[str], values: list[int], colour: list[int], hover: list[str],
-    colour_title: str = "hits",
+    colour_title: str = "hits", *, height_px: int = 560, max_levels: int = -1,
 ) -> go.Figure:
-    """The prefix index as an icicle: width is tokens under a tile, colour a count (prefix hits, or holders).
+    """The prefix index as an icicle: height is tokens under a tile, colour a count (prefix hits, or holders).
 
     The colour scale starts at 0 and ends at the largest count, at least 1, so a cache whose counts are
-    all 0 is drawn in the lightest colour with a 0-1 scale, not centred on 0.
+    all 0 is drawn in the lightest colour with a 0-1 scale, not centred on 0. Labels keep 12 px where
+    they fit; Plotly shrinks one that does not, down to ICICLE_MIN_TEXT_PX and then leaves it out,
+    never drawing it as an unreadable speck. `height_px` is the plot area's; `max_levels` the tile
+    columns drawn at once (-1: all).
     """
     top = max(1, max(colour, default=0))
     fig = go.Figure(
@@ -213,13 +219,15 @@ def prefix_icicle(
             labels=labels,
             values=values,
             branchvalues="remainder",
+            maxdepth=max_levels,
             marker={
                 "colors": colour,
                 "colorscale": [[0.0, "#eff6ff"], [1.0, "#1e3a8a"]],
                 "cmin": 0,
                 "cmax": top,
                 "showscale": True,
-                "colorbar": {"title": colour_title, "tick0": 0, "dtick": max(1, math.ceil(top / 5))},
+                "colorbar": {"title": colour_title, "tick0": 0, "dtick": max(1, math.ceil(top / 5)),
+                             "len": min(1.0, 560 / height_px), "y": 1, "yanchor": "top"},  # near the top of tall trees
                 "line": {"color": "white", "width": 1},
             },
             hovertext=hover,
@@ -228,7 +236,12 @@ def prefix_icicle(
             textfont={"size": 12},
         )
     )
-    fig.update_layout(height=560, margin={"l": 4, "r": 4, "t": 10, "b": 4})
+    margin = {"l": 4, "r": 4, "t": 10, "b": 4}
+    fig.update_layout(
+        height=height_px + margin["t"] + margin["b"],
+        margin=margin,
+        uniformtext={"minsize": ICICLE_MIN_TEXT_PX, "mode": "hide"},
+    )
     return fig
 
 

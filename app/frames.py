@@ -320,6 +320,77 @@ def _same_colour(a: BlockView, b: BlockView) -> bool:
     return (a.hit_count, a.ref_count) == (b.hit_count, b.ref_count)
 
 
+@dataclass(frozen=True)
+class TreeShape:
+    """How the prefix tree's icicle is laid out: which tiles there are, and how tall it must be for its
+    smallest drawn tile to hold one line of label.
+
+    An icicle gives every level one column of equal width, so a namespace drawn as its own tile costs a
+    column: it is drawn only when it is needed to hold the tree together (several tiles at the top, or
+    several namespaces). Heights follow tokens, so the figure grows with the number of small branches.
+    """
+
+    namespaces: tuple[str, ...]  # namespace roots drawn as tiles of their own (none: the top run is the root)
+    parent_of: dict[str, str]  # a run's key -> the id it hangs from in the figure ("" for the root)
+    tokens_under: dict[str, int]  # a run's key or a namespace -> the tokens of it and everything below it
+    depth: int  # levels of tiles in the whole tree
+    height_px: int  # of the plot area
+    tile_px: dict[str, float]  # a drawn tile's key -> its height in pixels at the top-level view
+
+
+def tree_shape(
+    runs: Sequence[PrefixRun], roots: Sequence[str], max_levels: int, min_tile_px: float, height_range: tuple[int, int]
+) -> TreeShape:
+    """The icicle layout of `prefix_runs` (parents before children) under the namespace `roots`.
+
+    Args:
+        max_levels: levels the figure draws at once (deeper ones show when a tile is clicked).
+        min_tile_px: the height the smallest drawn tile should get.
+        height_range: (least, most) plot height in pixels.
+    """
+    used = [r for r in roots if any(run.parent == r for run in runs)]
+    top = [run for run in runs if run.parent in set(used)]
+    namespaces = () if len(top) == 1 else tuple(used)
+    parent_of = {run.key: ("" if run.parent in used and not namespaces else run.parent) for run in runs}
+    level = {ns: 0 for ns in namespaces}
+    for run in runs:  # parents come first
+        level[run.key] = level.get(parent_of[run.key], -1) + 1
+    tokens_under = {run.key: run.num_tokens for run in runs} | {ns: 0 for ns in namespaces}
+    for run in reversed(runs):  # children before their parents
+        if parent_of[run.key]:
+            tokens_under[parent_of[run.key]] += tokens_under[run.key]
+    total = max(1, sum(tokens_under[run.key] for run in top))
+    drawn = [k for k, lv in level.items() if lv < max_levels]
+    smallest = min((tokens_under[k] for k in drawn), default=total) or 1
+    least, most = height_range
+    height = int(min(most, max(least, min_tile_px * total / smallest)))
+    return TreeShape(
+        namespaces=namespaces,
+        parent_of=parent_of,
+        tokens_under=tokens_under,
+        depth=max(level.values(), default=-1) + 1,
+        height_px=height,
+        tile_px={k: tokens_under[k] / total * height for k in drawn},
+    )
+
+
+def sibling_common_prefix(runs: Sequence[PrefixRun]) -> dict[str, int]:
+    """Per run, how many leading tokens of its first block every sibling's first block also starts with
+    (0 for an only child): siblings labelled from there differ at once, not after the same words."""
+    by_parent: dict[str, list[PrefixRun]] = {}
+    for run in runs:
+        by_parent.setdefault(run.parent, []).append(run)
+    shared: dict[str, int] = {}
+    for siblings in by_parent.values():
+        firsts = [run.blocks[0].token_ids for run in siblings]
+        n = 0
+        if len(siblings) > 1:
+            while all(len(t) > n for t in firsts) and len({t[n] for t in firsts}) == 1:
+                n += 1
+        shared |= {run.key: n for run in siblings}
+    return shared
+
+
 def prefix_chain(blocks: Sequence[BlockView], key: str) -> list[BlockView]:
     """The cached blocks from a namespace root down to `key`, in order."""
     keyed = {b.key: b for b in blocks if b.key is not None}

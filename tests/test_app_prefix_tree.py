@@ -32,8 +32,9 @@ def test_tree_branches_where_prompts_diverge(console_env):
     keyed = {b.key: b for b in engine.snapshot().blocks if b.key}
     assert len(keyed) == 4  # 2 shared + one own block each
     ids, parents = icicle["ids"], icicle["parents"]
-    # One namespace root, the two shared blocks as one tile (no branch between them), one tile per branch.
-    assert len(ids) == 4 and parents[0] == ""
+    # The two shared blocks as one tile (no branch between them) at the root, one tile per branch; their one
+    # namespace is no tile of its own (it would take a column of the width).
+    assert len(ids) == 3 and parents[0] == "" and "namespace" in icicle["hovertext"][0]
     children_of = {}
     for node, parent in zip(ids, parents):
         children_of.setdefault(parent, []).append(node)
@@ -51,8 +52,8 @@ def test_a_long_single_chain_is_one_labelled_tile_on_a_scale_from_zero(console_e
     wait_idle()
     at = open_page("prefix_tree")
     icicle = json.loads(at.get("plotly_chart")[0].proto.spec)["data"][0]
-    assert len(icicle["ids"]) == 2  # the namespace and one tile
-    label = icicle["labels"][1]
+    assert len(icicle["ids"]) == 1  # one tile, the root (its namespace has no tile of its own)
+    label = icicle["labels"][0]
     assert label.startswith("#0…#19 (20 blocks)")
     assert html.escape(decode(host().console.tokenizer, list(range(1000, 1016))).strip()[:10]) in label
     assert (icicle["marker"]["cmin"], icicle["marker"]["cmax"]) == (0, 1)
@@ -69,7 +70,7 @@ def test_colouring_by_holders_shows_fork_sharing(console_env):
     at.radio(key="tree_colour").set_value("holders now (fork sharing)").run()
     no_exceptions(at)
     icicle = json.loads(at.get("plotly_chart")[0].proto.spec)["data"][0]
-    assert icicle["marker"]["colors"][1:] == [3] and "held by 3" in icicle["labels"][1]
+    assert icicle["marker"]["colors"] == [3] and "held by 3" in icicle["labels"][0]
     assert icicle["marker"]["colorbar"]["title"]["text"] == "holders"
 
 
@@ -84,3 +85,40 @@ def test_inspecting_a_prefix_decodes_its_whole_chain(console_env):
     chain = at.table[0].value
     assert [int(b) for b in chain["block"]] == [engine.get("req-0").block_table[i] for i in range(3)]
     assert decode(host().console.tokenizer, list(range(100, 148))) in [c.value for c in at.code]
+
+
+def test_many_branches_grow_the_tree_so_each_label_keeps_a_readable_line(console_env):
+    """Regression (issue 47, item 14): after 50 requests sharing a prompt the labels were drawn at about
+    6 px in a 560 px figure, and the namespace and the shared prompt took two thirds of the width. The
+    shared prompt is now the root (its namespace no column), the figure grows until every branch gets a
+    line, labels never shrink under 10 px, and siblings are labelled from where their texts part."""
+    console_env(num_blocks=256)
+    engine = host().console.engine
+    shared = list(range(100, 132))  # two full blocks every request shares
+    for n in range(40):
+        engine.submit(shared + [500, 501, 502, 503] + [1000 + n] * 12 + [1], PARAMS)
+    wait_idle()
+    at = open_page("prefix_tree")
+    no_exceptions(at)
+    figure = json.loads(at.get("plotly_chart")[0].proto.spec)
+    icicle, layout = figure["data"][0], figure["layout"]
+    assert len(icicle["ids"]) == 41 and icicle["parents"].count("") == 1  # one root column, then the branches
+    assert layout["uniformtext"] == {"minsize": 10, "mode": "hide"}
+    plot_px = layout["height"] - layout["margin"]["t"] - layout["margin"]["b"]
+    assert plot_px / 40 >= 22  # 40 equal branches: a line of a 12 px label each
+    tokenizer = host().console.tokenizer
+    own = html.escape(decode(tokenizer, [1000 + 7] * 12).strip()[:10])
+    common = html.escape(decode(tokenizer, [500, 501, 502, 503]).strip())
+    branch = next(label for label in icicle["labels"] if own in label)
+    assert f"…{own}" in branch
+    assert common not in branch  # the four tokens every sibling starts with are left out
+
+
+def test_several_top_tiles_hang_from_their_namespace_tile(console_env):
+    engine = host().console.engine
+    engine.submit(list(range(100, 116)) + [1], PARAMS)
+    engine.submit(list(range(200, 216)) + [1], PARAMS)
+    wait_idle()
+    at = open_page("prefix_tree")
+    icicle = json.loads(at.get("plotly_chart")[0].proto.spec)["data"][0]
+    assert icicle["ids"][0].startswith("namespace ") and icicle["parents"] == ["", icicle["ids"][0], icicle["ids"][0]]
