@@ -13,7 +13,7 @@ reading it happens on the job's thread too.
 The curve: LRU at `DENSE_POINTS` log-spaced capacities (free: the one-pass curve), every chosen policy at
 `POLICY_POINTS` of them plus the running engine's pool size, the capacity LRU needs for 50, 80, 90 and
 95 % of the maximum, each point's miss breakdown and hot prefixes; `purchase_frame` says what those
-capacities take to buy (analysis/purchase.py).
+capacities take to buy (analysis/purchase.py), weights and KV in the served dtype (`SERVED_DTYPE` to start with).
 """
 
 from __future__ import annotations
@@ -41,6 +41,9 @@ DENSE_POINTS = 80  # LRU capacities on the chart
 POLICY_POINTS = 12  # capacities every other policy is simulated at
 SHARES_OF_MAX = (0.5, 0.8, 0.9, 0.95)  # the "capacity needed for x % of the maximum" rows
 TOP_PREFIXES = 20
+# The dtype "what to buy" prices weights and KV in unless the operator picks another: what a GPU deployment
+# serves. The console itself runs float32 on a CPU, which would price twice the bytes.
+SERVED_DTYPE = "bfloat16"
 REASONS = ("compulsory", "capacity", "partial", "pinned", "namespace")  # MissBreakdown's fields, report order
 
 logger = logging.getLogger(__name__)
@@ -207,6 +210,11 @@ class PlannerJob:
     def _finish(self, state: JobState, *, result: PlannerResult | None = None, error: str | None = None) -> None:
         with self._lock:
             self._state, self._result, self._error = state, result, error
+
+
+def served_shape(num_layers: int, num_kv_heads: int, head_dim: int, num_parameters: int, dtype_bytes: int) -> ModelShape:
+    """A model's shape as a deployment serves it: its KV and its weights (`num_parameters`) in `dtype_bytes`."""
+    return ModelShape(num_layers, num_kv_heads, head_dim, dtype_bytes, num_parameters * dtype_bytes)
 
 
 def purchase_frame(needed: pd.DataFrame, engine_tokens: int, shape: ModelShape, accelerator: Accelerator) -> pd.DataFrame:

@@ -8,13 +8,14 @@ import streamlit as st
 
 from analysis.own_workloads import history_trace
 from analysis.policies import Policy
-from analysis.purchase import Accelerator, ModelShape
+from analysis.purchase import Accelerator
 from analysis.readers import load_trace
 from analysis.samples import SAMPLES
 from analysis.trace import TraceFormat
 from app.hosting import get_host
 from app.planner import (
-    MAX_UPLOAD_BYTES, REASONS, JobState, PlannerJob, PlannerRequest, curve_frame, purchase_frame, read_upload,
+    MAX_UPLOAD_BYTES, REASONS, SERVED_DTYPE, JobState, PlannerJob, PlannerRequest, curve_frame, purchase_frame,
+    read_upload, served_shape,
 )  # fmt: skip
 from app.planner_charts import hit_ratio_curves
 from app.ui import kept, read_history, wait_for_history
@@ -197,35 +198,38 @@ st.caption(
 loaded = console.engine.loaded
 c = st.columns([2, 1, 1, 1, 1, 1])
 model_source = c[0].radio("Model", [THIS_MODEL, NAMED_MODEL], **kept("planner_model_source", THIS_MODEL))
+dtype = c[1].selectbox(
+    "Served dtype", list(DTYPE_BYTES), **kept("planner_dtype", SERVED_DTYPE),
+    help=f"What the deployment stores its weights and KV in: {SERVED_DTYPE} to start with, as a GPU server runs "
+    f"(this console runs {console.config.dtype})",
+)  # fmt: skip
 if model_source == THIS_MODEL:
-    dtype_bytes = DTYPE_BYTES[console.config.dtype]
-    shape_values = (loaded.num_layers, loaded.num_kv_heads, loaded.head_dim, dtype_bytes,
-                    loaded.model.num_parameters() * dtype_bytes)  # fmt: skip
+    shape_values = (loaded.num_layers, loaded.num_kv_heads, loaded.head_dim, loaded.model.num_parameters())
     c[0].caption(
         f"{loaded.model_id}: {loaded.num_layers} layers, {loaded.num_kv_heads} KV heads of {loaded.head_dim}, "
-        f"{console.config.dtype}, {shape_values[4] / 2**30:.2f} GiB of weights"
+        f"{shape_values[3] / 1e6:,.0f} M parameters"
     )
 else:
-    layers = c[1].number_input("Layers", 1, 1024, **kept("planner_layers", 32))
-    kv_heads = c[2].number_input("KV heads", 1, 1024, **kept("planner_kv_heads", 8))
-    head_size = c[3].number_input("Head size", 1, 4096, **kept("planner_head_size", 128))
-    dtype = c[4].selectbox("Dtype", list(DTYPE_BYTES), **kept("planner_dtype", "bfloat16"))
+    layers = c[2].number_input("Layers", 1, 1024, **kept("planner_layers", 32))
+    kv_heads = c[3].number_input("KV heads", 1, 1024, **kept("planner_kv_heads", 8))
+    head_size = c[4].number_input("Head size", 1, 4096, **kept("planner_head_size", 128))
     weights_b = c[5].number_input("Parameters (billions)", 0.0, 10_000.0, step=0.1, **kept("planner_params_b", 8.0))
-    shape_values = (int(layers), int(kv_heads), int(head_size), DTYPE_BYTES[dtype],
-                    int(weights_b * 1e9) * DTYPE_BYTES[dtype])  # fmt: skip
+    shape_values = (int(layers), int(kv_heads), int(head_size), int(weights_b * 1e9))
 c = st.columns([2, 1, 1, 1, 2])
 memory_gib = c[1].number_input("Accelerator memory (GiB)", 1.0, 4096.0, step=8.0, **kept("planner_memory_gib", 80.0))
 usable = c[2].number_input("Usable share", 0.05, 1.0, step=0.05, **kept("planner_usable", 0.9),
                            help="What the server may use of it (vLLM's gpu_memory_utilization)")  # fmt: skip
 price = c[3].number_input("Price per hour", 0.0, 10_000.0, step=0.5, **kept("planner_price", 2.5))
 try:
-    shape = ModelShape(*shape_values)
+    shape = served_shape(*shape_values, DTYPE_BYTES[dtype])
     bought = purchase_frame(result.needed, result.engine_capacity_tokens, shape,
                             Accelerator(float(memory_gib), float(usable), float(price)))  # fmt: skip
 except ValueError as error:
     st.error(f"Cannot price it: {error}")
 else:
-    c[0].metric("KV per token", f"{shape.kv_bytes_per_token:,} bytes")
+    c[0].metric("KV per token", f"{shape.kv_bytes_per_token:,} bytes", help=f"in {dtype}")
+    st.caption(f"Priced in {dtype}: {shape.kv_bytes_per_token:,} bytes of KV a token, "
+               f"{shape.weight_bytes / 2**30:.2f} GiB of weights on each accelerator.")  # fmt: skip
     st.table(
         pd.DataFrame(
             {

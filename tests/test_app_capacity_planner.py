@@ -151,3 +151,18 @@ def test_the_purchase_table_prices_each_capacity_for_this_model_or_a_described_o
     at.radio(key="planner_model_source").set_value("a model I describe").run()
     at.number_input(key="planner_memory_gib").set_value(16.0).run()  # 8 B parameters in bfloat16 do not fit
     assert [e.value for e in at.error][0].startswith("Cannot price it: the weights (14.9 GiB) fill the usable 14.4 GiB")
+
+
+def test_what_to_buy_prices_the_served_dtype_bfloat16_by_default_and_says_so(console_env):
+    """Regression (issue 47 item 14c): the purchase priced the console's own float32 KV, twice the bytes a
+    bfloat16 or float16 deployment stores."""
+    at = analysed(open_page("capacity_planner"))
+    loaded = host().console.engine.loaded
+    assert host().console.config.dtype == "float32"  # what the console itself runs
+    bf16_bytes = 2 * loaded.num_layers * loaded.num_kv_heads * loaded.head_dim * 2
+    assert at.selectbox(key="planner_dtype").value == "bfloat16"
+    assert {m.label: m.value for m in at.metric}["KV per token"] == f"{bf16_bytes:,} bytes"
+    assert any(c.value.startswith(f"Priced in bfloat16: {bf16_bytes:,} bytes of KV a token") for c in at.caption)
+    at.selectbox(key="planner_dtype").select("float32").run()
+    assert {m.label: m.value for m in at.metric}["KV per token"] == f"{2 * bf16_bytes:,} bytes"
+    assert any(c.value.startswith("Priced in float32") for c in at.caption)
