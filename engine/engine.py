@@ -19,7 +19,8 @@ ended (finished, released, rejected, failed, aborted) for `get` and `requests`; 
 keeps every request. So nothing in the engine's memory or in its per-step work grows with the number of
 requests it ever served: per-request state (the scheduler's queues, the KV block tables, the seeded
 generators, the replay verifier's logits) is held for live and retained requests only, and `stats()`
-counts the retained ones without walking any list.
+counts the retained ones without walking any list. (One thing grows with distinct salts, not requests:
+each KV group's pool keeps the namespace root of every salt it has seen.)
 """
 
 from __future__ import annotations
