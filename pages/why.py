@@ -1,6 +1,14 @@
-"""Why did it miss: one request's cause from the history (analysis/why.py), and a run's misses by cause."""
+"""Why did it miss: one request's cause from the history (analysis/why.py), and a run's misses by cause.
+
+A request the history does not hold yet (the writer stores it within seconds; longer under load) is looked
+for again by a fragment every RECHECK_S, for RECHECK_FOR_S at most, and explained once it lands: the page
+never stays stale until someone presses Refresh. The picked and the typed request are one choice: typing an
+id sets the list to "(type one)", picking one from the list clears the typed id.
+"""
 
 from __future__ import annotations
+
+import time
 
 import pandas as pd
 import streamlit as st
@@ -12,9 +20,14 @@ from engine.core.snapshot import newest_first
 from serving.prompts import load_tokenizer
 from storage.read.why import find_request, latest_eviction, requests_before, run_requests
 
+RECHECK_S = 2.0  # how often the page looks for a request the history does not hold yet
+RECHECK_FOR_S = 600.0  # and for how long, after which Refresh looks again
 CAUSES = {
     "hit": "Everything reusable was served (the last prompt token and a partial tail are always computed).",
+    "fork": "A fork child: it shares its parent's blocks (a partial tail too), so all the parent held was served.",
     "new": "No earlier request shared even the first block: nothing could have been reused.",
+    "extended": "This prompt continues an earlier request's whole cached context (its prompt and its reply, as a "
+                "chat's next turn does): all of it was served; the tokens after it were never computed.",
     "diverged": "An earlier request shared the first tokens, then the prompt differed.",
     "evicted": "An earlier request's blocks held these tokens, and they were evicted before this request came.",
     "namespace": "The same tokens are cached under another namespace (tenant salt, model, weights, dtype).",
@@ -34,11 +47,20 @@ if host.api_url is not None:
     st.caption(f"OpenAI-compatible API: `{host.api_url}/v1` (a response's `id` is its request id here).")
 
 TYPE_ONE = "(type one)"
+
+
+def picked_from_the_list() -> None:
+    if state["why_pick"] != TYPE_ONE:
+        state["why_typed"] = ""  # the list's choice replaces a typed id
+
+
 options = [TYPE_ONE, *(view.request_id for view in newest_first(console.engine.requests()))]
-if state.get("why_pick") not in options:  # a restart, or the first visit: the newest request
+if str(state.get("why_typed", "")).strip():  # a typed id is the choice: the list says so
+    state["why_pick"] = TYPE_ONE
+elif state.get("why_pick") not in options:  # a restart, or the first visit: the newest request
     state["why_pick"] = options[1] if len(options) > 1 else TYPE_ONE
 c = st.columns([2, 2, 1])
-picked = c[0].selectbox("Request of this run", options, **kept("why_pick", TYPE_ONE))
+picked = c[0].selectbox("Request of this run", options, on_change=picked_from_the_list, **kept("why_pick", TYPE_ONE))
 typed = c[1].text_input("Or any request id", **kept("why_typed", ""))
 c[2].button("Refresh", key="why_refresh")
 request_id = typed.strip() or (picked if picked != TYPE_ONE else None)
@@ -51,27 +73,38 @@ def decoder_for(model: str) -> Decoder:
 
 
 def show(answer: dict) -> None:
-    top = st.columns(5)
+    top = st.columns(6)
     top[0].metric("Cause", answer["cause"])
     top[1].metric("First token not served", answer["position"])
-    top[2].metric("Cached", f"{answer['cached_tokens']} / {answer['prompt_tokens']}")
-    top[3].metric("Reusable", answer["reusable_tokens"])
-    top[4].metric("Missed", answer["missed_tokens"])
+    top[2].metric("Cached", f"{answer['cached_tokens']} / {answer['prompt_tokens']}",
+                  help="prompt tokens served from the prefix cache, of the prompt's tokens")  # fmt: skip
+    top[3].metric("Missed", answer["missed_tokens"], help="cacheable prompt tokens the cache did not serve")
+    top[4].metric("Never served", answer["never_served_tokens"],
+                  help="the last prompt token and the partial block before it: always computed, never looked up "
+                       "(cached + missed + never served = the prompt)")  # fmt: skip
+    top[5].metric("Reusable", answer["reusable_tokens"], help="what a cache that never evicted would have served")
     st.info(CAUSES[answer["cause"]])
     if answer["match"]:
         m = answer["match"]
         shared = m["shared_tokens"]
-        st.markdown(f"Earlier request **{m['request_id']}** (run `{m['run_id']}`) shared **{shared}** tokens.")
+        if answer["cause"] == "fork":
+            st.markdown(f"A fork of **{m['request_id']}**: it shares the parent's **{shared}** tokens of KV.")
+        else:
+            st.markdown(f"Earlier request **{m['request_id']}** (run `{m['run_id']}`) shared **{shared}** tokens "
+                        "(its prompt and its output).")  # fmt: skip
     if answer["divergence"]:
         d = answer["divergence"]
-        st.markdown(f"Diverged at token **{d['position']}**, after `{d['before']}`")
+        extended = answer["cause"] == "extended"
+        where = "Its cached context ends at token" if extended else "Diverged at token"
+        st.markdown(f"{where} **{d['position']}**, after `{d['before']}`")
         left, right = st.columns(2)
         left.caption("This request")
-        left.code(d["ours"] or "(nothing)", language=None)
+        left.code(d["ours"] or "(nothing)", language=None, wrap_lines=True)
         right.caption(f"{answer['match']['request_id']}")
-        right.code(d["theirs"] or "(nothing)", language=None)
-        if d["template_tokens"]["ours"] != d["template_tokens"]["theirs"]:  # a template on one side only
-            st.caption(f"Template tokens: this request {d['template_tokens']['ours']}, "
+        right.code(d["theirs"] or ("(its cached context ends here)" if extended else "(nothing)"), language=None,
+                   wrap_lines=True)  # fmt: skip
+        if d["template"] is not None:  # a template on one side only
+            st.caption(f"Template tokens after the divergence: this request {d['template_tokens']['ours']}, "
                        f"the other {d['template_tokens']['theirs']}")  # fmt: skip
         for note in d["notes"]:
             st.warning(note)
@@ -91,22 +124,52 @@ def show(answer: dict) -> None:
         st.caption(note)
 
 
+def explain(request_id: str) -> bool:
+    """Show the request's diagnosis (kept in the session for `look_again`); False when the history does not
+    hold the request yet."""
+    request = read_history(find_request, host.db, request_id)
+    if request is None:
+        return False
+    earlier = read_history(requests_before, host.db, request.arrival_time) or []
+    try:
+        evictions = lambda *key: latest_eviction(host.db, *key)  # noqa: E731
+        diagnosis = diagnose(request, earlier, evictions, decoder_for(request.model))
+    except WhyError as exc:
+        st.warning(str(exc))
+    else:
+        state["why_answer"] = (request_id, diagnosis.as_json())
+        show(diagnosis.as_json())
+    return True
+
+
+@st.fragment(run_every=RECHECK_S)
+def look_again(request_id: str) -> None:
+    """A request not in the history yet: look for it every RECHECK_S (one indexed query), for RECHECK_FOR_S
+    at most, and explain it here once it lands; later ticks show that answer without reading again."""
+    answered = state.get("why_answer")
+    if answered is not None and answered[0] == request_id:
+        show(answered[1])
+        return
+    since = state.get("why_missing")
+    if since is None or since[0] != request_id:
+        since = state["why_missing"] = (request_id, time.time())
+    waited = time.time() - since[1]
+    if waited > RECHECK_FOR_S:
+        st.warning(f"{request_id} is still not in the history after {waited / 60:.0f} min: check the id "
+                   "(Refresh looks again).")  # fmt: skip
+    elif not explain(request_id):
+        st.warning(f"{request_id} is not in the history (yet): the writer stores a request within seconds. "
+                   f"This page looks again every {RECHECK_S:.0f} s.")  # fmt: skip
+
+
 wait_for_history(host)
 if request_id is None:
     st.caption("No request yet: submit one (or send one through the API).")
 else:
-    request = read_history(find_request, host.db, request_id)
-    if request is None:
-        st.warning(f"{request_id} is not in the history (yet): the writer stores a request within seconds.")
-    else:
-        earlier = read_history(requests_before, host.db, request.arrival_time) or []
-        try:
-            evictions = lambda *key: latest_eviction(host.db, *key)  # noqa: E731
-            diagnosis = diagnose(request, earlier, evictions, decoder_for(request.model))
-        except WhyError as exc:
-            st.warning(str(exc))
-        else:
-            show(diagnosis.as_json())
+    state.pop("why_answer", None)  # a full run (Refresh) reads afresh and looks again for RECHECK_FOR_S
+    if not explain(request_id):
+        state.pop("why_missing", None)
+        look_again(request_id)
 
 with st.expander("This run's misses by cause"):
     requests = read_history(run_requests, host.db, console.run_id) or []
