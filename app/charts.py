@@ -245,16 +245,28 @@ def prefix_icicle(
     return fig
 
 
+TOOLBAR_PX = 32  # the top strip Plotly's toolbar takes while the pointer is over a chart
+TITLE_PAD_PX = 6  # between a chart's title and its plot area
+
+
+def titled(fig: go.Figure, title: str, height: int, bottom: int = 4) -> go.Figure:
+    """Give `fig` its title in a row of its own, below the strip the toolbar shows in and above the plot
+    area, left-aligned: the toolbar (top right) never covers a long title in a half-width column."""
+    fig.update_layout(
+        title={"text": title, "x": 0, "xref": "paper", "xanchor": "left", "y": 1, "yref": "paper", "yanchor": "bottom",
+               "pad": {"b": TITLE_PAD_PX}, "font": {"size": 15}},
+        height=height,
+        margin={"l": 4, "r": 4, "t": TOOLBAR_PX + 20 + TITLE_PAD_PX + 4, "b": bottom},
+    )  # fmt: skip
+    return fig
+
+
 def history_lines(frame: pd.DataFrame, columns: list[str], title: str, percent: bool = False) -> go.Figure:
     fig = go.Figure()
     for column in columns:
         fig.add_trace(go.Scatter(x=frame["time"], y=frame[column], mode="lines", name=column, line={"shape": "hv"}))
-    fig.update_layout(
-        title=title,
-        height=300,
-        margin={"l": 4, "r": 4, "t": 40, "b": 56},
-        legend={"orientation": "h", "yanchor": "top", "y": -0.3, "x": 0},
-    )
+    titled(fig, title, height=320, bottom=56)
+    fig.update_layout(legend={"orientation": "h", "yanchor": "top", "y": -0.3, "x": 0})
     if percent:
         fig.update_yaxes(tickformat=".0%", rangemode="tozero")
     return fig
@@ -275,7 +287,7 @@ def stacked_bars(frame: pd.DataFrame, x: str, y: str, colour: str, title: str, b
     start, end = frame[x].min(), frame[x].max() + pd.Timedelta(seconds=bucket_seconds)
     pad = max(pd.Timedelta(seconds=bucket_seconds), (end - start) * 0.05)
     fig.update_xaxes(range=[start - pad, end + pad])
-    fig.update_layout(barmode="stack", title=title, height=280, margin={"l": 4, "r": 4, "t": 40, "b": 4})
+    titled(fig, title, height=300).update_layout(barmode="stack")
     return fig
 
 
@@ -283,7 +295,7 @@ def histogram_bars(frame: pd.DataFrame, title: str, unit: str) -> go.Figure:
     """Bars of a storage histogram frame (bin_start, bin_end, evictions), one bar per bin."""
     labels = [_bin_label(start, end, unit) for start, end in zip(frame["bin_start"], frame["bin_end"])]
     fig = go.Figure(go.Bar(x=labels, y=frame["evictions"], marker_color="#60a5fa"))
-    fig.update_layout(title=title, height=280, margin={"l": 4, "r": 4, "t": 40, "b": 4})
+    titled(fig, title, height=300)
     fig.update_xaxes(type="category")
     return fig
 
@@ -320,7 +332,7 @@ def rate_bars(frame: pd.DataFrame, x: str, y: str, title: str, bucket_seconds: f
     pad = max(pd.Timedelta(seconds=bucket_seconds), (end - start) * 0.05)
     fig.update_xaxes(range=[start - pad, end + pad])
     fig.update_yaxes(tickformat=".0%", range=[0, 1.05])
-    fig.update_layout(title=title, height=260, margin={"l": 4, "r": 4, "t": 40, "b": 4})
+    titled(fig, title, height=280)
     return fig
 
 
@@ -373,8 +385,9 @@ def block_timelines(blocks: Sequence[tuple[str, pd.DataFrame]], height_px: int =
         height_px: height of one row.
 
     Each row is a step line of the count with a marker per change (coloured by event, hover: what
-    happened and who holds the block after it) and, where the count reached zero, the marker's words:
-    "no holder left: safe to reuse" or, for a cached block, "evictable from here on".
+    happened and who holds the block after it) and, at the last point where the count reached zero, the
+    marker's words: "no holder left: safe to reuse" or, for a cached block, "evictable from here on" (a
+    block hit eleven times reaches 0 eleven times; one label says so, not eleven drawn over each other).
     """
     from plotly.subplots import make_subplots
 
@@ -415,12 +428,18 @@ def block_timelines(blocks: Sequence[tuple[str, pd.DataFrame]], height_px: int =
             )  # fmt: skip
             shown_kinds.add(kind)
         top = max(counts)
-        for i, marker in enumerate(frame["marker"]):
-            if marker:
-                # Right of the point, where the line only runs on at 0: it hides no earlier change.
-                fig.add_annotation(x=x[i], y=0, text=f"<b>{marker}</b>", showarrow=True, arrowhead=2, ax=14, ay=-22,
-                                   xanchor="left", font={"size": 12, "color": "#15803d" if "safe" in marker else "#1d4ed8"},
-                                   bgcolor="rgba(255,255,255,0.85)", row=row, col=1)  # fmt: skip
+        zeros = [i for i, marker in enumerate(frame["marker"]) if marker]
+        if zeros:
+            # One label a row, at the last time the count reached 0 (what holds from there on); earlier
+            # zeros keep their words in their point's hover. Right of the point, where the line only runs
+            # on at 0: it hides no earlier change.
+            last = zeros[-1]
+            marker = frame["marker"].iloc[last]
+            again = f"<br>(the count reached 0 {len(zeros)} times)" if len(zeros) > 1 else ""
+            fig.add_annotation(x=x[last], y=0, text=f"<b>{marker}</b>{again}", showarrow=True, arrowhead=2, ax=14,
+                               ay=-22, xanchor="left", align="left",
+                               font={"size": 12, "color": "#15803d" if "safe" in marker else "#1d4ed8"},
+                               bgcolor="rgba(255,255,255,0.85)", row=row, col=1)  # fmt: skip
         fig.update_yaxes(range=[-0.3, top + 1.2], dtick=1, title_text="refs", row=row, col=1)
     fig.update_xaxes(title_text="engine step", row=n, col=1)
     if x_of:
