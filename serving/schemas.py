@@ -1,20 +1,70 @@
 """The OpenAI-compatible request bodies, as pydantic models, and the bounds the API holds them to.
 
 Fields are strict (a string is not a number, a number is not a string), so a body of the wrong shape is a
-400 before it reaches the engine. Unknown fields are ignored, as OpenAI's and vLLM's servers do. Bounds the
-engine checks itself (sampling ranges, the context length, token ids in the vocabulary) are left to it: one
-rule, one place; its `ValueError` becomes a 400 with its message.
+400 before it reaches the engine. No field is accepted and ignored: the completion bodies refuse every
+field they do not define (as OpenAI's server does), and OpenAI's fields this server does not implement
+(`UNSUPPORTED`: tools, response formats, ...) are refused by name unless their value asks for nothing
+(`response_format: {"type": "text"}`, `tools: []`, ...). Bounds the engine checks itself (sampling ranges,
+the context length, token ids in the vocabulary) are left to it: one rule, one place; its
+`SamplingError` names the field and becomes a 400 naming the parameter.
 """
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+import json
+from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictFloat,
+    StrictInt,
+    StrictStr,
+    field_validator,
+    model_validator,
+)
+
+from engine.core.input_checks import MAX_SALT_LEN
 
 MAX_N = 8  # choices per request (each is one engine request)
 MAX_STOP_SEQUENCES = 4  # as OpenAI
 MAX_STOP_CHARS = 256  # characters of one stop sequence
+
+# OpenAI's request fields this server does not implement, each with the values that ask for nothing (those
+# are accepted; any other value is a 400 naming the field). None (JSON null) always asks for nothing.
+UNSUPPORTED: dict[str, tuple[Any, ...]] = {
+    "response_format": ({"type": "text"},),
+    "tools": ([],),
+    "tool_choice": ("none",),
+    "parallel_tool_calls": (),
+    "functions": ([],),
+    "function_call": ("none",),
+    "audio": (),
+    "modalities": (["text"],),
+    "prediction": (),
+    "reasoning_effort": (),
+    "verbosity": (),
+    "web_search_options": (),
+    "metadata": (),
+    "store": (False,),
+    "service_tier": ("auto", "default"),
+    "prompt_cache_key": (),
+    "safety_identifier": (),
+    "best_of": (1,),
+    "suffix": (),
+}
+
+
+class FieldRefused(Exception):
+    """A field refused by name (raised from validators: pydantic lets exceptions other than ValueError through,
+    so the API answers with `param` set to the field)."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
+
 
 Number = StrictInt | StrictFloat  # JSON numbers: 1 and 1.0 are both a temperature of one
 TokenIds = list[StrictInt]
@@ -29,20 +79,66 @@ class StreamOptions(BaseModel):
 class SamplingFields(BaseModel):
     """What both completion endpoints take besides the prompt."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")
 
     model: StrictStr
     max_tokens: StrictInt | None = None  # None: the endpoint's default (see `api.max_new_tokens`)
     temperature: Number = 1.0  # OpenAI's default; 0 is greedy
     top_p: Number = 1.0
     seed: StrictInt | None = None
-    stop: StrictStr | Annotated[list[StrictStr], Field(max_length=MAX_STOP_SEQUENCES)] | None = None
+    stop: StrictStr | list[StrictStr] | None = None  # at most MAX_STOP_SEQUENCES of MAX_STOP_CHARS each
     n: StrictInt = 1
     user: StrictStr | None = None  # the client's label: it names the engine's request ids
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
+    presence_penalty: Number = 0.0  # the engine checks the bounds ([-2, 2])
+    frequency_penalty: Number = 0.0
+    logit_bias: dict[StrictStr, Number] | None = None  # token id (as a string, as OpenAI) -> bias in [-100, 100]
     ignore_eos: StrictBool = False  # vLLM's extension
-    cache_salt: StrictStr | None = None  # vLLM's extension: the tenant salt the cache namespaces by
+    cache_salt: Annotated[StrictStr, Field(max_length=MAX_SALT_LEN)] | None = None  # vLLM's: the tenant salt
+    logprobs_param: ClassVar[str] = "logprobs"  # the parameter that sets how many likeliest tokens to report
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_unsupported(cls, body: Any) -> Any:
+        """OpenAI's fields this server does not implement: refused by name, or dropped when their value
+        asks for nothing."""
+        if not isinstance(body, dict) or UNSUPPORTED.keys().isdisjoint(body):
+            return body
+        for name in UNSUPPORTED.keys() & body.keys():
+            value, harmless = body[name], UNSUPPORTED[name]
+            if value is not None and not any(type(value) is type(h) and value == h for h in harmless):
+                accepted = " or ".join(json.dumps(h) for h in harmless)
+                only = f" (it accepts {name} {accepted} or null only)" if harmless else ""
+                raise FieldRefused(name, f"{name} is not supported by this server{only}")
+        return {name: value for name, value in body.items() if name not in UNSUPPORTED}
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_bounds(cls, stop: str | list[str] | None) -> str | list[str] | None:
+        sequences = [stop] if isinstance(stop, str) else stop or []
+        if len(sequences) > MAX_STOP_SEQUENCES:
+            raise ValueError(f"at most {MAX_STOP_SEQUENCES} stop sequences, got {len(sequences)}")
+        if any(len(s) > MAX_STOP_CHARS for s in sequences):
+            raise ValueError(f"a stop sequence is at most {MAX_STOP_CHARS} characters")
+        return stop
+
+    def logit_bias_pairs(self) -> tuple[tuple[int, float], ...]:
+        """`logit_bias` as the engine takes it: (token id, bias) pairs, by token id.
+
+        Raises:
+            ValueError: a key that is not a token id written in decimal.
+        """
+        pairs = []
+        for key, bias in (self.logit_bias or {}).items():
+            if not (key.isascii() and key.isdigit()):
+                raise ValueError(f"logit_bias keys are token ids, got {key[:40]!r}")
+            pairs.append((int(key), float(bias)))
+        return tuple(sorted(pairs))
+
+    def num_logprobs(self) -> int | None:
+        """How many likeliest tokens to report per output token (None: no logprobs); each endpoint's own."""
+        return None
 
     def stop_sequences(self) -> list[str]:
         """The stop sequences as a list (empty strings dropped: they would match everywhere)."""
@@ -56,6 +152,11 @@ class CompletionRequest(SamplingFields):
 
     prompt: StrictStr | TokenIds | Annotated[list[StrictStr], Field(min_length=1, max_length=1)]
     echo: StrictBool = False  # refused when true: the API does not echo prompts
+    logprobs: StrictInt | None = None  # the legacy form: each token's logprob and this many likeliest ones
+
+    def num_logprobs(self) -> int | None:
+        """How many likeliest tokens to report per output token (None: no logprobs)."""
+        return self.logprobs
 
     def single_prompt(self) -> str | list[int]:
         """The prompt as text or token ids (a one-element list of strings is its string)."""
@@ -89,6 +190,19 @@ class ChatCompletionRequest(SamplingFields):
 
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_completion_tokens: StrictInt | None = None  # the newer name of max_tokens; wins when both are given
+    logprobs: StrictBool = False  # each output token's logprob
+    top_logprobs: StrictInt | None = None  # and this many likeliest tokens at its position (needs logprobs)
+    logprobs_param: ClassVar[str] = "top_logprobs"
+
+    @model_validator(mode="after")
+    def _top_logprobs_need_logprobs(self) -> ChatCompletionRequest:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise FieldRefused("top_logprobs", "top_logprobs needs logprobs: true")
+        return self
+
+    def num_logprobs(self) -> int | None:
+        """How many likeliest tokens to report per output token (None: no logprobs)."""
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     def template_messages(self) -> list[dict[str, str]]:
         return [message.as_template_message() for message in self.messages]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import http.client
+import json
 import time
 
 import pytest
@@ -147,3 +149,75 @@ def test_metrics_are_served_on_the_api_port_under_vllm_names(served: Served) -> 
 
 def test_the_server_binds_the_loopback_address_by_default(served: Served) -> None:
     assert served.server.host == "127.0.0.1"
+
+
+# Issue 47 item 4: logprobs, penalties and logit_bias are implemented, no longer accepted and ignored.
+def test_chat_logprobs_give_each_tokens_logprob_and_its_top_alternatives_whole_and_streamed(served: Served) -> None:
+    asked = {"max_tokens": 6, "temperature": 0, "logprobs": True, "top_logprobs": 2, "extra_body": NO_EOS}
+    whole = chat(served, "name a block", **asked)
+    content = whole.choices[0].logprobs.content
+    assert len(content) == whole.usage.completion_tokens == 6
+    for entry in content:
+        assert len(entry.top_logprobs) == 2 and entry.top_logprobs[0].token == entry.token  # greedy: the likeliest
+        assert entry.logprob == entry.top_logprobs[0].logprob <= 0.0
+        assert entry.bytes == list(entry.token.encode("utf-8"))
+    streamed = [entry for chunk in chat(served, "name a block", stream=True, **asked) for choice in chunk.choices
+                if choice.logprobs is not None for entry in choice.logprobs.content]  # fmt: skip
+    assert [(e.token, round(e.logprob, 4)) for e in streamed] == [(e.token, round(e.logprob, 4)) for e in content]
+
+
+def test_completion_logprobs_take_the_legacy_shape(served: Served) -> None:
+    create = served.client.completions.create
+    whole = create(model=MODEL, prompt=tokens(20, seed=15), max_tokens=5, temperature=0, logprobs=3, extra_body=NO_EOS)
+    choice = whole.choices[0]
+    logprobs = choice.logprobs
+    assert logprobs.tokens == [served.engine.tokenizer.decode([token]) for token in choice.token_ids]
+    assert len(logprobs.token_logprobs) == len(logprobs.top_logprobs) == 5
+    assert all(len(top) <= 3 and max(top.values()) == lp for top, lp in zip(logprobs.top_logprobs,
+                                                                              logprobs.token_logprobs))  # fmt: skip
+    assert logprobs.text_offset == [sum(len(t) for t in logprobs.tokens[:i]) for i in range(5)]
+    plain = create(model=MODEL, prompt=tokens(20, seed=15), max_tokens=5, temperature=0, extra_body=NO_EOS)
+    assert plain.choices[0].logprobs is None and plain.choices[0].token_ids == choice.token_ids
+
+
+def test_a_logit_bias_of_100_makes_greedy_decoding_repeat_that_token(served: Served) -> None:
+    create = served.client.completions.create
+    favoured = 1234
+    response = create(model=MODEL, prompt=tokens(20, seed=16), max_tokens=4, temperature=0,
+                      logit_bias={str(favoured): 100}, extra_body=NO_EOS)  # fmt: skip
+    assert response.choices[0].token_ids == [favoured] * 4
+
+
+def test_a_presence_penalty_counts_a_token_once_and_a_frequency_penalty_every_time(served: Served) -> None:
+    # Two tokens biased far above the rest (tiny-chat's own logits lie within a few tenths of each other):
+    # greedy repeats the likelier one; a presence penalty of 2 moves it once to the other, after which both
+    # are present and equally penalized; a frequency penalty of 2 grows with each use, so the two alternate.
+    def greedy(**penalties) -> list[int]:
+        return served.client.completions.create(
+            model=MODEL, prompt=tokens(20, seed=17), max_tokens=8, temperature=0, logit_bias={"1234": 100, "2345": 100},
+            extra_body=NO_EOS, **penalties).choices[0].token_ids  # fmt: skip
+
+    plain = greedy()
+    first, other = plain[0], ({1234, 2345} - {plain[0]}).pop()
+    assert plain == [first] * 8
+    assert greedy(presence_penalty=2.0) == [first, other] + [first] * 6
+    assert greedy(frequency_penalty=2.0) == [first, other] * 4
+
+
+# Issue 47 item 8: with include_usage every chunk carries `usage`, null until the last, as OpenAI sends it.
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_streamed_chunks_with_include_usage_carry_a_null_usage_until_the_last(served: Served, path: str) -> None:
+    body = {"model": MODEL, "max_tokens": 3, "temperature": 0, "stream": True, "ignore_eos": True,
+            "stream_options": {"include_usage": True}}  # fmt: skip
+    prompt = {"prompt": [5, 6, 7]} if path == "/v1/completions" else {"messages": [{"role": "user", "content": "hi"}]}
+    body.update(prompt)
+    connection = http.client.HTTPConnection(served.server.host, served.server.port, timeout=60)
+    try:
+        connection.request("POST", path, body=json.dumps(body), headers={"Content-Type": "application/json"})
+        lines = connection.getresponse().read().decode().splitlines()
+    finally:
+        connection.close()
+    chunks = [json.loads(line[len("data: "):]) for line in lines if line.startswith("data: {")]
+    assert len(chunks) >= 4 and all("usage" in chunk for chunk in chunks)
+    assert [chunk["usage"] for chunk in chunks[:-1]] == [None] * (len(chunks) - 1)
+    assert chunks[-1]["usage"]["completion_tokens"] == 3 and chunks[-1]["choices"] == []

@@ -92,6 +92,14 @@ class TokenLogprobs(NamedTuple):
     top: tuple[tuple[int, float], ...]  # (token id, logprob), most likely first; as many as asked for
 
 
+class SamplingError(ValueError):
+    """A sampling parameter outside its bounds; `field` names it (the API names it in its 400)."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(message)
+        self.field = field
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How to pick the next token. temperature 0 means greedy (the argmax of the adjusted logits).
@@ -112,32 +120,41 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         if type(self.max_new_tokens) is not int or not 1 <= self.max_new_tokens <= MAX_NEW_TOKENS:
-            raise ValueError(f"max_new_tokens must be an integer in [1, {MAX_NEW_TOKENS}], got {self.max_new_tokens!r}")
+            bounds, got = f"[1, {MAX_NEW_TOKENS}]", self.max_new_tokens
+            raise SamplingError("max_new_tokens", f"max_new_tokens must be an integer in {bounds}, got {got!r}")
         if not (self.temperature == 0.0 or MIN_TEMPERATURE <= self.temperature <= 10.0):
-            raise ValueError(f"temperature must be 0 (greedy) or in [{MIN_TEMPERATURE:g}, 10], got {self.temperature}")
+            raise SamplingError(
+                "temperature", f"temperature must be 0 (greedy) or in [{MIN_TEMPERATURE:g}, 10], got {self.temperature}"
+            )
         if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+            raise SamplingError("top_p", f"top_p must be in (0, 1], got {self.top_p}")
         if self.seed is not None and (type(self.seed) is not int or not 0 <= self.seed <= MAX_SEED):
-            raise ValueError(f"seed must be an integer in [0, 2**63 - 1] or None, got {self.seed!r}")
+            raise SamplingError("seed", f"seed must be an integer in [0, 2**63 - 1] or None, got {self.seed!r}")
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             if type(value) not in (int, float) or not -MAX_PENALTY <= value <= MAX_PENALTY:  # NaN fails too
-                raise ValueError(f"{name} must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}], got {value}")
+                raise SamplingError(name, f"{name} must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}], got {value}")
         self._check_logit_bias()
         if self.logprobs is not None and (type(self.logprobs) is not int or not 0 <= self.logprobs <= MAX_TOP_LOGPROBS):
-            raise ValueError(f"logprobs must be None or an integer in [0, {MAX_TOP_LOGPROBS}], got {self.logprobs!r}")
+            raise SamplingError(
+                "logprobs", f"logprobs must be None or an integer in [0, {MAX_TOP_LOGPROBS}], got {self.logprobs!r}"
+            )
 
     def _check_logit_bias(self) -> None:
         bias = self.logit_bias
         if not isinstance(bias, tuple) or len(bias) > MAX_LOGIT_BIAS_ENTRIES:
-            raise ValueError(f"logit_bias must be a tuple of at most {MAX_LOGIT_BIAS_ENTRIES} (token id, bias) pairs")
+            raise SamplingError(
+                "logit_bias", f"logit_bias must be a tuple of at most {MAX_LOGIT_BIAS_ENTRIES} (token id, bias) pairs"
+            )
         for pair in bias:
             if not (isinstance(pair, tuple) and len(pair) == 2 and type(pair[0]) is int and pair[0] >= 0):
-                raise ValueError(f"logit_bias entries are (token id >= 0, bias) pairs, got {pair!r}")
+                raise SamplingError("logit_bias", f"logit_bias entries are (token id >= 0, bias) pairs, got {pair!r}")
             if type(pair[1]) not in (int, float) or not -MAX_LOGIT_BIAS <= pair[1] <= MAX_LOGIT_BIAS:
-                raise ValueError(f"a logit bias must be in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], got {pair[1]!r}")
+                raise SamplingError(
+                    "logit_bias", f"a logit bias must be in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], got {pair[1]!r}"
+                )
         if len({token for token, _ in bias}) != len(bias):
-            raise ValueError("logit_bias names a token id twice")
+            raise SamplingError("logit_bias", "logit_bias names a token id twice")
 
     @property
     def adjusts_logits(self) -> bool:
