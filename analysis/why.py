@@ -218,7 +218,7 @@ def diagnose(request: HistoryRequest, earlier: Iterable[HistoryRequest], evictio
         raise WhyError(f"the prompt of {request.request_id!r} is not in the history (recorded before prompts were)")
     ours = tuple(request.prompt_token_ids)
     bs = request.block_size
-    cap = (request.prompt_tokens - 1) // bs * bs  # tokens a lookup may serve
+    cap = _lookup_cap(request)
     cached = min(request.cached_tokens, request.prompt_tokens)
     position = cached
     same, other = [], []
@@ -233,8 +233,7 @@ def diagnose(request: HistoryRequest, earlier: Iterable[HistoryRequest], evictio
     reusable = max(min(cap, best_shared // bs * bs), cached)
     base = dict(request_id=request.request_id, run_id=request.run_id, prompt_tokens=request.prompt_tokens,
                 cached_tokens=cached, reusable_tokens=reusable, position=position,
-                missed_tokens=max(0, cap - cached),
-                never_served_tokens=request.prompt_tokens - max(cap, cached))  # fmt: skip
+                missed_tokens=_missed(request), never_served_tokens=_never_served(request))  # fmt: skip
     if request.hit_source == FORK_SOURCE and request.parent_id is not None:
         parent = {"request_id": request.parent_id, "run_id": request.run_id, "shared_tokens": cached}
         return Diagnosis(cause=Cause.FORK, match=parent, **base)
@@ -261,6 +260,19 @@ def diagnose(request: HistoryRequest, earlier: Iterable[HistoryRequest], evictio
         return Diagnosis(cause=Cause.DIVERGED, match=_match(words, shared),
                          divergence=_divergence(ours, words, shared, decoder), **base)  # fmt: skip
     return Diagnosis(cause=Cause.NEW, **base)
+
+
+def _lookup_cap(request: HistoryRequest) -> int:
+    """Prompt tokens a prefix lookup may serve: the full blocks before the last prompt token."""
+    return (request.prompt_tokens - 1) // request.block_size * request.block_size
+
+
+def _missed(request: HistoryRequest) -> int:
+    return max(0, _lookup_cap(request) - min(request.cached_tokens, request.prompt_tokens))
+
+
+def _never_served(request: HistoryRequest) -> int:
+    return request.prompt_tokens - max(_lookup_cap(request), min(request.cached_tokens, request.prompt_tokens))
 
 
 def _same_namespace(a: HistoryRequest, b: HistoryRequest) -> bool:
@@ -383,12 +395,15 @@ class RunSummary:
     requests: int
     prompt_tokens: int
     cached_tokens: int
+    missed_tokens: int  # over every request, explained or not: cached + missed + never served = prompt tokens
+    never_served_tokens: int
     by_cause: dict[str, dict[str, int]]  # cause -> {"requests", "missed_tokens"}
     unexplained: int  # requests whose prompt the history does not hold
 
     def as_json(self) -> dict[str, Any]:
         return {"run_id": self.run_id, "requests": self.requests, "prompt_tokens": self.prompt_tokens,
-                "cached_tokens": self.cached_tokens, "by_cause": self.by_cause,
+                "cached_tokens": self.cached_tokens, "missed_tokens": self.missed_tokens,
+                "never_served_tokens": self.never_served_tokens, "by_cause": self.by_cause,
                 "unexplained": self.unexplained}  # fmt: skip
 
 
@@ -420,5 +435,6 @@ def summarize(run_id: str, requests: Sequence[HistoryRequest], before: Sequence[
             by_cause[diagnosis.cause.value]["missed_tokens"] += diagnosis.missed_tokens
         seen.append(request)
     summary = RunSummary(run_id, len(ordered), sum(r.prompt_tokens for r in ordered),
-                         sum(r.cached_tokens for r in ordered), by_cause, unexplained)  # fmt: skip
+                         sum(min(r.cached_tokens, r.prompt_tokens) for r in ordered), sum(map(_missed, ordered)),
+                         sum(map(_never_served, ordered)), by_cause, unexplained)  # fmt: skip
     return summary, diagnoses

@@ -144,8 +144,9 @@ def file_decoder(directory: Path) -> Any:
 def render(result: dict[str, Any]) -> str:
     """A diagnosis or a run summary as text."""
     if "by_cause" in result:
-        lines = [f"run {result['run_id']}: {result['requests']} requests, {result['prompt_tokens']} prompt tokens, "
-                 f"{result['cached_tokens']} served from the cache"]  # fmt: skip
+        lines = [f"run {result['run_id']}: {result['requests']} requests, {result['prompt_tokens']} prompt tokens: "
+                 f"{result['cached_tokens']} served from the cache, {result['missed_tokens']} missed, "
+                 f"{result['never_served_tokens']} never served (each prompt's last token and partial block)"]  # fmt: skip
         for cause, counts in result["by_cause"].items():
             if counts["requests"]:
                 missed = counts["missed_tokens"]

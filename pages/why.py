@@ -182,5 +182,6 @@ with st.expander("This run's misses by cause"):
                                decoder_for(requests[0].model))  # fmt: skip
         rows = [{"cause": cause, **counts} for cause, counts in summary.by_cause.items() if counts["requests"]]
         st.dataframe(pd.DataFrame(rows), hide_index=True)
-        st.caption(f"{summary.requests} requests, {summary.prompt_tokens} prompt tokens, "
-                   f"{summary.cached_tokens} served from the cache.")  # fmt: skip
+        st.caption(f"{summary.requests} requests, {summary.prompt_tokens} prompt tokens: {summary.cached_tokens} "
+                   f"served from the cache, {summary.missed_tokens} missed, {summary.never_served_tokens} never "
+                   "served (each prompt's last token and partial block).")  # fmt: skip

@@ -101,6 +101,8 @@ def test_a_runs_summary_counts_missed_tokens_by_cause() -> None:
     assert summary.by_cause["new"] == {"requests": 1, "missed_tokens": 12}
     assert summary.by_cause["diverged"] == {"requests": 1, "missed_tokens": 8}
     assert summary.by_cause["hit"] == {"requests": 1, "missed_tokens": 0}
+    assert (summary.prompt_tokens, summary.cached_tokens, summary.missed_tokens, summary.never_served_tokens) == (
+        39, 16, 20, 3)  # 12 + 8 missed; each 13-token prompt's last token (issue 47 item 12)
 
 
 def test_causes_that_mean_an_analyzer_reason_carry_its_name() -> None:
