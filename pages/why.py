@@ -164,7 +164,8 @@ def look_again(request_id: str) -> None:
 
 wait_for_history(host)
 if request_id is None:
-    st.caption("No request yet: submit one (or send one through the API).")
+    st.caption("Pick a request from the list, or type any request id." if len(options) > 1 else
+               "No request yet: submit one (or send one through the API).")  # fmt: skip
 else:
     state.pop("why_answer", None)  # a full run (Refresh) reads afresh and looks again for RECHECK_FOR_S
     if not explain(request_id):
