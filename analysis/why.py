@@ -55,6 +55,7 @@ from engine.core.arith import common_prefix
 WINDOW_BEFORE = 16  # tokens of shared context shown before a divergence
 WINDOW_AFTER = 16  # tokens shown after it, on each side (a date of ten digits fits)
 MIN_SHARED_WORDS = 16  # characters of visible text two prompts must share to count as the same words
+MAX_WORD_CANDIDATES = 500  # the newest earlier requests decoded to look for the same words (a decode each)
 WAIT_EPSILON_S = 1e-3  # a shorter wait between arrival and first schedule is not reported
 
 
@@ -331,12 +332,14 @@ def _namespace_difference(ours: HistoryRequest, theirs: HistoryRequest) -> dict[
 
 
 def _same_words(ours: Sequence[int], candidates: list[HistoryRequest], decoder: Decoder) -> HistoryRequest | None:
-    """The latest earlier request whose visible text holds ours or is held in ours (the same words under
-    another template or tokenization), when at least MIN_SHARED_WORDS characters are shared."""
+    """The latest of the newest MAX_WORD_CANDIDATES earlier requests whose visible text holds ours or is held
+    in ours (the same words under another template or tokenization), when at least MIN_SHARED_WORDS
+    characters are shared."""
     mine = decoder.visible(ours).strip()
     if len(mine) < MIN_SHARED_WORDS:
         return None
-    for candidate in sorted(candidates, key=lambda c: c.arrival_time, reverse=True):
+    newest = sorted(candidates, key=lambda c: c.arrival_time, reverse=True)[:MAX_WORD_CANDIDATES]
+    for candidate in newest:
         theirs = decoder.visible(candidate.prompt_token_ids or ()).strip()
         if len(theirs) >= MIN_SHARED_WORDS and (mine in theirs or theirs in mine):
             return candidate

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from analysis.why import ANALYZER_REASONS, Cause, Decoder, WhyError, diagnose, summarize
+from analysis.why import ANALYZER_REASONS, MAX_WORD_CANDIDATES, Cause, Decoder, WhyError, diagnose, summarize
 from storage.read.why import WhyEviction, WhyRequest
 
 BS = 4
@@ -198,3 +198,18 @@ def test_cached_missed_and_never_served_tokens_add_up_to_the_prompt() -> None:
     assert answer["cached_tokens"] + answer["missed_tokens"] + answer["never_served_tokens"] == answer["prompt_tokens"]
     long = list(range(100, 119))  # 19 tokens: 4 full blocks before the last token, 2 never served
     assert diagnose(row("c", long, arrival=3.0), [], no_evictions, PLAIN).never_served_tokens == 3
+
+
+def test_the_same_words_are_looked_for_in_the_newest_earlier_requests_only() -> None:
+    """Each candidate costs a decode: a new prompt on a long history decoded all 20,000 earlier prompts."""
+    decoded = []
+
+    def visible(ids) -> str:
+        decoded.append(tuple(ids))
+        return " ".join(map(str, ids))
+
+    decoder = Decoder(visible, visible, frozenset)
+    words = [row("words", PROMPT[::-1], arrival=0.5)]  # the same numbers as ours, in another order: no match
+    others = [row(f"o{i}", [900 + i % 50] * 5, arrival=1.0 + i) for i in range(MAX_WORD_CANDIDATES + 100)]
+    diagnosis = diagnose(row("b", PROMPT, arrival=10_000.0), words + others, no_evictions, decoder)
+    assert diagnosis.cause is Cause.NEW and len(decoded) == 1 + MAX_WORD_CANDIDATES
