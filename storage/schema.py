@@ -42,8 +42,6 @@ from typing import Any
 from sqlalchemy import JSON, BigInteger, Column, Double, ForeignKey, Index, Integer, LargeBinary, String, Table
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
-from engine.core.request import RequestStatus
-
 # SQLite only makes INTEGER PRIMARY KEY an alias of the rowid; other backends get a 64-bit key.
 RowId = BigInteger().with_variant(Integer(), "sqlite")
 
@@ -91,7 +89,7 @@ class RunEnd(enum.StrEnum):
 
 # The status a request of an interrupted run gets if it was still open: the engine never gives it.
 INTERRUPTED_STATUS = "interrupted"
-OPEN_STATUSES = (RequestStatus.WAITING.value, RequestStatus.RUNNING.value)  # what an interruption closes
+OPEN_STATUSES = ("waiting", "running")  # engine.core.request.RequestStatus values an interruption closes
 
 
 class RequestRecord(Base):

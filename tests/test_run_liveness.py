@@ -13,7 +13,8 @@ from sqlalchemy import insert, select
 
 from storage import migrate
 from storage.read import queries
-from storage.schema import REQUESTS, RUNS, RunEnd
+from engine.core.request import RequestStatus
+from storage.schema import INTERRUPTED_STATUS, OPEN_STATUSES, REQUESTS, RUNS, RunEnd
 from storage.write import run_liveness
 from storage.write.writer import RunInfo
 from tests.storage_support import BASE_TIME, REPO, RUN_INFO, request_view, wait_for
@@ -168,3 +169,8 @@ def test_a_clean_close_ends_the_run_stopped(db_url: str, make_writer, engine_for
     engine = engine_for(db_url)
     assert run_row(engine, run_id).end_reason == RunEnd.STOPPED
     assert statuses(engine, run_id) == {"a": "running"}  # a clean close leaves records as the engine left them
+
+
+def test_the_statuses_an_interruption_closes_are_the_engines_unfinished_ones() -> None:
+    assert OPEN_STATUSES == (RequestStatus.WAITING, RequestStatus.RUNNING)
+    assert INTERRUPTED_STATUS not in {status.value for status in RequestStatus}  # the engine never gives it
