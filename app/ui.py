@@ -168,5 +168,23 @@ def fmt_duration(seconds: float | None) -> str:
     return f"{seconds / 3600:.1f} h"
 
 
+def plural(count: int, word: str, many: str | None = None) -> str:
+    """A count with its noun in agreement: "1 thread", "4 threads", "1,024 full blocks"."""
+    return f"{count:,} {word if count == 1 else many or word + 's'}"
+
+
+def api_url_of(host: object) -> str | None:
+    """The URL the OpenAI-compatible API serves on for this console, or None when it serves none."""
+    url = getattr(host, "api_url", None)
+    if url is None:  # a host that keeps the server itself
+        url = getattr(getattr(host, "api", None), "url", None)
+    return url
+
+
+def api_text(url: str | None) -> str:
+    """The API's address as the sidebar and Settings say it (markdown)."""
+    return "OpenAI-compatible API: no API" if url is None else f"OpenAI-compatible API: `{url}`"
+
+
 def age(epoch: float, now: float | None = None) -> str:
     return fmt_duration((now or time.time()) - epoch)

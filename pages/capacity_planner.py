@@ -27,6 +27,7 @@ DETECT = "detect from the first line"
 THIS_MODEL = "this console's model"
 NAMED_MODEL = "a model I describe"
 POLL_S = 0.5
+PRICE_COLUMN = "price per hour (your figure, your currency)"  # the planner knows no prices or currencies
 
 host = get_host()
 console = host.console
@@ -219,7 +220,11 @@ c = st.columns([2, 1, 1, 1, 2])
 memory_gib = c[1].number_input("Accelerator memory (GiB)", 1.0, 4096.0, step=8.0, **kept("planner_memory_gib", 80.0))
 usable = c[2].number_input("Usable share", 0.05, 1.0, step=0.05, **kept("planner_usable", 0.9),
                            help="What the server may use of it (vLLM's gpu_memory_utilization)")  # fmt: skip
-price = c[3].number_input("Price per hour", 0.0, 10_000.0, step=0.5, **kept("planner_price", 2.5))
+price = c[3].number_input(
+    "Price per accelerator-hour", 0.0, 10_000.0, step=0.5, **kept("planner_price", 2.5),
+    help="Your own figure, in your own currency: the console knows no prices and assumes no currency; it "
+    "multiplies this by the accelerators each capacity needs",
+)
 try:
     shape = served_shape(*shape_values, DTYPE_BYTES[dtype])
     bought = purchase_frame(result.needed, result.engine_capacity_tokens, shape,
@@ -238,7 +243,7 @@ else:
                 "capacity (tokens)": [f"{t:,}" for t in bought["capacity_tokens"]],
                 "KV (GiB)": [f"{g:,.2f}" for g in bought["kv_gib"]],
                 "accelerators": bought["accelerators"],
-                "price per hour": [f"{p:,.2f}" for p in bought["price_per_hour"]],
+                PRICE_COLUMN: [f"{p:,.2f}" for p in bought["price_per_hour"]],
             }
         ).set_index("target")
     )

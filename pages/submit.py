@@ -1,4 +1,5 @@
-"""Submit & fork: write a prompt, see its exact token ids, submit it, fork it, watch the output stream."""
+"""Submit & fork: find any request in the table at the top; write a prompt, see its exact token ids, submit
+it, fork it, watch the output stream."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from app.frames import requests_frame
 from app.hosting import get_host
 from app.ownership import claim, is_mine, owned_by_text
 from app.prompting import CHAT, MODES, PRESETS, TEXT, TOKEN_IDS, decode, encode_prompt, parse_suffixes, token_pieces
-from app.ui import REFRESH_S, expect_in_history, fmt_duration, kept
+from app.ui import REFRESH_S, expect_in_history, fmt_duration, kept, plural
 from engine.core.kv_groups import max_hit_blocks
 from engine.core.request import SamplingParams
 from engine.core.snapshot import newest_first
@@ -22,6 +23,8 @@ engine = console.engine
 tokenizer = console.tokenizer
 block_size = console.config.block_size
 state = st.session_state
+FINISH_PX = 168  # the finish column: an abort reason as long as "the client disconnected", whole
+TABLE_PX = 250  # the Requests table's most height: about six rows, the rest scrolls
 
 available_modes = [
     m for m in MODES if m == TOKEN_IDS or (tokenizer is not None and (m != CHAT or getattr(tokenizer, "chat_template", None)))
@@ -41,6 +44,50 @@ def apply_preset() -> None:
 
 
 st.title("Submit & fork")
+
+# ---------------------------------------------------------------- requests (every request, found by id)
+
+
+REQUEST_TABLE_COLUMNS = {  # compact headers and pixel widths: all 14 columns fit a 1,400 px window
+    "request": st.column_config.TextColumn("request", width=124),  # whole ids ("scenario-3-child-1")
+    "parent": st.column_config.TextColumn("parent", width=116),
+    "status": st.column_config.TextColumn("status", width=68),
+    "retain": st.column_config.CheckboxColumn("kept", width=40, help="Retained: keeps its blocks after it finishes"),
+    "prompt tokens": st.column_config.NumberColumn("prompt", width=56, help="Prompt tokens (a fork's inherited context included)"),
+    "output tokens": st.column_config.NumberColumn("output", width=54),
+    "hit position": st.column_config.NumberColumn("hit", width=40, help="Hit position h: tokens reused at its first schedule"),
+    "computed tokens": st.column_config.NumberColumn("computed", width=68, help="Prefill tokens run through the model"),
+    "hit source": st.column_config.TextColumn("source", width=56, help="prefix (index hit), fork, or none"),
+    "cow copies": st.column_config.NumberColumn("CoW", width=40, help="Copy-on-write copies its writes made"),
+    "preemptions": st.column_config.NumberColumn("preempt", width=58),
+    "TTFT ms": st.column_config.NumberColumn("TTFT ms", width=56, format="%.0f"),
+    "finish": st.column_config.TextColumn(
+        "finish", width=FINISH_PX, help="Why it ended: length, eos, stop, or why it was aborted or refused"
+    ),
+    "blocks": st.column_config.NumberColumn("blocks", width=48, help="Blocks it holds (or ended with)"),
+}
+
+
+@st.fragment(run_every=REFRESH_S)
+def request_table() -> None:
+    """Every request of the engine, newest first; those whose id or parent holds the search text."""
+    frame = requests_frame(engine.requests())
+    wanted = state.get("submit_find", "").strip().lower()
+    if wanted:
+        frame = frame[frame["request"].str.lower().str.contains(wanted, regex=False)
+                      | frame["parent"].str.lower().str.contains(wanted, regex=False)]  # fmt: skip
+    if frame.empty:
+        st.caption(f"No request's id or parent's id holds “{wanted}”." if wanted else "No requests yet.")
+    else:
+        st.dataframe(frame, hide_index=True, height=min(TABLE_PX, 38 + 35 * len(frame)), column_config=REQUEST_TABLE_COLUMNS)
+
+
+with st.container(key="submit_requests"):  # first on the page: every request, in one place
+    st.subheader("Requests")
+    st.columns([2, 3])[0].text_input(
+        "Find a request", placeholder="part of its id or its parent's: req-3, chatcmpl-dana", **kept("submit_find", "")
+    )
+    request_table()
 
 # ---------------------------------------------------------------- prompt editor
 st.subheader("Prompt")
@@ -66,8 +113,8 @@ with right:
         st.caption(f"Nothing to show: {preview_problem}.")
     else:
         st.caption(
-            f"{len(prompt_ids)} tokens · {len(prompt_ids) // block_size} full blocks of {block_size} "
-            f"(only full blocks enter the prefix cache)"
+            f"{plural(len(prompt_ids), 'token')} · {plural(len(prompt_ids) // block_size, 'full block')} of "
+            f"{block_size} (only full blocks enter the prefix cache)"
         )
         st.code(", ".join(map(str, prompt_ids)), language=None, wrap_lines=True, height=160)
         requests = newest_first(engine.requests())
@@ -379,37 +426,3 @@ def release_box() -> None:
 with st.container():
     st.subheader("Release")
     release_box()
-
-# ---------------------------------------------------------------- all requests
-
-
-REQUEST_TABLE_COLUMNS = {  # compact headers and pixel widths: all 14 columns fit a 1,400 px window
-    "request": st.column_config.TextColumn("request", width=150),  # whole ids ("scenario-3-child-1")
-    "parent": st.column_config.TextColumn("parent", width=130),
-    "status": st.column_config.TextColumn("status", width=72),
-    "retain": st.column_config.CheckboxColumn("kept", width=44, help="Retained: keeps its blocks after it finishes"),
-    "prompt tokens": st.column_config.NumberColumn("prompt", width=58, help="Prompt tokens (a fork's inherited context included)"),
-    "output tokens": st.column_config.NumberColumn("output", width=56),
-    "hit position": st.column_config.NumberColumn("hit", width=44, help="Hit position h: tokens reused at its first schedule"),
-    "computed tokens": st.column_config.NumberColumn("computed", width=70, help="Prefill tokens run through the model"),
-    "hit source": st.column_config.TextColumn("source", width=58, help="prefix (index hit), fork, or none"),
-    "cow copies": st.column_config.NumberColumn("CoW", width=44, help="Copy-on-write copies its writes made"),
-    "preemptions": st.column_config.NumberColumn("preempt", width=60),
-    "TTFT ms": st.column_config.NumberColumn("TTFT ms", width=64, format="%.0f"),
-    "finish": st.column_config.TextColumn("finish", width=56),
-    "blocks": st.column_config.NumberColumn("blocks", width=52, help="Blocks it holds (or ended with)"),
-}
-
-
-@st.fragment(run_every=REFRESH_S)
-def request_table() -> None:
-    frame = requests_frame(engine.requests())
-    if frame.empty:
-        st.caption("No requests yet.")
-    else:
-        st.dataframe(frame, hide_index=True, height=min(400, 38 + 35 * len(frame)), column_config=REQUEST_TABLE_COLUMNS)
-
-
-with st.container():
-    st.subheader("Requests")
-    request_table()

@@ -181,7 +181,8 @@ with st.expander("This run's misses by cause"):
         others = [r for r in before if r.run_id != console.run_id]
         summary, _ = summarize(console.run_id, requests, others, lambda *key: latest_eviction(host.db, *key),
                                decoder_for(requests[0].model))  # fmt: skip
-        rows = [{"cause": cause, **counts} for cause, counts in summary.by_cause.items() if counts["requests"]]
+        rows = [{"cause": cause, "requests": counts["requests"], "missed tokens": counts["missed_tokens"]}
+                for cause, counts in summary.by_cause.items() if counts["requests"]]  # fmt: skip
         st.dataframe(pd.DataFrame(rows), hide_index=True)
         st.caption(f"{summary.requests} requests, {summary.prompt_tokens} prompt tokens: {summary.cached_tokens} "
                    f"served from the cache, {summary.missed_tokens} missed, {summary.never_served_tokens} never "

@@ -147,7 +147,11 @@ def test_the_purchase_table_prices_each_capacity_for_this_model_or_a_described_o
     bought = at.table[1].value
     assert list(bought.index) == ["this engine's pool", "50% of the maximum", "80% of the maximum",
                                   "90% of the maximum", "95% of the maximum"]  # fmt: skip
-    assert list(bought.columns) == ["hit ratio", "capacity (tokens)", "KV (GiB)", "accelerators", "price per hour"]
+    # Regression (issue 47, item 15): the price named no currency; it is the operator's own figure.
+    assert list(bought.columns) == ["hit ratio", "capacity (tokens)", "KV (GiB)", "accelerators",
+                                    "price per hour (your figure, your currency)"]  # fmt: skip
+    price = at.number_input(key="planner_price")
+    assert price.label == "Price per accelerator-hour" and "in your own currency" in price.help
     at.radio(key="planner_model_source").set_value("a model I describe").run()
     at.number_input(key="planner_memory_gib").set_value(16.0).run()  # 8 B parameters in bfloat16 do not fit
     assert [e.value for e in at.error][0].startswith("Cannot price it: the weights (14.9 GiB) fill the usable 14.4 GiB")

@@ -169,3 +169,13 @@ def test_csv_exports_write_times_in_utc_as_the_pages_show_them():
         "1,2025-12-05T00:11:59.265Z,lru,",
         "2,1970-01-01T00:00:00.000Z,reset,1970-01-01T00:00:05.500Z",
     ]
+
+
+def test_counts_agree_with_their_nouns_and_the_api_line_says_when_there_is_none():
+    """Regression (issue 47, item 15): the sidebar said "1 threads" and Submit "1 full blocks of 16"."""
+    from app.ui import api_text, plural
+
+    assert [plural(1, "thread"), plural(4, "thread"), plural(1_024, "full block")] == ["1 thread", "4 threads", "1,024 full blocks"]
+    assert plural(0, "copy", "copies") == "0 copies"
+    assert api_text(None) == "OpenAI-compatible API: no API"
+    assert api_text("http://127.0.0.1:8000") == "OpenAI-compatible API: `http://127.0.0.1:8000`"

@@ -137,3 +137,14 @@ def test_a_negative_pool_is_refused_with_the_reason_and_the_confirmation_names_t
     at.selectbox(key="settings_layout").select("sliding")
     next(b for b in at.button if b.label == "Restart with these settings…").click().run()
     assert "eviction, attention every layer sliding (64-token window, backtrack 0)" in texts(at)
+
+
+def test_settings_shows_where_the_api_serves_or_that_there_is_none(console_env, monkeypatch):
+    """Regression (issue 47, item 15): neither Settings nor the sidebar said where the API was."""
+    at = open_page("settings")
+    table = at.table[0].value
+    assert dict(zip(table["setting"], table["value"]))["OpenAI-compatible API"] == "no API"
+    monkeypatch.setattr(type(host()), "api_url", property(lambda self: "http://127.0.0.1:8000"), raising=False)
+    at.run()
+    table = at.table[0].value
+    assert dict(zip(table["setting"], table["value"]))["OpenAI-compatible API"] == "http://127.0.0.1:8000"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+from engine.core.request import SamplingParams
 from serving.prompts import encode_chat, encode_text
 from tests.test_app_support import (  # noqa: F401  (console_env is a fixture)
     console_env,
@@ -67,7 +68,7 @@ def test_submitted_prompt_runs_to_the_end_and_streams_its_output(console_env):
     assert at.multiselect(key="submit_watch").value == ["req-0"]
     assert "**req-0** · `finished` (length)" in texts(at)
     assert "6/6 new tokens" in [p.proto.text for p in at.get("progress")]
-    table = at.dataframe[-1].value
+    table = at.dataframe[0].value  # the Requests table, first on the page
     row = table[table["request"] == "req-0"].iloc[0]
     assert (row["status"], row["output tokens"], row["hit source"]) == ("finished", 6, "none")
 
@@ -143,11 +144,30 @@ def test_the_requests_table_sets_a_width_for_every_column(console_env):
     """Regression: the 14-column requests table was cut off at 1,500 px; every column now has a compact
     header and a width (their sum fits a 1,400 px window)."""
     at, _ = page_with_retained_request()
-    table = at.dataframe[-1]
+    table = at.dataframe[0]  # the Requests table leads the page
     columns = json.loads(table.proto.columns)
     widths = {name: column["width"] for name, column in columns.items() if not column.get("hidden")}
     assert set(widths) == set(table.value.columns) and len(widths) == 14
     assert sum(widths.values()) <= 1_000
+    # Regression (issue 47, item 15): "finish" was 56 px, "the client disconnected" showed as "the clien…".
+    assert widths["finish"] >= 152  # the reason's 136 px of 14 px text and the cell's padding
+
+
+def test_the_requests_table_leads_the_page_and_finds_a_request_by_id(console_env):
+    """Regression (issue 47, item 14b): the table sat at the bottom of the page, about 1,600 px down,
+    with no way to look one request up."""
+    engine = host().console.engine
+    for number in range(12):
+        engine.submit(list(range(10 + number, 30 + number)), SamplingParams(max_new_tokens=1))
+    wait_idle()
+    at = open_page("submit")
+    no_exceptions(at)
+    assert [h.value for h in at.subheader][:2] == ["Requests", "Prompt"]
+    assert len(at.dataframe[0].value) == 12
+    at.text_input(key="submit_find").input("REQ-11").run()
+    assert at.dataframe[0].value["request"].tolist() == ["req-11"]
+    at.text_input(key="submit_find").input("nobody").run()
+    assert "No request's id or parent's id holds “nobody”." in texts(at)
 
 
 def test_bad_inputs_show_an_error_and_change_nothing(console_env):

@@ -37,7 +37,7 @@ def test_sdk_chat_requests_show_in_the_console_and_the_why_page_shows_the_dates(
                 go(page, "Blocks")
                 expect(main.get_by_text(ids[1]).first).to_be_visible()  # the API's request holds blocks here
                 go(page, "Submit & fork")
-                table = main.locator("[data-testid='stDataFrame']").last
+                table = main.locator(".st-key-submit_requests [data-testid='stDataFrame']")
                 expect(table).to_contain_text(ids[1])
                 expect(table).to_contain_text(ids[0])
                 go(page, "Why did it miss?")

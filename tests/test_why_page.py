@@ -93,3 +93,15 @@ def test_a_request_not_in_the_history_yet_is_explained_once_it_lands_without_ref
     assert not at.exception
     assert at.metric[0].value == "new"
     assert not any("not in the history" in warning.value for warning in at.warning)
+
+
+def test_the_runs_misses_by_cause_have_plain_column_headers(console_env):  # noqa: F811
+    """Regression (issue 47, item 15): the summary's header read `missed_tokens`, a raw JSON key."""
+    engine = host().console.engine
+    request = engine.submit(encode_text(engine.tokenizer, SYSTEM + "2026-12-03. Be brief."), SamplingParams(max_new_tokens=1))
+    wait_for(lambda: engine.get(request).status == "finished", "the request")
+    host().writer.flush(timeout_s=30)
+    wait_for(lambda: find_request(host().db, request) is not None, "the request in the history")
+    at = open_page("why")
+    assert not at.exception
+    assert list(at.dataframe[0].value.columns) == ["cause", "requests", "missed tokens"]
