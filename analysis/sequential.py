@@ -17,7 +17,8 @@ every policy and is the one the one-pass LRU curve (`analysis.stack_distance`) i
 caches nothing.
 
 The policies the engine ships (LRU, reuse-LRU) run through the engine's own block pool
-(`analysis.pool_replay.PoolCache`, the same rule); the others through `SequentialCache` here.
+(`analysis.pool_replay.PoolCache`, the same rule); OPT through `analysis.belady.BeladyCache` (the same
+cache as `SequentialCache` under `BeladyPolicy`, in one loop); the others through `SequentialCache` here.
 
 The infinite cache keeps every block it has seen: its hits are the workload's maximum.
 """
@@ -30,7 +31,7 @@ from typing import Protocol
 
 import numpy as np
 
-from analysis.belady import BeladyPolicy
+from analysis.belady import BeladyCache, BeladyPolicy
 from analysis.policies import FifoPolicy, KeyEvictionPolicy, LfuPolicy, Policy
 from analysis.pool_replay import PoolCache
 from analysis.trace import Trace
@@ -191,9 +192,17 @@ def simulate(
     # A cache that holds every distinct block never evicts, so every larger one hits the same: it is
     # built no larger (a block pool's blocks are objects, and a capacity is typed by an operator).
     size = min(capacity_blocks, trace.unique_blocks)
-    cache: SequentialCache | PoolCache
+    if size and size == trace.unique_blocks and (pool_policy is None or pool_keys is not None):
+        # Nor is it simulated: each request hits the leading blocks seen before, the infinite cache's hits,
+        # whatever the policy. (A pool policy without keys still runs: a trace it cannot replay is refused.)
+        if on_requests is not None:
+            on_requests(len(trace))
+        return PolicyRun(policy, capacity_blocks, infinite_hit_blocks(trace), () if record_evictions else None)
+    cache: SequentialCache | PoolCache | BeladyCache
     if size == 0:  # caches nothing, whatever the policy (a block pool has at least one block)
         cache = SequentialCache(0, FifoPolicy(), record_evictions=record_evictions)
+    elif policy is Policy.OPT:  # SequentialCache under BeladyPolicy, in one loop (analysis.belady)
+        cache = BeladyCache(trace.dense.ids, trace.unique_blocks, size, record_evictions=record_evictions)
     elif pool_policy is not None:
         engine_policy = make_eviction_policy(pool_policy, size)
         cache = PoolCache(trace, size, engine_policy, keys=pool_keys, record_evictions=record_evictions)

@@ -11,12 +11,15 @@ brute force confirms).
 
 from __future__ import annotations
 
+import numpy as np
+import pytest
 from hypothesis import given, settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
+from analysis.belady import BeladyCache, next_uses
 from analysis.policies import FifoPolicy, LfuPolicy, Policy
-from analysis.pool_replay import PoolCache
-from analysis.sequential import SequentialCache, infinite_hit_blocks, make_policy, simulate
+from analysis.pool_replay import PoolCache, prefix_keys
+from analysis.sequential import SequentialCache, infinite_hit_blocks, make_policy, replay, simulate
 from engine.core.eviction import make_eviction_policy
 from tests.analysis_support import BLOCK_SIZE, any_chains, best_hit_blocks, best_hit_tokens, prefix_chains, trace_of
 
@@ -208,3 +211,51 @@ def test_opt_can_lose_on_a_trace_whose_ids_change_parents():
     assert simulate(trace, Policy.OPT, 6).hit_blocks.tolist() == [0, 1, 0, 0, 1, 0]
     assert simulate(trace, Policy.LFU, 6).hit_blocks.tolist() == [0, 1, 0, 0, 0, 2]
     assert best_hit_blocks(chains, 6) == 3
+
+
+@settings(max_examples=200, deadline=None)
+@given(chains=st.one_of(prefix_chains(), any_chains()), capacity=st.integers(0, 8))
+def test_the_one_loop_opt_cache_serves_as_the_policy_object_does_victim_for_victim(chains, capacity):
+    """BeladyCache (the analyzer's OPT) against SequentialCache under BeladyPolicy: the same hits and the
+    same victims in the same order, on prefix traces and on traces whose ids change parents, with
+    requests larger than the cache."""
+    trace = trace_of(chains)
+    reference = SequentialCache(capacity, make_policy(Policy.OPT, trace), record_evictions=True)
+    fast = BeladyCache(trace.dense.ids, trace.unique_blocks, capacity, record_evictions=True)
+    ids, starts = trace.dense.ids.tolist(), trace.block_starts.tolist()
+    for request in range(len(trace)):
+        blocks = ids[starts[request] : starts[request + 1]]
+        assert fast.serve(blocks) == reference.serve(blocks)
+        fast.check_invariants()
+        assert len(fast) == len(reference) and fast.evictions == reference.evictions
+
+
+def test_the_one_loop_opt_cache_refuses_a_request_out_of_the_traces_order():
+    trace = trace_of([[1, 2], [3]])
+    cache = BeladyCache(trace.dense.ids, trace.unique_blocks, 2)
+    with pytest.raises(ValueError, match="not the trace's next one"):
+        cache.serve(trace.dense.ids.tolist()[2:])
+
+
+def test_next_uses_name_each_references_next_position_or_never():
+    assert next_uses(np.array([5, 7, 5, 5, 7, 9])).tolist() == [2, 4, 3, -1, -1, -1]
+
+
+@settings(max_examples=60, deadline=None)
+@given(chains=prefix_chains(), extra=st.integers(0, 3))
+def test_a_cache_holding_every_block_hits_as_its_simulation_does_without_being_simulated(chains, extra):
+    """`simulate` reads a cache of at least every distinct block off the infinite cache: the same hits,
+    and no evictions, as the policy's own cache gives when it serves the trace."""
+    trace = trace_of(chains)
+    size = trace.unique_blocks
+    keys = prefix_keys(trace)
+    for policy in Policy:
+        if policy.in_block_pool is not None:
+            cache = PoolCache(trace, size, make_eviction_policy(policy.in_block_pool, size), record_evictions=True)
+        elif policy is Policy.OPT:
+            cache = BeladyCache(trace.dense.ids, size, size, record_evictions=True)
+        else:
+            cache = SequentialCache(size, make_policy(policy, trace), record_evictions=True)
+        served = replay(trace, cache)
+        run = simulate(trace, policy, size + extra, record_evictions=True, pool_keys=keys)
+        assert run.hit_blocks.tolist() == served.tolist() and run.evictions == () == tuple(cache.evictions), policy
