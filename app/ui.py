@@ -173,17 +173,9 @@ def plural(count: int, word: str, many: str | None = None) -> str:
     return f"{count:,} {word if count == 1 else many or word + 's'}"
 
 
-def api_url_of(host: object) -> str | None:
-    """The URL the OpenAI-compatible API serves on for this console, or None when it serves none."""
-    url = getattr(host, "api_url", None)
-    if url is None:  # a host that keeps the server itself
-        url = getattr(getattr(host, "api", None), "url", None)
-    return url
-
-
 def api_text(url: str | None) -> str:
-    """The API's address as the sidebar and Settings say it (markdown)."""
-    return "OpenAI-compatible API: no API" if url is None else f"OpenAI-compatible API: `{url}`"
+    """Where clients send OpenAI requests (the API's routes are under /v1), or "no API"."""
+    return "no API" if url is None else f"{url}/v1"
 
 
 def age(epoch: float, now: float | None = None) -> str:

@@ -12,7 +12,7 @@ import streamlit as st
 from sqlalchemy import make_url
 
 from app.hosting import get_host
-from app.ui import api_url_of, expect_in_history, fmt_duration, fmt_time
+from app.ui import api_text, expect_in_history, fmt_duration, fmt_time
 from engine.core.config import DTYPES, MAX_BATCHED_TOKENS, MAX_BLOCK_SIZE, MAX_NUM_BLOCKS, EngineConfig
 from engine.core.eviction import EvictionPolicyName
 from engine.core.kv_memory import check_pool_fits, kv_bytes_per_block, machine_memory_bytes, pool_bytes
@@ -81,7 +81,7 @@ st.table(
                 str(config.resolved_data_dir),
                 console.run_id,
                 f"{fmt_time(console.started_at)} ({fmt_duration(time.time() - console.started_at)} ago)",
-                api_url_of(host) or "no API",
+                api_text(host.api_url),
             ],
         }
     )

@@ -177,5 +177,5 @@ def test_counts_agree_with_their_nouns_and_the_api_line_says_when_there_is_none(
 
     assert [plural(1, "thread"), plural(4, "thread"), plural(1_024, "full block")] == ["1 thread", "4 threads", "1,024 full blocks"]
     assert plural(0, "copy", "copies") == "0 copies"
-    assert api_text(None) == "OpenAI-compatible API: no API"
-    assert api_text("http://127.0.0.1:8000") == "OpenAI-compatible API: `http://127.0.0.1:8000`"
+    assert api_text(None) == "no API"
+    assert api_text("http://127.0.0.1:8000") == "http://127.0.0.1:8000/v1"

@@ -147,4 +147,4 @@ def test_settings_shows_where_the_api_serves_or_that_there_is_none(console_env, 
     monkeypatch.setattr(type(host()), "api_url", property(lambda self: "http://127.0.0.1:8000"), raising=False)
     at.run()
     table = at.table[0].value
-    assert dict(zip(table["setting"], table["value"]))["OpenAI-compatible API"] == "http://127.0.0.1:8000"
+    assert dict(zip(table["setting"], table["value"]))["OpenAI-compatible API"] == "http://127.0.0.1:8000/v1"
