@@ -23,7 +23,7 @@ engine = console.engine
 tokenizer = console.tokenizer
 block_size = console.config.block_size
 state = st.session_state
-FINISH_PX = 168  # the finish column: an abort reason as long as "the client disconnected", whole
+FINISH_PX = 152  # the finish column: an abort reason as long as "the client disconnected" (136 px), whole
 TABLE_PX = 250  # the Requests table's most height: about six rows, the rest scrolls
 
 available_modes = [
@@ -48,10 +48,14 @@ st.title("Submit & fork")
 # ---------------------------------------------------------------- requests (every request, found by id)
 
 
-REQUEST_TABLE_COLUMNS = {  # compact headers and pixel widths: all 14 columns fit a 1,400 px window
-    "request": st.column_config.TextColumn("request", width=124),  # whole ids ("scenario-3-child-1")
-    "parent": st.column_config.TextColumn("parent", width=116),
+REQUEST_TABLE_COLUMNS = {  # compact headers and pixel widths, in the table's order: all 14 columns fit the
+    # 979 px of main area a 1,440 px window leaves beside the sidebar (measured)
+    "request": st.column_config.TextColumn("request", width=120),  # whole ids ("scenario-3-child-1")
+    "parent": st.column_config.TextColumn("parent", width=108),
     "status": st.column_config.TextColumn("status", width=68),
+    "finish": st.column_config.TextColumn(
+        "finish", width=FINISH_PX, help="Why it ended: length, eos, stop, or why it was aborted or refused"
+    ),
     "retain": st.column_config.CheckboxColumn("kept", width=40, help="Retained: keeps its blocks after it finishes"),
     "prompt tokens": st.column_config.NumberColumn("prompt", width=56, help="Prompt tokens (a fork's inherited context included)"),
     "output tokens": st.column_config.NumberColumn("output", width=54),
@@ -59,11 +63,8 @@ REQUEST_TABLE_COLUMNS = {  # compact headers and pixel widths: all 14 columns fi
     "computed tokens": st.column_config.NumberColumn("computed", width=68, help="Prefill tokens run through the model"),
     "hit source": st.column_config.TextColumn("source", width=56, help="prefix (index hit), fork, or none"),
     "cow copies": st.column_config.NumberColumn("CoW", width=40, help="Copy-on-write copies its writes made"),
-    "preemptions": st.column_config.NumberColumn("preempt", width=58),
-    "TTFT ms": st.column_config.NumberColumn("TTFT ms", width=56, format="%.0f"),
-    "finish": st.column_config.TextColumn(
-        "finish", width=FINISH_PX, help="Why it ended: length, eos, stop, or why it was aborted or refused"
-    ),
+    "preemptions": st.column_config.NumberColumn("preempt", width=62),
+    "TTFT ms": st.column_config.NumberColumn("TTFT ms", width=64, format="%.0f"),
     "blocks": st.column_config.NumberColumn("blocks", width=48, help="Blocks it holds (or ended with)"),
 }
 
@@ -79,7 +80,8 @@ def request_table() -> None:
     if frame.empty:
         st.caption(f"No request's id or parent's id holds “{wanted}”." if wanted else "No requests yet.")
     else:
-        st.dataframe(frame, hide_index=True, height=min(TABLE_PX, 38 + 35 * len(frame)), column_config=REQUEST_TABLE_COLUMNS)
+        st.dataframe(frame, hide_index=True, height=min(TABLE_PX, 38 + 35 * len(frame)),
+                     column_config=REQUEST_TABLE_COLUMNS, column_order=list(REQUEST_TABLE_COLUMNS))  # fmt: skip
 
 
 with st.container(key="submit_requests"):  # first on the page: every request, in one place

@@ -68,6 +68,9 @@ def test_the_prefix_tree_of_fifty_requests_and_the_overview_charts_read_at_1440_
             apply_text(page, "Submit & fork", "Suffixes, one child per line", suffixes, shown=fork)
             fork.click()
             expect(main.get_by_text(f"Forked req-0 into {NUM_CHILDREN} children")).to_be_visible()
+            expect(requests.get_by_text(f"req-{NUM_CHILDREN}", exact=False).first).to_be_attached()
+            requests.scroll_into_view_if_needed()
+            page.screenshot(path=str(ARTIFACTS / "browser-submit-requests.png"))  # the table, at the top
 
             go(page, "Prefix tree")
             expect(main.get_by_text(re.compile(rf"drawn as {NUM_CHILDREN + 1}"))).to_be_visible()
