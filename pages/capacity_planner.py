@@ -205,7 +205,7 @@ dtype = c[1].selectbox(
     f"(this console runs {console.config.dtype})",
 )  # fmt: skip
 if model_source == THIS_MODEL:
-    shape_values = (loaded.num_layers, loaded.num_kv_heads, loaded.head_dim, loaded.model.num_parameters())
+    shape_values = (loaded.num_layers, loaded.num_kv_heads, loaded.head_dim, loaded.num_parameters)
     c[0].caption(
         f"{loaded.model_id}: {loaded.num_layers} layers, {loaded.num_kv_heads} KV heads of {loaded.head_dim}, "
         f"{shape_values[3] / 1e6:,.0f} M parameters"

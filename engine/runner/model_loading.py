@@ -83,6 +83,11 @@ class LoadedModel:
     def vocab_size(self) -> int:
         return self.model.config.vocab_size
 
+    @property
+    def num_parameters(self) -> int:
+        """The model's parameter count (what its weights take is this times its dtype's bytes)."""
+        return self.model.num_parameters()
+
 
 def resolve_device(device: str) -> torch.device:
     """"auto" -> the first CUDA device when present, else CPU; anything else is parsed as given."""
