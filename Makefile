@@ -12,7 +12,7 @@ MODEL    ?= smollm2
 DB       ?= sqlite:///$(CURDIR)/data/history.sqlite
 ENGINE   ?=
 
-.PHONY: install native system-deps run test bench live-vllm peer-vllm
+.PHONY: install native system-deps run test bench live-vllm peer-vllm serving-peer soak
 
 $(STAMP): requirements.txt requirements-interop.txt
 	python3 -m venv $(VENV)
@@ -108,3 +108,13 @@ live-vllm: install $(VLLM_STAMP)
 # on 2 quiet cores, vLLM's first start compiles for several; not part of `make test`). PEER_ARGS=--quick: small cells.
 peer-vllm: install $(VLLM_STAMP)
 	$(PY) benchmarks/peer_vllm.py $(PEER_ARGS)
+
+# This engine's server against vLLM's OpenAI server (CPU build) through the openai SDK, the four cells of
+# benchmarks/serving_peer.py, interleaved, fp32 then bf16 (tens of minutes; not part of `make test`).
+serving-peer: install $(VLLM_STAMP)
+	$(PY) benchmarks/serving_peer.py $(PEER_ARGS)
+
+# 20,000 short requests through the engine server's API: RSS, /metrics and the console's data no slower,
+# every finished request in the history (several minutes; not part of `make test`).
+soak: install
+	$(PY) benchmarks/soak.py $(SOAK_ARGS)

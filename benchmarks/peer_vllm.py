@@ -63,11 +63,13 @@ class Cell:
     new_tokens: int
     cached: bool  # the shared prefix is in the cache before the timed batch
     dtype: str
+    idle_s: float = 0.0  # the engine idles this long between the warm-up and the timed batch
 
 
 CELLS = (
     Cell("1 request, prefix cached, 1 new token (TTFT)", 1, 1, True, "float32"),
     Cell("1 request, prefix cached, 8 new tokens", 1, 8, True, "float32"),
+    Cell("1 request, prefix cached, 8 new tokens, after 5 s idle", 1, 8, True, "float32", idle_s=5.0),
     Cell("1 request, cold, 8 new tokens", 1, 8, False, "float32"),
     Cell("8 requests, prefix cached, 8 new tokens", 8, 8, True, "float32"),
     Cell("8 requests, cold, 8 new tokens", 8, 8, False, "float32"),
@@ -190,6 +192,7 @@ def measure(worker: Worker, cell: Cell, warm: list[int], prompts: list[list[int]
     worker.ask({"op": "reset"})
     if cell.cached:
         worker.ask({"op": "run", "prompts": [warm], "max_tokens": 1})
+    time.sleep(cell.idle_s)  # a request after a pause: what an operator's click and most API traffic are
     return worker.ask({"op": "run", "prompts": prompts, "max_tokens": cell.new_tokens})
 
 

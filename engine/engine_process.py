@@ -1,9 +1,10 @@
 """The engine stepping in a process of its own, as vLLM V1 runs its EngineCore.
 
-    spec = EngineProcessSpec(config, inbox="ipc:///tmp/x/in", outbox="ipc:///tmp/x/out", db_url=None)
+    spec = EngineProcessSpec(config, inbox="ipc:///tmp/x/in", outbox="ipc:///tmp/x/out", history=None)
     multiprocessing.get_context("spawn").Process(target=run_engine_process, args=(spec,)).start()
 
-The process owns the model, the KV pool, the scheduler and (with `db_url`) the history writer. Its loop:
+The process owns the model, the KV pool, the scheduler and (with `history`, storage's `EngineHistory`,
+which this module knows only by its methods) the history writer. Its loop:
 
     drain the inbox          every command that arrived (submit, fork, release, abort, reset, get, ...)
     step                     one schedule + forward + post-process, when there is work
@@ -65,7 +66,7 @@ class EngineProcessSpec:
     config: EngineConfig
     inbox: str  # ZeroMQ endpoint the parent PUSHes commands to (the child connects a PULL)
     outbox: str  # ZeroMQ endpoint the child PUSHes messages to (the parent binds a PULL)
-    db_url: str | None = None  # write the history here (a WriterProcess), or nowhere
+    history: Any = None  # storage.write.recorder.EngineHistory (next_request_number, open, writer, close), or None
 
 
 @dataclass(frozen=True)
@@ -205,11 +206,12 @@ def run_engine_process(spec: EngineProcessSpec) -> None:
 class _EngineLoop:
     """The engine and what the loop keeps beside it (the child's side of the module docstring)."""
 
-    def __init__(self, engine: Any, writer: Any, feeds: Any, send: Any) -> None:
+    def __init__(self, engine: Any, history: Any, feeds: Any, send: Any) -> None:
         from engine.feeds.metrics_server import BlockResidency, engine_registry
 
         self.engine = engine
-        self.writer = writer
+        self.history = history
+        self.writer = None if history is None else history.writer
         self.feeds = feeds
         self._send = send
         self._changed: list[RequestView] = []
@@ -228,35 +230,19 @@ class _EngineLoop:
         from engine.engine import Engine
         from engine.feeds.outbound import open_feeds
 
-        writer = run_id = None
-        first_number = 0
-        if spec.db_url is not None:
-            from storage.db import db_engine
-            from storage.read.queries import next_request_number
-            from storage.write.writer_process import WriterProcess
-
-            writer = WriterProcess(spec.db_url)
-            db = db_engine(spec.db_url)
-            try:
-                first_number = next_request_number(db)
-            except Exception:  # an empty or unreadable history: ids start at 0 (the writer reports errors)
-                first_number = 0
-            finally:
-                db.dispose()
+        history = spec.history
+        first_number = 0 if history is None else history.next_request_number()
+        engine = Engine(spec.config, first_request_number=first_number)
+        engine.warm_up()
+        started = time.time()
+        run_id = None if history is None else history.open(engine)
         try:
-            engine = Engine(spec.config, first_request_number=first_number)
-            engine.warm_up()
-            started = time.time()
-            if writer is not None:
-                from storage.write.recorder import record_engine
-
-                run_id = record_engine(engine, writer)
             feeds = open_feeds(engine)
         except BaseException:
-            if writer is not None:
-                writer.close(timeout_s=5)
+            if history is not None:
+                history.close()
             raise
-        loop = cls(engine, writer, feeds, send)
+        loop = cls(engine, history, feeds, send)
         send(READY, engine_info(engine, run_id, started))
         return loop
 
@@ -334,6 +320,6 @@ class _EngineLoop:
         self.engine.stop()
         if self.feeds is not None:
             self.feeds.close()
-        if self.writer is not None:
-            self.writer.close(timeout_s=10)
+        if self.history is not None:
+            self.history.close()
 

@@ -16,6 +16,13 @@ where the kernel reports CPU pressure) and the runner's thread governor (engine/
 drops threads while tasks wait for a CPU (`cpu_stall_us`). Where the kernel does not report pressure,
 the workers sleep (PASSIVE), as before.
 
+oneDNN (the linears above the panel kernel's rows, ATen's CPU kernels) caches one compiled primitive per
+distinct shape, 1,024 by default, each holding its code and scratch: an engine that serves prompts of
+every length grew its RSS by about 120 MB over 6,000 short requests and was still growing. At
+ONEDNN_CACHE_CAPACITY primitives (unless the operator set ONEDNN_PRIMITIVE_CACHE_CAPACITY) the same run
+stays flat after its first 2,000 requests (tiny-chat, `benchmarks/soak.py`); a shape that left the cache
+is compiled again when it comes back (tens of microseconds, beside a step's milliseconds).
+
 Stdlib only: the console and the CLI call `set_openmp_defaults` before anything imports torch.
 """
 
@@ -28,6 +35,8 @@ from pathlib import Path
 CPU_PRESSURE = Path("/proc/pressure/cpu")  # Linux pressure stall information (kernel 4.20+, CONFIG_PSI)
 OPENMP_SETTINGS = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")  # what an operator (or a benchmark) sets itself
 SPIN_COUNT = 10_000  # libgomp spins before sleeping: about 0.1 ms (its documentation: ~100,000 spins a ms)
+ONEDNN_CACHE = "ONEDNN_PRIMITIVE_CACHE_CAPACITY"
+ONEDNN_CACHE_CAPACITY = 128  # compiled oneDNN primitives kept (its default, 1,024, let a server grow for hours)
 
 
 def cpu_stall_us(path: Path = CPU_PRESSURE) -> int | None:
@@ -49,9 +58,11 @@ def cpu_stall_us(path: Path = CPU_PRESSURE) -> int | None:
 def set_openmp_defaults(environ: MutableMapping[str, str] = os.environ, path: Path = CPU_PRESSURE) -> str:
     """Choose how OpenMP workers wait, unless the operator already did (OMP_WAIT_POLICY or GOMP_SPINCOUNT).
 
-    Must run before torch loads (libgomp reads its environment once). Returns the setting in force, as
-    "NAME=value" ("operator" when the operator's own setting stands).
+    Also bounds oneDNN's primitive cache (ONEDNN_PRIMITIVE_CACHE_CAPACITY, unless the operator set it).
+    Must run before torch loads (libgomp and oneDNN read their environment once). Returns the OpenMP
+    setting in force, as "NAME=value" ("operator" when the operator's own setting stands).
     """
+    environ.setdefault(ONEDNN_CACHE, str(ONEDNN_CACHE_CAPACITY))
     if any(name in environ for name in OPENMP_SETTINGS):
         return "operator"
     if cpu_stall_us(path) is None:

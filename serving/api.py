@@ -349,7 +349,7 @@ async def _respond(
     texts = [ChoiceText(binding.engine.tokenizer, params.stop_sequences()) for _ in samplings]
     include_usage = params.stream_options is not None and params.stream_options.include_usage
     logprobs = _Logprobs(binding.engine.tokenizer, chat, len(samplings)) if params.num_logprobs() is not None else None
-    shape = _Shape(generation.request_id, binding.model_name, chat, logprobs, include_usage)
+    shape = _Shape(generation.request_id, binding.model_name, chat, logprobs, include_usage, params.return_token_ids)
     if params.stream:
         return _EventStream(_events(request, generation, texts, shape), media_type="text/event-stream")
     choices: list[dict[str, Any]] = [{"text": "", "token_ids": [], "finish_reason": None, "logprobs": None}
@@ -406,9 +406,11 @@ class _Shape:
     """The JSON of one response: completion or chat, whole or in chunks."""
 
     def __init__(
-        self, request_id: str, model: str, chat: bool, logprobs: _Logprobs | None, include_usage: bool
+        self, request_id: str, model: str, chat: bool, logprobs: _Logprobs | None, include_usage: bool,
+        token_ids: bool = True,
     ) -> None:
         self.request_id = request_id
+        self.token_ids = token_ids  # choices carry their token ids (vLLM's return_token_ids)
         self.model = model
         self.chat = chat
         self.logprobs = logprobs  # None: the request asked for none
@@ -430,8 +432,9 @@ class _Shape:
         return self.logprobs.of(update.index, update.token_ids, new)
 
     def delta(self, update: ChoiceUpdate, logprobs: dict[str, Any] | None) -> dict[str, Any]:
-        common = {"index": update.index, "logprobs": logprobs, "finish_reason": update.finish_reason,
-                  "token_ids": update.token_ids}  # fmt: skip
+        common = {"index": update.index, "logprobs": logprobs, "finish_reason": update.finish_reason}
+        if self.token_ids:
+            common["token_ids"] = update.token_ids
         if self.chat:
             return {**common, "delta": {"content": update.text} if update.text else {}}
         return {**common, "text": update.text}
@@ -443,7 +446,9 @@ class _Shape:
             if logprobs is None and self.logprobs is not None:
                 logprobs = self.logprobs.of(index, [], ())  # asked for, and no token came
             common = {"index": index, "logprobs": logprobs, "finish_reason": choice["finish_reason"],
-                      "token_ids": choice["token_ids"], "request_id": request_id}  # fmt: skip
+                      "request_id": request_id}  # fmt: skip
+            if self.token_ids:
+                common["token_ids"] = choice["token_ids"]
             if self.chat:
                 out.append({**common, "message": {"role": "assistant", "content": choice["text"]}})
             else:

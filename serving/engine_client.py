@@ -37,6 +37,7 @@ from typing import Any
 import zmq
 
 from engine.core.config import EngineConfig
+from storage.write.recorder import EngineHistory
 from engine.core.snapshot import EngineSnapshot, PoolStats
 from engine.engine_process import (
     DIED, READY, REPLY, SNAPSHOT, SNAPSHOT_NOW, START_FAILED, STEP, STOP, WANT_SNAPSHOTS,
@@ -109,7 +110,8 @@ class EngineClient:
         outbox.setsockopt(zmq.LINGER, 0)
         inbox.bind(f"ipc://{tmpdir}/inbox")
         outbox.bind(f"ipc://{tmpdir}/outbox")
-        spec = EngineProcessSpec(config, f"ipc://{tmpdir}/inbox", f"ipc://{tmpdir}/outbox", db_url)
+        history = None if db_url is None else EngineHistory(db_url)  # opened in the engine process
+        spec = EngineProcessSpec(config, f"ipc://{tmpdir}/inbox", f"ipc://{tmpdir}/outbox", history)
         process = multiprocessing.get_context("spawn").Process(target=run_engine_process, args=(spec,),
                                                                name="prefix-engine")  # fmt: skip
         process.start()

@@ -95,6 +95,7 @@ class SamplingFields(BaseModel):
     frequency_penalty: Number = 0.0
     logit_bias: dict[StrictStr, Number] | None = None  # token id (as a string, as OpenAI) -> bias in [-100, 100]
     ignore_eos: StrictBool = False  # vLLM's extension
+    return_token_ids: StrictBool = True  # vLLM's extension; this server's choices carry them unless told not to
     cache_salt: Annotated[StrictStr, Field(max_length=MAX_SALT_LEN)] | None = None  # vLLM's: the tenant salt
     logprobs_param: ClassVar[str] = "logprobs"  # the parameter that sets how many likeliest tokens to report
 

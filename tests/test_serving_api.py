@@ -218,6 +218,17 @@ def test_streamed_chunks_with_include_usage_carry_a_null_usage_until_the_last(se
     finally:
         connection.close()
     chunks = [json.loads(line[len("data: "):]) for line in lines if line.startswith("data: {")]
-    assert len(chunks) >= 4 and all("usage" in chunk for chunk in chunks)
+    # A token chunk or more (a reader that falls a step behind gets two steps' tokens in one), then the usage.
+    assert len(chunks) >= 2 and all("usage" in chunk for chunk in chunks)
+    assert sum(len(choice.get("token_ids", [])) for chunk in chunks for choice in chunk["choices"]) == 3
     assert [chunk["usage"] for chunk in chunks[:-1]] == [None] * (len(chunks) - 1)
     assert chunks[-1]["usage"]["completion_tokens"] == 3 and chunks[-1]["choices"] == []
+
+
+def test_return_token_ids_is_vllms_switch_for_the_token_ids_the_choices_carry(served: Served) -> None:
+    """vLLM's clients send `return_token_ids`: taken (not refused as an unknown field), and false drops them."""
+    common = {"model": MODEL, "prompt": "hello there", "max_tokens": 2, "temperature": 0}
+    status, body = post_json(served.server, "/v1/completions", {**common, "return_token_ids": True})
+    assert status == 200 and len(body["choices"][0]["token_ids"]) == 2
+    status, body = post_json(served.server, "/v1/completions", {**common, "return_token_ids": False})
+    assert status == 200 and "token_ids" not in body["choices"][0]

@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.openmp import SPIN_COUNT, cpu_stall_us, set_openmp_defaults
+from engine.openmp import ONEDNN_CACHE, ONEDNN_CACHE_CAPACITY, SPIN_COUNT, cpu_stall_us, set_openmp_defaults
 from engine.runner.thread_governor import IDLE_RESET_S, MAX_HOLD_S, MIN_HOLD_S, WINDOW_S, ThreadGovernor
 
 
@@ -226,12 +226,51 @@ def test_the_pressure_counter_is_the_some_lines_total(tmp_path):
 def test_openmp_workers_spin_briefly_only_where_pressure_is_reported_and_the_operator_decides_first(tmp_path):
     reported, absent = tmp_path / "cpu", tmp_path / "absent"
     reported.write_text(PRESSURE_FILE)
+    bounded = {ONEDNN_CACHE: str(ONEDNN_CACHE_CAPACITY)}
     environ: dict[str, str] = {}
     assert set_openmp_defaults(environ, reported) == f"GOMP_SPINCOUNT={SPIN_COUNT}"
-    assert environ == {"GOMP_SPINCOUNT": str(SPIN_COUNT)}
+    assert environ == {"GOMP_SPINCOUNT": str(SPIN_COUNT), **bounded}
     environ = {}
     assert set_openmp_defaults(environ, absent) == "OMP_WAIT_POLICY=PASSIVE"
-    assert environ == {"OMP_WAIT_POLICY": "PASSIVE"}
+    assert environ == {"OMP_WAIT_POLICY": "PASSIVE", **bounded}
     for own in ({"OMP_WAIT_POLICY": "ACTIVE"}, {"GOMP_SPINCOUNT": "0"}):
         environ = dict(own)
-        assert set_openmp_defaults(environ, reported) == "operator" and environ == own
+        assert set_openmp_defaults(environ, reported) == "operator" and environ == {**own, **bounded}
+
+
+def test_onednns_primitive_cache_is_bounded_unless_the_operator_sized_it(tmp_path):
+    """Regression: at oneDNN's default (1,024 primitives) a server fed prompts of every length grew by about
+    120 MB over 6,000 requests (benchmarks/soak.py)."""
+    environ: dict[str, str] = {}
+    set_openmp_defaults(environ, tmp_path / "absent")
+    assert int(environ[ONEDNN_CACHE]) == ONEDNN_CACHE_CAPACITY <= 256
+    environ = {ONEDNN_CACHE: "1024"}
+    set_openmp_defaults(environ, tmp_path / "absent")
+    assert environ[ONEDNN_CACHE] == "1024"
+
+
+def test_the_metrics_say_how_long_the_forward_ran_at_each_thread_count_and_how_often_it_moved():
+    """Issue 47 item 16: the governor's moves were neither exported nor logged; /metrics carries them now."""
+    from dataclasses import fields
+    from types import SimpleNamespace
+
+    from prometheus_client import generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from engine.core.snapshot import PoolStats
+    from engine.feeds.metrics_server import BlockResidency, engine_registry
+
+    machine = Machine()
+    governor = machine.governor()
+    machine.run(governor, 2, stalled=0.01)
+    machine.run_until(governor, 1, stalled=0.9, limit_s=5)
+    machine.run(governor, 0.5, stalled=0.9)
+    stats = PoolStats(**{**{f.name: 0 for f in fields(PoolStats) if f.name != "groups"}, "num_blocks": 1})
+    engine = SimpleNamespace(stats=lambda: stats, loaded=SimpleNamespace(model_id="m"),
+                             forward_threads=lambda: governor.threads, thread_governor=governor)  # fmt: skip
+    text = generate_latest(engine_registry(engine, BlockResidency())).decode()
+    families = {family.name: family for family in text_string_to_metric_families(text)}
+    seconds = {s.labels["threads"]: s.value for s in families["prefix_console:forward_seconds"].samples}
+    assert seconds == pytest.approx({str(k): v for k, v in governor.time_at_threads().items()})
+    assert seconds["1"] > 0 and seconds["2"] > 0
+    assert families["prefix_console:forward_thread_changes"].samples[0].value == governor.changes == 1

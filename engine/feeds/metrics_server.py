@@ -8,6 +8,8 @@
     vllm:num_requests_running      gauge      requests running
     vllm:num_requests_waiting      gauge      requests waiting
     prefix_console:forward_threads gauge      threads the forward runs on now (engine/runner/thread_governor.py)
+    prefix_console:forward_seconds counter    seconds of stepping at each thread count (label `threads`)
+    prefix_console:forward_thread_changes counter  times the governor moved the thread count
     vllm:kv_block_lifetime_seconds           histogram  allocation -> eviction, per evicted block
     vllm:kv_block_idle_before_evict_seconds  histogram  last allocation, hit or release -> eviction
     vllm:kv_block_reuse_gap_seconds          histogram  between consecutive prefix hits of a block
@@ -150,6 +152,16 @@ class _EngineCollector:
             "Threads the engine's forward runs on now (fewer while other tasks wait for a CPU).",
             self._engine.forward_threads(),
         )
+        governor = getattr(self._engine, "thread_governor", None)
+        if governor is not None:  # a CPU forward on several threads: what the governor did, and for how long
+            seconds = CounterMetricFamily("prefix_console:forward_seconds",
+                                          "Seconds the forward stepped at each thread count.",
+                                          labels=[*LABELS, "threads"])  # fmt: skip
+            for threads, spent in sorted(governor.time_at_threads().items()):
+                seconds.add_metric([*labels, str(threads)], spent)
+            yield seconds
+            yield counter("prefix_console:forward_thread_changes", "Times the thread governor moved the count.",
+                          governor.changes)  # fmt: skip
         yield from self._residency.families(labels)
 
 

@@ -54,3 +54,45 @@ def persistence_listener(writer: EventWriter | WriterProcess) -> Callable[[list,
             writer.record_requests(views)
 
     return persist
+
+
+class EngineHistory:
+    """An engine's history in the database at `db_url`, opened inside the engine's own process.
+
+    Built (and pickled) by the process that starts the engine, holding only the URL; the engine process
+    calls `next_request_number` before it builds its engine, `open` once it is built (a run row, and a
+    WriterProcess fed by the engine's listener), and `close` when it stops (the rows handed over are
+    written first).
+    """
+
+    def __init__(self, db_url: str) -> None:
+        self.db_url = db_url
+        self.writer: WriterProcess | None = None  # once open
+        self.run_id: str | None = None
+
+    def next_request_number(self) -> int:
+        """Past every "req-N" in the history, so generated ids never repeat an earlier run's (0 when the
+        history cannot be read: the writer reports why)."""
+        from storage.db import db_engine
+        from storage.read.queries import next_request_number
+
+        db = db_engine(self.db_url)
+        try:
+            return next_request_number(db)
+        except Exception:
+            return 0
+        finally:
+            db.dispose()
+
+    def open(self, engine: Any) -> str:
+        """Start the writer process and a run for `engine`; returns the run id."""
+        from storage.write.writer_process import WriterProcess
+
+        self.writer = WriterProcess(self.db_url)
+        self.run_id = record_engine(engine, self.writer)
+        return self.run_id
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close(timeout_s=10)
+

@@ -1,0 +1,47 @@
+"""What the API keeps per request is let go when the request ends: after a few hundred requests (finished,
+stopped by a stop sequence, abandoned mid-stream, refused) the gateway routes nothing, the engine client
+waits for no reply, and the engine lists no more than its live requests and its ring of recent ones.
+(The long run is benchmarks/soak.py, `make soak`.)"""
+
+from __future__ import annotations
+
+import pytest
+
+from engine.engine import RECENT_ENDED
+from tests.serving_support import Served, serve, shut
+
+pytestmark = pytest.mark.timeout(600)
+
+
+@pytest.fixture(scope="module")
+def served(test_data_dir):
+    served = serve(test_data_dir)
+    yield served
+    shut(served)
+
+
+def test_a_few_hundred_requests_leave_nothing_behind_in_the_api_or_the_engine(served: Served) -> None:
+    client = served.client
+    for index in range(300):
+        kind = index % 4
+        if kind == 0:
+            client.completions.create(model="tiny-chat", prompt=f"item {index}", max_tokens=2, temperature=0)
+        elif kind == 1:
+            client.completions.create(model="tiny-chat", prompt=f"item {index}", max_tokens=8, temperature=0,
+                                      stop=["e"])  # fmt: skip
+        elif kind == 2:
+            stream = client.completions.create(model="tiny-chat", prompt=f"story {index}", max_tokens=64,
+                                               stream=True, extra_body={"ignore_eos": True})  # fmt: skip
+            next(iter(stream))
+            stream.close()  # the client leaves: the engine request is aborted
+        else:
+            with pytest.raises(Exception):
+                client.completions.create(model="tiny-chat", prompt=[10**6], max_tokens=2)  # out of vocabulary
+    binding = served.server._app.state.bindings.current()
+    engine_client = binding.engine
+    deadline_views = served.engine.requests()
+    assert binding.gateway.in_flight == 0
+    assert not engine_client._pending
+    assert len(deadline_views) <= RECENT_ENDED
+    assert len(engine_client.stats_history) <= engine_client.stats_history.maxlen
+    served.engine.check_invariants()
