@@ -32,7 +32,8 @@ MANIFEST = LIBRARY.with_suffix(".sources")  # the sources the library was built 
 # (cpuinfo flags required, compiler flags, ATen's name for the instruction set), best first.
 INSTRUCTION_SETS = (
     ({"avx512f", "avx512bw", "avx512vl", "avx512dq", "fma"}, ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma"], "AVX512"),
-    ({"avx2", "fma"}, ["-mavx2", "-mfma"], "AVX2"),
+    # torch's AVX2 headers convert halves with F16C (vec_half.h): without -mf16c they do not compile.
+    ({"avx2", "fma", "f16c"}, ["-mavx2", "-mfma", "-mf16c"], "AVX2"),
 )
 
 

@@ -10,7 +10,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.nn import functional as F
 
-from engine.runner.packed_linear import PANEL_ROWS, PANEL_WIDTH, WIDENED_BF16_ROWS, pack_weight, packed_linear, panel_rows
+from engine.runner.packed_linear import (
+    PANEL_ROWS, PANEL_WIDTH, WIDENED_BF16_ROWS, pack_weight, packed_linear, packs_linears, panel_rows,
+)
 from tests.engine_support import kernel_ops
 
 FLOAT32_EPS = 2.0**-24  # unit roundoff
@@ -90,6 +92,8 @@ def test_panel_linear_refuses_what_it_cannot_read():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_packed_linear_takes_the_panels_for_few_rows_and_onednn_above(dtype):
     kernel_ops()
+    if not packs_linears(torch.device("cpu"), dtype):
+        pytest.skip("this CPU has no oneDNN bf16 matmul (AVX-512 BW/VL/DQ or AVX-NE-CONVERT): bf16 runs on F.linear")
     generator = torch.Generator().manual_seed(3)
     weight = torch.randn(96, 80, generator=generator).to(dtype)
     bias = torch.randn(96, generator=generator).to(dtype)
@@ -127,3 +131,11 @@ def test_bf16_panels_hold_pairs_where_the_cpu_has_bf16_dot_products():
         assert torch.equal(panels[:, 3, :, 1], torch.zeros(2, 32, dtype=torch.bfloat16))
     else:
         assert panels.shape == (2, 7, 32) and panel_rows(panels) == WIDENED_BF16_ROWS
+
+
+def test_bf16_linears_stay_on_f_linear_where_onednn_has_no_bf16_matmul():
+    """Regression: on an AVX2-only CPU, packing a bf16 engine's linears raised in oneDNN's reorder (the
+    engine could not load a bf16 model at all)."""
+    supported = bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    assert packs_linears(torch.device("cpu"), torch.bfloat16) == (supported and torch.backends.mkldnn.is_available())
+    assert packs_linears(torch.device("cpu"), torch.float16) is False

@@ -109,8 +109,11 @@ def panel_rows(panels: torch.Tensor) -> int:
 
 
 def packs_linears(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether linears on this device and dtype run on packed weights (the CPU with oneDNN, fp32 or bf16)."""
-    return device.type == "cpu" and dtype in PACKED_DTYPES and torch.backends.mkldnn.is_available()
+    """Whether linears on this device and dtype run on packed weights (the CPU with oneDNN, fp32 or bf16;
+    bf16 only where oneDNN's bf16 matmul runs: AVX-512 BW/VL/DQ or AVX-NE-CONVERT, else `F.linear`)."""
+    if device.type != "cpu" or dtype not in PACKED_DTYPES or not torch.backends.mkldnn.is_available():
+        return False
+    return dtype != torch.bfloat16 or bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
 def linear_kernels(device: torch.device, dtype: torch.dtype) -> str:
