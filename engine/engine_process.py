@@ -84,6 +84,7 @@ class EngineInfo:
     num_layers: int
     num_kv_heads: int
     head_dim: int
+    num_parameters: int
     attention_spec: tuple[str, ...]
     group_names: tuple[str, ...]
     forward_path: str
@@ -127,6 +128,7 @@ def engine_info(engine: Any, run_id: str | None, started_at: float) -> EngineInf
         num_layers=loaded.num_layers,
         num_kv_heads=loaded.num_kv_heads,
         head_dim=loaded.head_dim,
+        num_parameters=loaded.num_parameters,
         attention_spec=tuple(loaded.attention_spec),
         group_names=tuple(g.name for g in engine.stats().groups),
         forward_path=engine.runner.forward_path,

@@ -61,7 +61,8 @@ class RemoteEngine:
         info = self.info
         self.loaded = SimpleNamespace(model_id=info.model_id, weights_revision=info.weights_revision,
                                       device=info.device, num_layers=info.num_layers, num_kv_heads=info.num_kv_heads,
-                                      head_dim=info.head_dim, attention_spec=info.attention_spec,
+                                      head_dim=info.head_dim, num_parameters=info.num_parameters,
+                                      attention_spec=info.attention_spec,
                                       max_position_embeddings=info.max_model_len)  # fmt: skip
         self.runner = SimpleNamespace(forward_path=info.forward_path,
                                       kernels=SimpleNamespace(summary=lambda: info.kernels))  # fmt: skip

@@ -46,7 +46,7 @@ def test_api_requests_show_in_the_attached_console_and_its_history(attached) -> 
     assert first.id in {view.request_id for view in console.console.engine.requests()}
     wait_for(lambda: find_request(console.db, first.id) is not None, "the API request in the history")
     assert find_request(console.db, first.id).run_id == console.console.run_id
-    for page in ("overview", "blocks", "submit", "settings"):
+    for page in ("overview", "blocks", "submit", "prefix_tree", "replay", "why", "settings", "capacity_planner"):
         at = app()
         at.switch_page(f"../pages/{page}.py") if page != "overview" else None
         no_exceptions(at.run())
