@@ -29,7 +29,9 @@ Invariants:
     * Commands are applied on the loop's thread only, between steps, in arrival order.
     * A request's updates carry its new output tokens exactly once and in order; `sent` holds an entry
       per request that has not ended, so it is bounded by the live requests.
-    * On STOP (or a closed parent) the engine stops, the history writer flushes, and the process exits.
+    * On STOP, SIGTERM, or its parent's death (checked every loop) the engine stops, the history writer
+      flushes, and the process exits. SIGINT is the parent's to handle (a terminal's Ctrl-C reaches the
+      whole process group): the parent sends STOP.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from __future__ import annotations
 import logging
 import os
 import pickle
+import signal
 import time
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -173,6 +176,8 @@ def run_engine_process(spec: EngineProcessSpec) -> None:
     from engine.openmp import set_openmp_defaults
 
     set_openmp_defaults()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides (it sends STOP)
+    parent = os.getppid()
     context = zmq.Context()
     outbox = context.socket(zmq.PUSH)
     outbox.setsockopt(zmq.LINGER, 5000)
@@ -193,8 +198,9 @@ def run_engine_process(spec: EngineProcessSpec) -> None:
         inbox.close()
         context.term()
         return
+    signal.signal(signal.SIGTERM, lambda *_: core.stop())
     try:
-        core.run(inbox)
+        core.run(inbox, parent)
     except BaseException as exc:
         logger.exception("the engine loop died")
         send(DIED, f"{type(exc).__name__}: {exc}")
@@ -251,12 +257,19 @@ class _EngineLoop:
     def _collect(self, events: list[Any], views: list[RequestView]) -> None:
         self._changed.extend(views)
 
-    def run(self, inbox: Any) -> None:
+    def stop(self) -> None:
+        """Stop after the current step (a signal handler may call it)."""
+        self._stopping = True
+
+    def run(self, inbox: Any, parent: int) -> None:
         import zmq
 
         poller = zmq.Poller()
         poller.register(inbox, zmq.POLLIN)
         while not self._stopping:
+            if os.getppid() != parent:  # the server died (kill -9): nobody reads the outbox any more
+                logger.warning("the engine's parent process is gone; stopping")
+                return
             busy = self.engine.has_work()
             timeout = 0 if busy else IDLE_POLL_MS
             while poller.poll(timeout):  # drain: everything that arrived, without waiting once there is some
