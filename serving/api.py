@@ -50,7 +50,7 @@ from starlette.requests import ClientDisconnect
 
 from engine.core.config import MAX_NEW_TOKENS
 from engine.core.request import MAX_SEED, SamplingError, SamplingParams, TokenLogprobs
-from serving.console_routes import EngineHolder, console_router
+from serving.console_routes import EngineHolder, Refused, console_router, refusal_handler
 from serving.engine_client import EngineClient
 from serving.errors import ApiError, bad_request, too_large, unknown_model
 from serving.gateway import DEFAULT_MAX_IN_FLIGHT, EngineGateway, request_label
@@ -142,6 +142,7 @@ def create_app(holder: EngineHolder, limits: ApiLimits | None = None) -> FastAPI
     app.state.bindings = bindings
     app.state.holder = holder
     app.include_router(console_router(holder))
+    app.add_exception_handler(Refused, refusal_handler)
 
     @app.exception_handler(ApiError)
     async def api_error(_: Request, exc: ApiError) -> JSONResponse:

@@ -120,6 +120,11 @@ def _refused(kind: str, message: str, status: int = 400) -> Response:
     return _answer({"kind": kind, "message": message}, status)
 
 
+async def refusal_handler(_: Request, exc: Exception) -> Response:
+    """The app's handler of `Refused`: a 400 the console's client raises as ValueError."""
+    return _refused("ValueError", str(exc))
+
+
 async def _command(client: EngineClient, name: str, *args: Any, **kwargs: Any) -> Response:
     try:
         return _answer(await client.call_async(name, *args, **kwargs))
@@ -129,14 +134,23 @@ async def _command(client: EngineClient, name: str, *args: Any, **kwargs: Any) -
         return _refused("EngineGone", str(exc), 503)
 
 
-async def _body(request: Request) -> bytes:
+class Refused(Exception):
+    """A command body that does not decode: answered 400 with the decoder's message."""
+
+
+async def _decoded(request: Request, kind: Any) -> Any:
+    """The body as `kind` (at most MAX_COMMAND_BYTES; `kind`'s own checks run), else `Refused`."""
     data = await request.body()
     if len(data) > MAX_COMMAND_BYTES:
-        raise ValueError(f"a command body is at most {MAX_COMMAND_BYTES} bytes")
-    return data
+        raise Refused(f"a command body is at most {MAX_COMMAND_BYTES} bytes")
+    try:
+        return decode(data, kind)
+    except (msgspec.ValidationError, msgspec.DecodeError, ValueError) as exc:
+        raise Refused(str(exc)) from None
 
 
 def console_router(holder: EngineHolder) -> APIRouter:
+    """The `/engine/...` routes over `holder`'s engine; the app must answer `Refused` (`refusal_handler`)."""
     router = APIRouter(prefix="/engine")
 
     @router.get("/info")
@@ -171,19 +185,13 @@ def console_router(holder: EngineHolder) -> APIRouter:
 
     @router.post("/submit")
     async def submit(request: Request) -> Response:
-        try:
-            command = decode(await _body(request), SubmitCommand)
-        except (msgspec.ValidationError, msgspec.DecodeError, ValueError) as exc:
-            return _refused("ValueError", str(exc))
+        command = await _decoded(request, SubmitCommand)
         return await _command(holder.current(), "submit", command.prompt_token_ids, command.sampling,
                               request_id=command.request_id, retain=command.retain, salt=command.salt)  # fmt: skip
 
     @router.post("/fork")
     async def fork(request: Request) -> Response:
-        try:
-            command = decode(await _body(request), ForkCommand)
-        except (msgspec.ValidationError, msgspec.DecodeError, ValueError) as exc:
-            return _refused("ValueError", str(exc))
+        command = await _decoded(request, ForkCommand)
         return await _command(holder.current(), "fork_many", command.parent_id, command.suffixes, command.sampling,
                               request_ids=command.request_ids, retain=command.retain)  # fmt: skip
 
@@ -201,10 +209,7 @@ def console_router(holder: EngineHolder) -> APIRouter:
 
     @router.post("/restart")
     async def restart(request: Request) -> Response:
-        try:
-            config = decode(await _body(request), EngineConfig)
-        except (msgspec.ValidationError, msgspec.DecodeError, ValueError) as exc:
-            return _refused("ValueError", str(exc))
+        config = await _decoded(request, EngineConfig)
         try:
             client = await asyncio.to_thread(holder.restart, config)
         except EngineGone as exc:

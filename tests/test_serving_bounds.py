@@ -45,3 +45,19 @@ def test_a_few_hundred_requests_leave_nothing_behind_in_the_api_or_the_engine(se
     assert len(deadline_views) <= RECENT_ENDED
     assert len(engine_client.stats_history) <= engine_client.stats_history.maxlen
     served.engine.check_invariants()
+
+
+def test_the_console_routes_refuse_what_does_not_decode_and_raise_the_engines_own_refusals(served: Served) -> None:
+    import http.client
+
+    from engine.core.request import SamplingParams
+
+    connection = http.client.HTTPConnection(served.server.host, served.server.port, timeout=60)
+    connection.request("POST", "/engine/submit", body=b"\xc1 not msgpack")
+    assert connection.getresponse().status == 400
+    connection.close()
+    with pytest.raises(ValueError, match="vocab|outside"):
+        served.engine.submit([10**6], SamplingParams(max_new_tokens=1))  # the engine's own check, raised here
+    with pytest.raises(KeyError):
+        served.engine.get("no-such-request")
+    served.engine.check_invariants()
