@@ -2,6 +2,7 @@
 
     GET  /engine/info              the engine's fixed facts, its boot id and its failure (if any)
     GET  /engine/snapshot          every block and live or recent request, at most a second old
+                                   (?after_commands=true: taken after every command sent so far)
     GET  /engine/stats             the newest counters (with the history writer's progress) and the
                                    bounded ring of samples the Overview draws
     GET  /engine/requests          live, retained and recently ended requests (asked of the engine)
@@ -160,9 +161,10 @@ def console_router(holder: EngineHolder) -> APIRouter:
                         "failure": client.failure, "db_url": holder.db_url})  # fmt: skip
 
     @router.get("/snapshot")
-    async def snapshot() -> Response:
+    async def snapshot(after_commands: bool = False) -> Response:
         try:
-            return _answer(await asyncio.to_thread(holder.current().snapshot))
+            client = holder.current()
+            return _answer(await asyncio.to_thread(client.snapshot, after_commands=after_commands))
         except EngineGone as exc:
             return _refused("EngineGone", str(exc), 503)
 

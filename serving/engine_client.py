@@ -208,14 +208,17 @@ class EngineClient:
         """The newest Prometheus exposition the engine rendered (at most METRICS_INTERVAL_S old while it runs)."""
         return self._metrics
 
-    def snapshot(self, timeout_s: float = 30.0) -> EngineSnapshot:
+    def snapshot(self, timeout_s: float = 30.0, *, after_commands: bool = False) -> EngineSnapshot:
         """A snapshot at most SNAPSHOT_FRESH_S old; asks for one (and for more for a while) when stale.
+        `after_commands`: one taken after every command sent so far was applied (the engine's next step
+        boundary), for a reader that must see what it just did.
 
         Raises:
             EngineGone: none came within `timeout_s`, or the process is gone.
         """
         with self._lock:
             fresh = self._snapshot is not None and time.monotonic() - self._snapshot[0] < SNAPSHOT_FRESH_S
+            fresh = fresh and not after_commands
         self.tell(WANT_SNAPSHOTS, SNAPSHOT_WANT_S)
         if fresh and self._snapshot is not None:
             return self._snapshot[1]

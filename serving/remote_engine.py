@@ -31,6 +31,7 @@ from engine.engine_process import EngineInfo, PublishedStats
 from serving.console_routes import MSGPACK, ForkCommand, StatsAnswer, SubmitCommand, decode, encode
 
 TIMEOUT_S = 60.0  # a command waits for one engine step; a first snapshot for the engine's next step
+OWN_COMMANDS_S = 3.0  # after a command of ours, snapshots are taken after it for this long
 _ERRORS: dict[str, type[Exception]] = {"RequestRejected": RequestRejected, "KeyError": KeyError}
 
 
@@ -45,6 +46,7 @@ class RemoteEngine:
         self.url = url.rstrip("/")
         self._http = requests.Session()
         self._timeout_s = timeout_s
+        self._commanded_at = float("-inf")  # monotonic time of our newest command
         self._tokenizer: Any = None
         self._tokenizer_for: EngineConfig | None = None
         self.refresh()
@@ -187,7 +189,10 @@ class RemoteEngine:
         return self._post("/engine/writer_mark")
 
     def snapshot(self) -> EngineSnapshot:
-        return decode(self._raw("GET", "/engine/snapshot"), EngineSnapshot)
+        """The newest published snapshot; for OWN_COMMANDS_S after a command of ours, one taken after it
+        (a page that just submitted lists its request)."""
+        ours = time.monotonic() - self._commanded_at < OWN_COMMANDS_S
+        return decode(self._raw("GET", "/engine/snapshot" + ("?after_commands=true" if ours else "")), EngineSnapshot)
 
     def close(self) -> None:
         self._http.close()
@@ -197,7 +202,11 @@ class RemoteEngine:
         return decode(self._raw("GET", path))
 
     def _post(self, path: str, body: bytes = b"", timeout: float | None = TIMEOUT_S) -> Any:
-        return decode(self._raw("POST", path, body, timeout))
+        """A command: its answer, and later snapshots taken after it for a while."""
+        try:
+            return decode(self._raw("POST", path, body, timeout))
+        finally:
+            self._commanded_at = time.monotonic()
 
     def _raw(self, method: str, path: str, body: bytes = b"", timeout: float | None = TIMEOUT_S) -> bytes:
         try:

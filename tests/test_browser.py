@@ -68,7 +68,7 @@ def walk(page, url: str, expect) -> None:
 
     # Submit a retained request.
     go(page, "Submit & fork")
-    preview = main.get_by_text("full blocks of 16")
+    preview = main.get_by_text(re.compile(r"full blocks? of 16"))
     apply_text(page, "Submit & fork", "Prompt", PROMPT, shown=preview)
     set_max_new_tokens_ignoring_eos(page, 4)
     page.get_by_text("Retain as fork base").click()
@@ -289,7 +289,7 @@ def submit_in_new_page(browser, url: str, max_new_tokens: int):
     page.set_default_timeout(TIMEOUT_MS)
     page.goto(url)
     go(page, "Submit & fork")
-    preview = page.locator("[data-testid='stMain']").get_by_text("full blocks of 16")
+    preview = page.locator("[data-testid='stMain']").get_by_text(re.compile(r"full blocks? of 16"))
     apply_text(page, "Submit & fork", "Prompt", "Stream a long answer. " * 4, shown=preview)
     set_max_new_tokens_ignoring_eos(page, max_new_tokens)
     page.get_by_role("button", name="Submit", exact=True).click()  # not retried: a second click submits twice
@@ -350,7 +350,7 @@ def test_bad_numbers_are_refused_outcomes_stay_and_another_tabs_request_names_it
             page.goto(console_server.url)
             expect(page.get_by_text("KV usage", exact=True).first).to_be_visible(timeout=4 * TIMEOUT_MS)
             go(page, "Submit & fork")
-            apply_text(page, "Submit & fork", "Prompt", PROMPT, shown=main.get_by_text("full blocks of 16"))
+            apply_text(page, "Submit & fork", "Prompt", PROMPT, shown=main.get_by_text(re.compile(r"full blocks? of 16")))
             max_new = page.get_by_role("spinbutton", name="Max new tokens")
             top_p = page.get_by_role("spinbutton", name="Top-p")
             submit = page.get_by_role("button", name="Submit", exact=True)
@@ -380,7 +380,7 @@ def test_bad_numbers_are_refused_outcomes_stay_and_another_tabs_request_names_it
             assert "Submitted req-" not in main.inner_text().replace("Submitted req-0", "")  # nothing else ran
 
             apply_text(page, "Submit & fork", "Prompt", "A second retained prompt for this tab. " * 4,
-                       shown=main.get_by_text("full blocks of 16"))  # fmt: skip
+                       shown=main.get_by_text(re.compile(r"full blocks? of 16")))  # fmt: skip
             submit.click()
             expect(main.get_by_text("Submitted req-1")).to_be_visible()
             expect(main.get_by_text(re.compile(r"^req-1 · retained: holds"))).to_be_visible()  # the fork parent moved on

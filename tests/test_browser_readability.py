@@ -59,7 +59,7 @@ def test_the_prefix_tree_of_fifty_requests_and_the_overview_charts_read_at_1440_
             # The Requests table leads the page: an operator finds a request without scrolling.
             requests = main.locator(".st-key-submit_requests")
             expect(requests.get_by_role("heading", name="Requests")).to_be_in_viewport()
-            apply_text(page, "Submit & fork", "Prompt", SYSTEM, shown=main.get_by_text("full blocks of 16"))
+            apply_text(page, "Submit & fork", "Prompt", SYSTEM, shown=main.get_by_text(re.compile(r"full blocks? of 16")))
             page.get_by_text("Retain as fork base").click()
             page.get_by_role("button", name="Submit", exact=True).click()
             expect(main.get_by_text("req-0 · retained", exact=False).first).to_be_visible()

@@ -117,7 +117,7 @@ def test_the_replay_page_says_why_an_exact_replay_saved_nothing(tmp_path) -> Non
                 page.goto(server.url)
                 expect(page.get_by_text("KV usage", exact=True).first).to_be_visible(timeout=4 * TIMEOUT_MS)
                 go(page, "Submit & fork")
-                preview = main.get_by_text("full blocks of 16")
+                preview = main.get_by_text(re.compile(r"full blocks? of 16"))
                 for number, text in enumerate((PROMPT * 2, PROMPT * 2 + " And one more question.")):
                     apply_text(page, "Submit & fork", "Prompt", text, shown=preview.filter(has_text="tokens"))
                     page.get_by_role("button", name="Submit", exact=True).click()

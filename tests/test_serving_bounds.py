@@ -61,3 +61,28 @@ def test_the_console_routes_refuse_what_does_not_decode_and_raise_the_engines_ow
     with pytest.raises(KeyError):
         served.engine.get("no-such-request")
     served.engine.check_invariants()
+
+
+def test_a_non_streaming_client_that_gives_up_is_noticed_within_a_step(served: Served) -> None:
+    """Issue 47 item 2: the disconnect was polled only while no token arrived, so a non-streaming request's
+    engine request ran to its end (1,500 tokens nobody read) after its client had gone."""
+    import http.client
+    import json
+    import time
+
+    body = {"model": "tiny-chat", "prompt": "Tell me a very long story", "max_tokens": 1500, "ignore_eos": True,
+            "user": "quitter"}  # fmt: skip
+    connection = http.client.HTTPConnection(served.server.host, served.server.port, timeout=60)
+    connection.request("POST", "/v1/completions", body=json.dumps(body), headers={"Content-Type": "application/json"})
+    deadline = time.monotonic() + 30
+    while not (ours := [v for v in served.engine.requests() if v.request_id.startswith("cmpl-quitter-")]):
+        assert time.monotonic() < deadline, "the request never reached the engine"
+        time.sleep(0.02)
+    connection.sock.shutdown(2)  # the client gives up (curl -m)
+    connection.close()
+    rid = ours[0].request_id
+    while (view := served.engine.get(rid)).status in ("waiting", "running"):
+        assert time.monotonic() < deadline, "the engine request is still running"
+        time.sleep(0.02)
+    assert view.status == "aborted" and view.finish_reason == "the client disconnected"
+    assert len(view.output_token_ids) < 1500
