@@ -29,7 +29,7 @@ st.set_page_config(page_title="prefix-console", page_icon=":material/memory:", l
 notice = loading_notice()  # shown only while the engine is not up yet: the first visit waits seconds
 
 from app.hosting import get_host  # noqa: E402  (imports torch and transformers)
-from app.ui import health_banners  # noqa: E402
+from app.ui import health_banners, plural  # noqa: E402
 
 navigation = st.navigation(
     {
@@ -73,7 +73,7 @@ with st.sidebar:
         "This console's own engine (not a fleet pod): "
         f"**{console.engine.loaded.model_id}** · {console.engine.num_blocks} blocks × "
         f"{console.config.block_size} tokens · {console.config.dtype} on {console.engine.loaded.device}, "
-        f"{threads} thread{'' if threads == 1 else 's'}  \n"
+        f"{plural(threads, 'thread')}  \n"
         f"run `{console.run_id}`  \n"
         + (f"API: `{host.api_url}/v1`" if host.api_url else "no API (embedded engine: `make run` serves one)")
     )

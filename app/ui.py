@@ -173,6 +173,14 @@ def plural(count: int, word: str, many: str | None = None) -> str:
     return f"{count:,} {word if count == 1 else many or word + 's'}"
 
 
+def threads_text(now: int, seconds_at: dict[int, float]) -> str:
+    """The forward's thread count now and, where a governor moves it, the stepping time at each count:
+    "2 now; stepped 41 s on 2, 3 s on 1" (issue 47 item 16: the governor's choices were invisible)."""
+    spent = [f"{fmt_duration(seconds)} on {threads}" for threads, seconds in sorted(seconds_at.items(), reverse=True)
+             if seconds > 0]  # fmt: skip
+    return f"{now} now" + (f"; stepped {', '.join(spent)}" if spent else "")
+
+
 def api_text(url: str | None) -> str:
     """Where clients send OpenAI requests (the API's routes are under /v1), or "no API"."""
     return "no API" if url is None else f"{url}/v1"

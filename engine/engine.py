@@ -488,6 +488,11 @@ class Engine:
         """Threads the forward runs on now: the thread governor's count, or torch's where none governs."""
         return self.thread_governor.threads if self.thread_governor is not None else torch.get_num_threads()
 
+    def forward_time_at_threads(self) -> dict[int, float]:
+        """Seconds the forward stepped at each thread count (the governor's `time_at_threads`; empty where
+        none governs)."""
+        return self.thread_governor.time_at_threads() if self.thread_governor is not None else {}
+
     def stats(self) -> PoolStats:
         """Counters summed over the KV groups, with each group's own numbers in `groups`."""
         with self._lock:

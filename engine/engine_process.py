@@ -114,6 +114,7 @@ class PublishedStats(NamedTuple):
 
     pool: PoolStats
     forward_threads: int
+    forward_seconds: dict[int, float]  # seconds stepped at each thread count (empty: no governor)
     writer: Any  # storage's WriterStats (its `done_mark`: every row up to that mark is written), or None
 
 
@@ -328,7 +329,7 @@ class _EngineLoop:
 
     def _stats(self) -> PublishedStats:
         writer = self.writer
-        return PublishedStats(self.engine.stats(), self.engine.forward_threads(),
+        return PublishedStats(self.engine.stats(), self.engine.forward_threads(), self.engine.forward_time_at_threads(),
                               None if writer is None else writer.stats())  # fmt: skip
 
     def close(self) -> None:

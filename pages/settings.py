@@ -12,7 +12,7 @@ import streamlit as st
 from sqlalchemy import make_url
 
 from app.hosting import get_host
-from app.ui import api_text, expect_in_history, fmt_duration, fmt_time
+from app.ui import api_text, expect_in_history, fmt_duration, fmt_time, threads_text
 from engine.core.config import DTYPES, MAX_BATCHED_TOKENS, MAX_BLOCK_SIZE, MAX_NUM_BLOCKS, EngineConfig
 from engine.core.eviction import EvictionPolicyName
 from engine.core.kv_memory import check_pool_fits, kv_bytes_per_block, machine_memory_bytes, pool_bytes
@@ -61,8 +61,8 @@ st.table(
         {
             "setting": [
                 "model", "weights revision", "device", "dtype", "forward", "attention kernels", "pool", "eviction policy", "KV pool memory",
-                "max batched tokens", "max running requests", "seed", "data directory", "run", "started",
-                "OpenAI-compatible API",
+                "max batched tokens", "max running requests", "forward threads", "seed", "data directory", "run",
+                "started", "OpenAI-compatible API",
             ],
             "value": [
                 loaded.model_id,
@@ -77,6 +77,7 @@ st.table(
                 f"{pool_bytes(engine.num_blocks, bytes_per_block(config.dtype, config.block_size)) / 2**20:,.1f} MiB",
                 f"{config.max_num_batched_tokens:,}",
                 f"{config.max_num_seqs:,}",
+                threads_text(engine.forward_threads(), engine.forward_time_at_threads()),
                 str(config.seed),
                 str(config.resolved_data_dir),
                 console.run_id,

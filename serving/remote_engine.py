@@ -184,6 +184,9 @@ class RemoteEngine:
     def forward_threads(self) -> int:
         return self.published().forward_threads
 
+    def forward_time_at_threads(self) -> dict[int, float]:
+        return self.published().forward_seconds
+
     def writer_mark(self) -> int | None:
         """The history writer's mark for every row the engine handed it so far (None: no history)."""
         return self._post("/engine/writer_mark")

@@ -179,3 +179,12 @@ def test_counts_agree_with_their_nouns_and_the_api_line_says_when_there_is_none(
     assert plural(0, "copy", "copies") == "0 copies"
     assert api_text(None) == "no API"
     assert api_text("http://127.0.0.1:8000") == "http://127.0.0.1:8000/v1"
+
+
+def test_settings_says_how_long_the_forward_stepped_at_each_thread_count():
+    """Issue 47 item 16: the governor's moves were invisible in the console."""
+    from app.ui import threads_text
+
+    assert threads_text(2, {}) == "2 now"
+    assert threads_text(1, {1: 3.0, 2: 41.0}) == "1 now; stepped 41.0 s on 2, 3.0 s on 1"
+    assert threads_text(2, {1: 0.0, 2: 5.0}) == "2 now; stepped 5.0 s on 2"

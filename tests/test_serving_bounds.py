@@ -86,3 +86,14 @@ def test_a_non_streaming_client_that_gives_up_is_noticed_within_a_step(served: S
         time.sleep(0.02)
     assert view.status == "aborted" and view.finish_reason == "the client disconnected"
     assert len(view.output_token_ids) < 1500
+
+
+def test_response_ids_are_random_so_no_two_runs_share_one() -> None:
+    """Issue 47 item 6: ids were "cmpl-0", "cmpl-1", ... again after every restart on the same history."""
+    import re
+
+    from serving.gateway import new_request_id
+
+    ids = {new_request_id("cmpl", None) for _ in range(1000)} | {new_request_id("chatcmpl", "bob") for _ in range(1000)}
+    assert len(ids) == 2000
+    assert all(re.fullmatch(r"(cmpl|chatcmpl-bob)-[0-9a-f]{24}", rid) for rid in ids)
