@@ -84,10 +84,10 @@ class Server:
     runs: dict[str, list[Run]] = field(default_factory=dict)
 
 
-def start_server(name: str, argv: list[str], env: dict[str, str], log: Path) -> Server:
+def start_server(name: str, argv: list[str], env: dict[str, str], log: Path, cwd: Path = ROOT) -> Server:
     port = int(argv[argv.index("--port") + 1])
     with open(log, "ab") as out:
-        process = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        process = subprocess.Popen(argv, cwd=cwd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + START_TIMEOUT_S
     while time.monotonic() < deadline:
@@ -101,10 +101,11 @@ def start_server(name: str, argv: list[str], env: dict[str, str], log: Path) -> 
     raise RuntimeError(f"{name} did not start; see {log}")
 
 
-def this_server(model_dir: Path, dtype: str, log: Path) -> Server:
+def this_server(model_dir: Path, dtype: str, log: Path, tree: Path = ROOT, name: str = "this") -> Server:
+    """`python -m cli serve` from the checkout at `tree` (another commit's, for a before/after in one run)."""
     argv = [sys.executable, "-m", "cli", "serve", "--model", str(model_dir), "--dtype", dtype, "--port",
             str(free_port()), "--max-in-flight", "256"]  # fmt: skip
-    return start_server("this", argv, {**os.environ, "HF_HUB_OFFLINE": "1"}, log)
+    return start_server(name, argv, {**os.environ, "HF_HUB_OFFLINE": "1"}, log, cwd=tree)
 
 
 def vllm_server(python: str, model_dir: Path, dtype: str, log: Path) -> Server:
@@ -198,9 +199,8 @@ def neighbour(stop: multiprocessing.synchronize.Event) -> None:  # type: ignore[
 
 
 def report(servers: list[Server], cells: tuple[Cell, ...]) -> None:
-    this = next(s for s in servers if s.name == "this")
-    peer = next((s for s in servers if s.name != "this"), None)
-    print("| cell | server | req/s | wall s (runs) | TTFT p50 / p99 ms | token gap p50 / p99 / max ms | this / vLLM wall |")
+    peer = next((s for s in servers if s.name == "vllm"), None)
+    print("| cell | server | req/s | wall s (runs) | TTFT p50 / p99 ms | token gap p50 / p99 / max ms | wall / vLLM's |")
     print("|---|---|---|---|---|---|---|")
     for cell in cells:
         for server in servers:
@@ -211,19 +211,19 @@ def report(servers: list[Server], cells: tuple[Cell, ...]) -> None:
             ttfts = [t for r in runs for t in r.ttfts]
             gaps = [g for r in runs for g in r.gaps]
             ratio = ""
-            if server is this and peer is not None and peer.runs.get(cell.name):
+            if server is not peer and peer is not None and peer.runs.get(cell.name):
                 ratio = f"{statistics.median(walls) / statistics.median(r.wall_s for r in peer.runs[cell.name]):.2f}x"
             print(f"| {cell.name} | {server.name} | {cell.requests / statistics.median(walls):.2f} | "
                   f"{statistics.median(walls):.2f} ({', '.join(f'{w:.2f}' for w in walls)}) | "
                   f"{1e3 * percentile(ttfts, 0.5):,.0f} / {1e3 * percentile(ttfts, 0.99):,.0f} | "
                   f"{1e3 * percentile(gaps, 0.5):.0f} / {1e3 * percentile(gaps, 0.99):.0f} / "
                   f"{1e3 * max(gaps, default=float('nan')):.0f} | {ratio} |")  # fmt: skip
-    if peer is not None:
+    for other in servers[1:]:
         for cell in cells:
-            pairs = list(zip(this.runs.get(cell.name, []), peer.runs.get(cell.name, [])))
+            pairs = list(zip(servers[0].runs.get(cell.name, []), other.runs.get(cell.name, [])))
             same = sum(a == b for x, y in pairs for a, b in zip(x.outputs, y.outputs))
             total = sum(len(x.outputs) for x, _ in pairs)
-            print(f"outputs {cell.name}: {same}/{total} identical token ids")
+            print(f"outputs {cell.name}, {servers[0].name} vs {other.name}: {same}/{total} identical token ids")
 
 
 def main() -> None:
@@ -234,6 +234,8 @@ def main() -> None:
     parser.add_argument("--vllm-python", default=str(ROOT / ".venv-vllm" / "bin" / "python"))
     parser.add_argument("--no-vllm", action="store_true", help="this engine's server alone")
     parser.add_argument("--neighbour", action="store_true", help="a busy-loop neighbour during every run")
+    parser.add_argument("--baseline", default=None,
+                        help="a checkout of another commit (native modules built): its server runs too, as 'before'")
     parser.add_argument("--logs", default=str(ROOT / "artifacts"))
     args = parser.parse_args()
     from engine.core.config import default_data_dir
@@ -246,6 +248,8 @@ def main() -> None:
     vocab = 49152
     for dtype in args.dtypes.split(","):
         servers = [this_server(model_dir, dtype, logs / "serving-peer-this.log")]
+        if args.baseline is not None:
+            servers.append(this_server(model_dir, dtype, logs / "serving-peer-before.log", Path(args.baseline), "before"))
         if not args.no_vllm:
             servers.append(vllm_server(args.vllm_python, model_dir, dtype, logs / "serving-peer-vllm.log"))
         stop = multiprocessing.Event()

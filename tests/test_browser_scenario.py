@@ -14,7 +14,7 @@ import shutil
 from tests.browser_support import ARTIFACTS, ROOT, ConsoleServer, launch_page
 from tests.test_browser import TIMEOUT_MS, go, shot
 
-DOCS = ROOT / "docs"
+DOCS = ROOT / "docs" / "images"  # the screenshots the docs show, refreshed by these tests
 
 SAFE = "no holder left: safe to reuse"
 EVICTABLE = "evictable from here on"
