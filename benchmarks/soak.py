@@ -9,7 +9,8 @@ fifty abandoned mid-stream. At the checkpoint (`--checkpoint`, 2,000) and at the
     /metrics       median latency of 20 scrapes
     console data   median latency of 20 reads of what a console page reads (/engine/snapshot, /engine/stats)
 
-and at the end checks that every request the client saw finish is in the history. Exit status 1 when
+and at the end checks that every request the client saw finish is in the history, and that the engine's
+invariants hold (its per-request bookkeeping included: only live requests tracked). Exit status 1 when
 RSS grew by more than 64 MB from the checkpoint, a latency grew past 1.2x, or a finished request is not in
 the history.
 
@@ -29,6 +30,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -143,6 +145,17 @@ async def soak(base: str, pid: int, args: argparse.Namespace) -> tuple[dict, dic
     return first, last, finished, elapsed
 
 
+def engine_invariants(base: str) -> str | None:
+    """What the engine's check_invariants command says is broken (the engine's and its loop's bounds), or
+    None when everything holds."""
+    request = urllib.request.Request(f"{base}/engine/check", method="POST", data=b"")
+    try:
+        with urllib.request.urlopen(request, timeout=60):
+            return None
+    except urllib.error.HTTPError as exc:
+        return exc.read().decode(errors="replace")
+
+
 def missing_from_history(db_url: str, ids: list[str]) -> int:
     from sqlalchemy import select
 
@@ -193,6 +206,7 @@ def main() -> int:
                 time.sleep(0.5)
         first, last, finished, elapsed = asyncio.run(soak(base, server.pid, args))
         missing = missing_from_history(db_url, finished)
+        invariants = engine_invariants(base)
     finally:
         os.killpg(server.pid, signal.SIGTERM)
         server.wait(60)
@@ -213,6 +227,8 @@ def main() -> int:
             failures.append(f"{key} grew {last[key] / first[key]:.2f}x")
     if missing:
         failures.append(f"{missing} finished requests are not in the history")
+    if invariants is not None:
+        failures.append(f"the engine's invariants (its bounds included) do not hold: {invariants}")
     for failure in failures:
         print(f"FAILED: {failure}", file=sys.stderr)
     return 1 if failures else 0

@@ -28,7 +28,8 @@ Messages out (tuples, the first item the kind):
 Invariants:
     * Commands are applied on the loop's thread only, between steps, in arrival order.
     * A request's updates carry its new output tokens exactly once and in order; `sent` holds an entry
-      per request that has not ended, so it is bounded by the live requests.
+      per request that has not ended, so it is bounded by the live requests (the check_invariants
+      command checks it beside the engine's own invariants).
     * On STOP, SIGTERM, or its parent's death (checked every loop) the engine stops, the history writer
       flushes, and the process exits. SIGINT is the parent's to handle (a terminal's Ctrl-C reaches the
       whole process group): the parent sends STOP.
@@ -45,6 +46,7 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 from engine.core.config import EngineConfig
+from engine.core.errors import require
 from engine.core.snapshot import PoolStats, RequestView
 
 logger = logging.getLogger(__name__)
@@ -300,13 +302,26 @@ class _EngineLoop:
         try:
             if name not in ENGINE_COMMANDS:
                 raise ValueError(f"unknown engine command {name!r}")
-            value = getattr(self.engine, name)(*args, **kwargs)
+            command_of = self._check_invariants if name == "check_invariants" else getattr(self.engine, name)
+            value = command_of(*args, **kwargs)
         except Exception as exc:  # the client's error: its reply says why, the engine goes on
             if call_id is not None:
                 self._send(REPLY, call_id, False, (type(exc).__name__, str(exc)))
             return
         if call_id is not None:
             self._send(REPLY, call_id, True, value)
+
+    def _check_invariants(self) -> None:
+        """The engine's invariants, and this loop's bound: new tokens are tracked only for live requests.
+
+        Raises:
+            InvariantError: either is broken.
+        """
+        self.engine.check_invariants()
+        self._publish()  # the views changed so far reach the tracker first
+        live = {view.request_id for view in self.engine.requests() if not view.is_final}
+        stale = set(self._tracker.sent) - live
+        require(not stale, f"output tracked for {len(stale)} ended requests, e.g. {sorted(stale)[:3]}")
 
     def _publish(self) -> None:
         now = time.monotonic()
