@@ -18,7 +18,6 @@ import os
 import random
 import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
@@ -28,29 +27,15 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.append(str(ROOT / "benchmarks"))  # after the repository: benchmarks/storage.py must not hide storage/
 
 import openai  # noqa: E402
 
+from serving_peer import start_server  # noqa: E402  (benchmarks/: start a server, wait until it answers)
 from tests.ports import free_port  # noqa: E402
 
 PAGES = ("overview", "submit", "blocks", "prefix_tree", "replay", "why", "evictions", "settings")
 ENTRY = ROOT / "app" / "streamlit_app.py"
-
-
-def start_server(model: str, db_url: str, log: Path) -> tuple[subprocess.Popen, str]:
-    port = free_port()
-    argv = [sys.executable, "-m", "cli", "serve", "--model", model, "--port", str(port), "--db", db_url,
-            "--max-in-flight", "256"]  # fmt: skip
-    process = subprocess.Popen(argv, cwd=ROOT, stdout=open(log, "wb"), stderr=subprocess.STDOUT, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    while True:
-        if process.poll() is not None:
-            raise RuntimeError(f"the engine server exited; see {log}")
-        try:
-            with urllib.request.urlopen(f"{url}/v1/models", timeout=2):
-                return process, url
-        except OSError:
-            time.sleep(0.5)
 
 
 def time_pages(repeats: int) -> dict[str, float]:
@@ -100,7 +85,10 @@ def main() -> None:
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="console-pages-"))
     db_url = f"sqlite:///{work / 'history.sqlite'}"
-    process, url = start_server(args.model, db_url, work / "server.log")
+    argv = [sys.executable, "-m", "cli", "serve", "--model", args.model, "--port", str(free_port()), "--db", db_url,
+            "--max-in-flight", "256"]  # fmt: skip
+    server = start_server("the engine server", argv, dict(os.environ), work / "server.log")
+    process, url = server.process, server.url
     os.environ["PREFIX_CONSOLE_ENGINE"] = url
     os.environ["PREFIX_CONSOLE_DB_URL"] = db_url
     try:

@@ -26,7 +26,6 @@ import os
 import random
 import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -36,9 +35,11 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.append(str(ROOT / "benchmarks"))  # after the repository: benchmarks/storage.py must not hide storage/
 
 import openai  # noqa: E402
 
+from serving_peer import start_server  # noqa: E402  (benchmarks/: start a server, wait until it answers)
 from tests.ports import free_port  # noqa: E402
 
 RSS_GROWTH_LIMIT_MB = 64
@@ -188,29 +189,17 @@ def main() -> int:
         parser.error("--checkpoint must be between 0 and --requests")
     work = Path(tempfile.mkdtemp(prefix="soak-"))
     db_url = f"sqlite:///{work / 'history.sqlite'}"
-    port = free_port()
     argv = [sys.executable, "-m", "cli", "serve", "--model", args.model, "--device", "cpu", "--num-blocks", "512",
-            "--port", str(port), "--db", db_url, "--max-in-flight", "256"]  # fmt: skip
-    log = open(work / "server.log", "wb")
-    server = subprocess.Popen(argv, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    base = f"http://127.0.0.1:{port}"
+            "--port", str(free_port()), "--db", db_url, "--max-in-flight", "256"]  # fmt: skip
+    server = start_server("the engine server", argv, dict(os.environ), work / "server.log")
+    base = server.url
     try:
-        while True:
-            if server.poll() is not None:
-                print(f"the server exited; see {work / 'server.log'}", file=sys.stderr)
-                return 1
-            try:
-                with urllib.request.urlopen(f"{base}/v1/models", timeout=2):
-                    break
-            except OSError:
-                time.sleep(0.5)
-        first, last, finished, elapsed = asyncio.run(soak(base, server.pid, args))
+        first, last, finished, elapsed = asyncio.run(soak(base, server.process.pid, args))
         missing = missing_from_history(db_url, finished)
         invariants = engine_invariants(base)
     finally:
-        os.killpg(server.pid, signal.SIGTERM)
-        server.wait(60)
-        log.close()
+        os.killpg(server.process.pid, signal.SIGTERM)
+        server.process.wait(60)
     growth = last["rss_mb"] - first["rss_mb"]
     print(f"\n{args.requests:,} requests in {elapsed:.0f} s ({args.requests / elapsed:.0f}/s), {args.clients} clients")
     print("| measure | after %s | after %s | change |" % (f"{args.checkpoint:,}", f"{args.requests:,}"))
