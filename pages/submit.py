@@ -11,11 +11,11 @@ from app.hosting import get_host
 from app.ownership import claim, is_mine, owned_by_text
 from app.prompting import CHAT, MODES, PRESETS, TEXT, TOKEN_IDS, decode, encode_prompt, parse_suffixes, token_pieces
 from app.ui import REFRESH_S, expect_in_history, fmt_duration, kept, plural
+from engine.core.arith import common_prefix
 from engine.core.kv_groups import max_hit_blocks
 from engine.core.request import SamplingParams
 from engine.core.snapshot import newest_first
 from engine.engine import RequestRejected
-from serving.prompts import first_divergence
 
 host = get_host()
 console = host.console
@@ -136,7 +136,7 @@ with right:
         )
         other = targets.get(other_label)
         if other is not None:
-            d = first_divergence(prompt_ids, other)
+            d = common_prefix(prompt_ids, other)
             reusable = min(d // block_size, max_hit_blocks(len(prompt_ids), block_size))
             if d == len(prompt_ids) == len(other):
                 st.info("Identical token ids.")

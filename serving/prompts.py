@@ -63,14 +63,6 @@ def token_list(value: Any, name: str) -> list[int]:
     return value
 
 
-def first_divergence(a: list[int], b: list[int]) -> int:
-    """Index of the first position where two token sequences differ (the shorter length if one is a prefix)."""
-    for i, (x, y) in enumerate(zip(a, b)):
-        if x != y:
-            return i
-    return min(len(a), len(b))
-
-
 def load_tokenizer(model: str, data_dir: Path) -> Any:
     """The tokenizer of a model the history names (a preset or a model directory), without its weights;
     None for a model that has none (the token-id-only presets, a directory without tokenizer files)."""

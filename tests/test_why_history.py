@@ -15,10 +15,11 @@ import pytest
 
 from analysis.why import Cause, Decoder, diagnose
 from cli.__main__ import main
+from engine.core.arith import common_prefix
 from engine.core.config import EngineConfig
 from engine.core.request import SamplingParams
 from engine.engine import Engine
-from serving.prompts import encode_chat, encode_text, first_divergence
+from serving.prompts import encode_chat, encode_text
 from storage.db import db_engine
 from storage.read.why import find_request, latest_eviction, requests_before
 from storage.write.recorder import record_engine
@@ -76,7 +77,7 @@ def test_two_system_prompts_that_differ_only_in_their_date_diverge_at_the_dates_
     first_ids = encode_text(tokenizer, SYSTEM + "2024-06-03. What is cached?")
     second_ids = encode_text(tokenizer, SYSTEM + "1999-12-31. What is cached?")
     date_at = len(encode_text(tokenizer, SYSTEM))
-    assert first_divergence(first_ids, second_ids) == date_at and date_at >= 2 * BS  # the test's own premise
+    assert common_prefix(first_ids, second_ids) == date_at and date_at >= 2 * BS  # the test's own premise
     first = h.submit(first_ids)
     second = h.submit(second_ids)
     answer = h.why(second)
