@@ -24,9 +24,9 @@ $(STAMP): requirements.txt requirements-interop.txt
 	$(PY) -m pip install -q --no-deps -r requirements-interop.txt
 	touch $(STAMP)
 
-# The block pool compiled with mypyc (build_native.py): the same source, imported in its place.
-NATIVE_SOURCES := build_native.py engine/native_guard.py engine/core/block.py engine/core/eviction.py \
-                  engine/core/chain_keys.py engine/core/pool_invariants.py engine/core/block_pool.py
+# The block pool compiled with mypyc (build_native.py): the same source, imported in its place. The module
+# list lives in engine/native_guard.py alone; the build script prints it with what else a build depends on.
+NATIVE_SOURCES := $(shell python3 build_native.py --sources)
 NATIVE_STAMP   := .build/native/.built
 
 $(NATIVE_STAMP): $(STAMP) $(NATIVE_SOURCES)
@@ -34,8 +34,10 @@ $(NATIVE_STAMP): $(STAMP) $(NATIVE_SOURCES)
 	$(PY) build_native.py > .build/native/build.log 2>&1 || { cat .build/native/build.log; exit 1; }
 	touch $(NATIVE_STAMP)
 
-# The engine's CPU kernels (build_kernels.py: paged decode attention, a decoder layer's fused steps), compiled
-# beside their sources for this machine's vector instructions; g++ comes from Debian when missing and we are root.
+# The engine's CPU kernels (build_kernels.py: every engine/runner/csrc/*.cpp, into the library
+# engine/runner/native_kernels.py owns), compiled beside their sources for this machine's vector
+# instructions; g++ comes from Debian when missing and we are root. A stale build of either raises where it
+# is used, naming `make native` (engine/native_guard.py).
 KERNEL_LIB := engine/runner/csrc/prefix_console_ops.so
 
 # The folder is a prerequisite too: deleting a source changes its time, not any remaining source's.

@@ -1,15 +1,16 @@
 """Compile the engine's CPU kernels (engine/runner/csrc/*.cpp) into one library against the installed torch.
 
 The library lands beside its sources (engine/runner/csrc/prefix_console_ops.so) and registers the ops
-`torch.ops.prefix_console.*` when engine/runner/native_kernels.py loads it: the paged decode attention
+`torch.ops.prefix_console.*` when engine/runner/native_kernels.py, which owns it (its paths, the
+manifest, loading, the probes), loads it: the paged decode attention
 (paged_decode.cpp), the tiled attention of prefills and shared prefixes (tiled_attention.cpp), the
 merge of partial attention results (merge_partials.cpp), the linears of few rows (panel_linear.cpp) and
 a decoder layer's fused elementwise steps (decoder_ops.cpp). It is built for the
 vector instructions of the machine that builds it (AVX-512, else AVX2 with FMA, else none: ATen's
 `Vectorized` then falls back to plain loops), which is the machine that runs it: `make install` builds
 it in place, with a manifest of the sources it was built from beside it. A library older than any of
-its sources, or built from another set of them (one added or deleted since), is not loaded (the engine
-then runs torch's ops and says so). `-ffp-contract=off`: no product and sum are fused into one rounding
+its sources, or built from another set of them (one added or deleted since), is stale: loading it raises
+an error that names `make native` (engine/native_guard.py states the policy). `-ffp-contract=off`: no product and sum are fused into one rounding
 that torch's eager ops do not have.
 
 OpenMP: the kernel's `at::parallel_for` compiles to OpenMP regions, linked against `libgomp.so.1` by
@@ -25,9 +26,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-SOURCES = sorted(Path("engine/runner/csrc").glob("*.cpp"))
-LIBRARY = Path("engine/runner/csrc/prefix_console_ops.so")
-MANIFEST = LIBRARY.with_suffix(".sources")  # the sources the library was built from, one name a line
+from engine.runner.native_kernels import LIBRARY, MANIFEST, SOURCES
 
 # (cpuinfo flags required, compiler flags, ATen's name for the instruction set), best first.
 INSTRUCTION_SETS = (
@@ -75,9 +74,6 @@ def compile_command(isa_flags: list[str]) -> list[str]:
 
 
 def main() -> None:
-    import os
-
-    os.chdir(Path(__file__).resolve().parent)  # the paths here are relative to the repository
     flags, name = instruction_set(cpu_flags())
     command = compile_command(flags)
     LIBRARY.unlink(missing_ok=True)  # unlinked, not overwritten: a running console keeps its mapped copy

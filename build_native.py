@@ -13,18 +13,22 @@ annotations at run time (a TypeError where plain Python would carry on), and onl
 
 Run: `.venv/bin/python build_native.py` (a C compiler and the Python headers). Generated C and object
 files go to .build/native; each extension module lands beside its source in engine/core/.
+`python3 build_native.py --sources` prints the files a build depends on (the Makefile's prerequisites),
+with the standard library alone.
 """
 
 from __future__ import annotations
 
 import os
 import shutil
+import sys
 from collections.abc import Iterable
 from pathlib import Path
 
 from engine.native_guard import NATIVE_MODULES, compiled_module
 
 BUILD_DIR = ".build/native"
+BUILD_INPUTS = ("build_native.py", "engine/native_guard.py", *NATIVE_MODULES)  # a change to any one rebuilds
 
 
 def copy_plain_source(root: Path, into: Path, packages: Iterable[str]) -> None:
@@ -55,4 +59,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    if sys.argv[1:] == ["--sources"]:
+        print(" ".join(BUILD_INPUTS))
+    else:
+        main()

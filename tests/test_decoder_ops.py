@@ -1,5 +1,5 @@
-"""A decoder layer's fused CPU steps (engine/runner/csrc/decoder_ops.cpp, `FusedSteps`) against the torch ops
-they replace (`TorchSteps`): identical, except the RMSNorm's, which sums its mean in another order (a last-bit
+"""A decoder layer's fused CPU steps (engine/runner/csrc/decoder_ops.cpp, `LayerSteps` with every op fused)
+against the torch ops they replace (engine/runner/layer_steps.py): identical, except the RMSNorm's, which sums its mean in another order (a last-bit
 difference of its float32 scale factor, which in bf16 flips a rounding now and then); in-place updates land
 where the torch ops' results would."""
 
@@ -8,15 +8,18 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.runner.decoder_forward import FusedSteps, TorchSteps, layer_steps
+from engine.runner import layer_steps as torch_steps
+from engine.runner.decoder_forward import layer_steps
+from engine.runner.kernel_probes import ProbeCase
+from engine.runner.layer_steps import FUSED_STEPS, LayerSteps
 
 HIDDEN, INTERMEDIATE, HEAD_DIM, HEADS = 96, 160, 16, 6
 
 
 @pytest.fixture(scope="module")
-def fused() -> FusedSteps:
-    steps = layer_steps(torch.device("cpu"))
-    assert isinstance(steps, FusedSteps), "the engine's library is not loaded (make install builds it)"
+def fused() -> LayerSteps:
+    steps = layer_steps(torch.device("cpu"), ProbeCase(torch.float32, HEADS, 2, HEAD_DIM))
+    assert steps.fused == FUSED_STEPS, f"not every step is fused (make install builds the library): {steps.name}"
     return steps
 
 
@@ -43,14 +46,14 @@ def inputs(rows: int, dtype: torch.dtype, seed: int):
 @pytest.mark.parametrize("rows", [1, 8, 33])
 def test_norms_and_the_activation_equal_the_torch_ops(fused, dtype, rows):
     hidden, delta, weight, gate_up = inputs(rows, dtype, rows)
-    same(fused.norm(hidden, weight, 1e-5), TorchSteps.norm(hidden, weight, 1e-5), last_bit=True)
-    want_hidden, want_normed = TorchSteps.add_norm(hidden, delta, weight, 1e-5)
+    same(fused.norm(hidden, weight, 1e-5), torch_steps.rms_norm(hidden, weight, 1e-5), last_bit=True)
+    want_hidden, want_normed = torch_steps.add_rms_norm(hidden, delta, weight, 1e-5)
     in_place = hidden.clone()
     got_hidden, got_normed = fused.add_norm(in_place, delta, weight, 1e-5)
     assert got_hidden is in_place  # the sum is written into hidden
     same(got_hidden, want_hidden)
     same(got_normed, want_normed, last_bit=True)
-    same(fused.silu_and_mul([gate_up]), TorchSteps.silu_and_mul(gate_up.chunk(2, dim=-1)))
+    same(fused.silu_and_mul([gate_up]), torch_steps.silu_and_mul(*gate_up.chunk(2, dim=-1)))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -62,7 +65,7 @@ def test_the_rotary_embedding_rotates_a_view_of_the_fused_output_in_place(fused,
     cos, sin = (f(torch.cat([angles, angles], dim=-1)).to(dtype) for f in (torch.cos, torch.sin))
     qk = qkv[:, : HEADS * HEAD_DIM].view(rows, HEADS, HEAD_DIM)
     values_before = qkv[:, HEADS * HEAD_DIM :].clone()
-    want = TorchSteps.rope(qk, cos, sin)
+    want = torch_steps.rope(qk, cos, sin)
     got = fused.rope(qk, cos, sin)
     assert got.data_ptr() == qkv.data_ptr()
     same(got, want)

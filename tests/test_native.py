@@ -5,7 +5,8 @@ the compiled modules in their place. These tests pin both halves of that bargain
 (the benchmarks' speed is the compiled pool's), and the source a reader reads is the same program: a copy
 of the packages without the compiled modules replays traces to the same hits and evictions, and passes
 the pool's own property and scenario tests. A compiled module older than its source is refused on import
-(engine/native_guard.py), while build_native.py, which repairs it, still loads.
+(engine/native_guard.py), while build_native.py, which repairs it, still loads. The module list is kept
+once, there: the Makefile asks build_native.py for it.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -133,3 +135,13 @@ def test_the_build_script_loads_while_the_compiled_modules_are_stale(compiled_co
     loaded = _run(compiled_copy, "-c", code)
     assert loaded.returncode == 0, loaded.stderr
     assert loaded.stdout.strip() == "['engine', 'engine.native_guard']"
+
+
+def test_the_makefile_takes_the_module_list_from_the_build_script_and_the_kernel_sources_by_glob():
+    listed = _run(ROOT, "build_native.py", "--sources")
+    assert listed.returncode == 0, listed.stderr
+    assert listed.stdout.split() == ["build_native.py", "engine/native_guard.py", *NATIVE_MODULES]
+    makefile = (ROOT / "Makefile").read_text()
+    assert "$(shell python3 build_native.py --sources)" in makefile
+    assert [name for name in NATIVE_MODULES if name in makefile] == []
+    assert re.findall(r"csrc/\w+\.cpp", makefile) == []  # the kernels' sources: $(wildcard engine/runner/csrc/*.cpp)

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from engine.runner.attention_kernels import Kernel, attend, attend_decodes, choose_kernels
-from engine.runner.native_kernels import load_ops, unusable_reason
+from engine.runner.native_kernels import load_ops, stale_reason
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE, NUM_BLOCKS = 6, 2, 32, 4, 24
 
@@ -119,19 +119,20 @@ def test_the_kernel_is_built_and_a_cpu_runner_reads_decodes_in_place():
         assert (choice.decodes, choice.notes) == (Kernel.CPU_PAGED_DECODE, ())
 
 
-def test_a_library_is_used_only_when_built_after_and_from_exactly_its_sources(tmp_path):
-    """A source edited, added or deleted since the build makes the library unusable (the engine then says so)."""
+def test_a_library_is_current_only_when_built_after_and_from_exactly_its_sources(tmp_path):
+    """A source edited, added or deleted since the build makes the library stale (loading it then raises,
+    tests/test_kernel_library.py)."""
     import os
 
     sources = [tmp_path / "a.cpp", tmp_path / "b.cpp"]
     library, manifest = tmp_path / "ops.so", tmp_path / "ops.sources"
     for path in sources:
         path.write_text("// source")
-    assert "not built" in unusable_reason(library, manifest, sources)
     library.write_bytes(b"")
+    assert "other sources" in stale_reason(library, manifest, sources)  # no manifest
     manifest.write_text("a.cpp\nb.cpp\n")
-    assert unusable_reason(library, manifest, sources) is None
-    assert "other sources" in unusable_reason(library, manifest, sources[:1])  # b.cpp deleted since
-    assert "other sources" in unusable_reason(library, manifest, [*sources, tmp_path / "c.cpp"])  # c.cpp added
+    assert stale_reason(library, manifest, sources) is None
+    assert "other sources" in stale_reason(library, manifest, sources[:1])  # b.cpp deleted since
+    assert "other sources" in stale_reason(library, manifest, [*sources, tmp_path / "c.cpp"])  # c.cpp added
     os.utime(sources[0], (library.stat().st_mtime + 5, library.stat().st_mtime + 5))  # a.cpp edited after
-    assert "older than its sources" in unusable_reason(library, manifest, sources)
+    assert "older than its sources" in stale_reason(library, manifest, sources)

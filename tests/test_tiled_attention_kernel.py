@@ -140,4 +140,4 @@ def test_a_cpu_runner_uses_it_for_unmasked_calls(dtype):
 def test_a_head_size_it_refuses_falls_back_to_the_flash_kernel_with_a_note():
     choice = choose_kernels(torch.device("cpu"), torch.float32, 4, 2, 24)
     assert choice.unmasked is Kernel.CPU_FLASH
-    assert any("cpu-tiled (unmasked) unavailable" in note and "multiple of 16" in note for note in choice.notes)
+    assert any("tiled_attention (float32) unavailable" in note and "multiple of 16" in note for note in choice.notes)

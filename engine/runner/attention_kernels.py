@@ -32,8 +32,7 @@ query per element over that element's blocks, read in place from the cache, so a
 no gather, no padding and no mask. The fused kernel above is built for many queries per key block; a
 decode batch through it first copied every element's blocks into a padded buffer (64 decodes: 12 ms of
 index_select per step) and then scored the padding. It is used when its library is built and loaded
-(engine/runner/native_kernels.py) and its probe matches MATH; otherwise decodes take the padded, masked
-call.
+and its probe matches MATH; otherwise decodes take the padded, masked call.
 
 FlexAttention (a block mask built from block tables) was the alternative: on the CPU it needs
 torch.compile to be usable, and on a GPU it compiles one kernel per mask shape family, which a step
@@ -41,8 +40,10 @@ whose batch shapes change every step would pay again and again; the fused kernel
 compilation and read gathered blocks at memory speed.
 
 Every fused kernel is probed once against MATH on small inputs of the runner's dtype and head layout
-(`choose_kernels`); one that raises or disagrees is replaced by MATH, and the reason is kept in
-`KernelChoice.notes` for the device check to report.
+(`choose_kernels`): the library's (tiled, paged decode, merge) by engine/runner/native_kernels.py, which
+owns the library, with one probe per op; torch's and CUDA's here, over the same calls
+(`kernel_probes.attention_error`). One that raises or disagrees is replaced by the next candidate or
+MATH, and the reason is kept in `KernelChoice.notes` for the Settings page and the device check.
 
 Shapes: q [B, H, n, d]; k, v [B, KV, L, d] with H a multiple of KV (grouped-query attention, query head
 h reads KV head h // (H / KV)); bias None or [B, 1, n or 1, L] additive in q's dtype (0 visible,
@@ -54,13 +55,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import Enum
-from typing import NamedTuple
 
 import torch
 
 from engine.core.arith import ceil_div
-from engine.runner.attention_plan import mask_bias
-from engine.runner.native_kernels import load_ops
+from engine.runner.attention_reference import math_attention, merge_partials
+from engine.runner.kernel_probes import ProbeCase, attention_error
+from engine.runner.native_kernels import load_ops, probe, probe_note, probe_notes
 
 
 class Kernel(Enum):
@@ -120,7 +121,7 @@ def attend(
             raise RuntimeError(f"the tiled attention kernel is not available: {why_not}")
         return ops.tiled_attention(q, k, v, causal, scale)
     if kernel is Kernel.MATH:
-        return _math(q, k, v, scale, causal, bias)
+        return math_attention(q, k, v, scale, causal, bias)
     return _cuda(q, k, v, scale, causal, bias, kernel)
 
 
@@ -153,24 +154,6 @@ def attend_decodes(
     return ops.paged_decode(q, key_cache, value_cache, blocks, fields, key_cache.shape[2], window or 0, scale)
 
 
-def merge_partials(
-    out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor
-) -> torch.Tensor:
-    """The attention output over two disjoint key sets from the two partial results, exactly.
-
-    Args:
-        out_a, out_b: [..., d] partial outputs (any float dtype; combined in float32).
-        lse_a, lse_b: [...] their log-sum-exps (float32).
-
-    Returns:
-        [..., d] in out_a's dtype.
-    """
-    weight_b = torch.sigmoid(lse_b - lse_a).unsqueeze(-1)
-    if out_a.dtype == torch.float32 and out_b.dtype == torch.float32:
-        return torch.lerp(out_a, out_b, weight_b)
-    return torch.lerp(out_a.float(), out_b.float(), weight_b).to(out_a.dtype)
-
-
 def merge_into(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor) -> None:
     """`merge_partials` written into out_a, in place (out_a may be a view of a larger output): on the CPU
     one pass of the library's `merge_partials_` (engine/runner/csrc/merge_partials.cpp), elsewhere the ops
@@ -180,16 +163,21 @@ def merge_into(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, ls
         out_a: [R, H, d] results so far; out_b: [R, H, d] over the other keys.
         lse_a, lse_b: [R, H] their log-sum-exps (float32).
     """
-    ops, _ = load_ops()
-    if ops is not None and out_a.device.type == "cpu":
-        ops.merge_partials_(out_a, lse_a, out_b, lse_b)
+    merge = probe("merge_partials_", ProbeCase.tiny(out_a.dtype)) if out_a.device.type == "cpu" else None
+    if merge is not None and merge.passed:
+        merge.ops.merge_partials_(out_a, lse_a, out_b, lse_b)
     else:
         out_a.copy_(merge_partials(out_a, lse_a, out_b, lse_b))
 
 
 def choose_kernels(device: torch.device, dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int) -> KernelChoice:
     """The preferred kernels for this device and dtype: for each kind of call the first candidate whose
-    probe matches MATH (on the CPU, unmasked calls try the tiled kernel, then the flash kernel), else MATH."""
+    probe matches MATH (on the CPU, unmasked calls try the library's tiled kernel, then the flash kernel),
+    else MATH; on the CPU, decodes in place where the paged decode kernel's probe passes.
+
+    Raises:
+        StaleKernelLibraryError: on the CPU, the kernel library is stale (engine/runner/native_kernels.py).
+    """
     if device.type == "cpu":
         candidates = ((Kernel.CPU_TILED, Kernel.CPU_FLASH), (Kernel.CPU_FLASH,))
     elif device.type == "cuda" and dtype in (torch.float16, torch.bfloat16):
@@ -198,114 +186,40 @@ def choose_kernels(device: torch.device, dtype: torch.dtype, num_heads: int, num
         candidates = ((Kernel.CUDA_EFFICIENT,), (Kernel.CUDA_EFFICIENT,))
     else:
         return KernelChoice(Kernel.MATH, Kernel.MATH, (f"no fused kernel chosen for device {device.type}",))
-    notes: list[str] = []
-    shape = _ProbeShape(device, dtype, num_heads, num_kv_heads, head_dim)
-    unmasked = _first_passing(candidates[0], False, shape, notes)
-    masked = _first_passing(candidates[1], True, shape, notes)
-    decodes = Kernel.CPU_PAGED_DECODE if device.type == "cpu" and _probe_decodes(shape, notes) else None
+    case = ProbeCase(dtype, num_heads, num_kv_heads, head_dim)
+    notes = []
+    if device.type == "cpu":  # the library's ops; merges are probed at one small layout (`merge_into`)
+        library = probe_notes(("tiled_attention", "paged_decode"), case) + probe_notes(("merge_partials_",), ProbeCase.tiny(dtype))
+        notes += dict.fromkeys(library)  # once each: a library not built gives each call the same reason
+    unmasked = _first_passing(candidates[0], False, device, case, notes)
+    masked = _first_passing(candidates[1], True, device, case, notes)
+    decodes = Kernel.CPU_PAGED_DECODE if device.type == "cpu" and probe("paged_decode", case).passed else None
     return KernelChoice(unmasked, masked, tuple(notes), decodes)
 
 
-def _first_passing(kernels: tuple[Kernel, ...], masked: bool, shape: _ProbeShape, notes: list[str]) -> Kernel:
+# The kernels that are ops of the engine's library, each probed by engine/runner/native_kernels.py.
+_LIBRARY_KERNELS = {Kernel.CPU_TILED: "tiled_attention"}
+
+
+def _first_passing(kernels: tuple[Kernel, ...], masked: bool, device: torch.device, case: ProbeCase, notes: list[str]) -> Kernel:
     """The first of `kernels` whose probe matches MATH on this kind of call, else MATH."""
-    return next((kernel for kernel in kernels if _probe(kernel, masked, shape, notes)), Kernel.MATH)
+    return next((kernel for kernel in kernels if _passes(kernel, masked, device, case, notes)), Kernel.MATH)
 
 
-# Probe tolerance on outputs of magnitude ~1: a few units in the last place of the dtype's mantissa.
-_PROBE_ATOL = {torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 5e-2}
+def _passes(kernel: Kernel, masked: bool, device: torch.device, case: ProbeCase, notes: list[str]) -> bool:
+    """Whether `kernel` matches MATH on the calls the runner makes of this kind: the library's through its
+    own probe (its note already taken), torch's and CUDA's here (a failure noted)."""
+    if kernel in _LIBRARY_KERNELS:
+        return probe(_LIBRARY_KERNELS[kernel], case).passed
 
+    def call(q, k, v, scale, causal, bias):
+        return attend(q, k, v, scale=scale, causal=causal, bias=bias, kernel=kernel)
 
-class _ProbeShape(NamedTuple):
-    device: torch.device
-    dtype: torch.dtype
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-
-
-def _probe(kernel: Kernel, masked: bool, shape: _ProbeShape, notes: list[str]) -> bool:
-    """Run `kernel` on the call shapes the runner makes (decode batch, causal block, shared prefix) and compare."""
-    device, dtype, num_heads, num_kv_heads, head_dim = shape
-    generator = torch.Generator().manual_seed(0)
-
-    def rand(batch: int, length: int, heads: int) -> torch.Tensor:
-        """[batch, heads, length, head_dim] as the runner passes it: a transposed view of rows of heads."""
-        values = torch.randn(batch, length, heads, head_dim, generator=generator)
-        return values.to(device=device, dtype=dtype).transpose(1, 2)
-
-    cases = []
-    if masked:  # a padded decode batch (odd key count) and a prefill chunk with partial causality
-        for batch, queries, keys in ((3, 1, 37), (1, 5, 21)):
-            visible = torch.rand(batch, 1, queries, keys, generator=generator) < 0.7
-            visible[..., 0] = True
-            bias = torch.zeros(visible.shape).masked_fill(~visible, float("-inf")).to(device=device, dtype=dtype)
-            cases.append((batch, queries, keys, False, bias))
-    else:  # own tokens, causal; queries of several requests over one shared prefix; a lone decode
-        cases += [(2, 7, 7, True, None), (1, 9, 48, False, None), (1, 1, 30, False, None)]
-    try:
-        for batch, queries, keys, causal, bias in cases:
-            q = rand(batch, queries, num_heads)
-            k, v = rand(batch, keys, num_kv_heads), rand(batch, keys, num_kv_heads)
-            out, lse = attend(q, k, v, scale=head_dim**-0.5, causal=causal, bias=bias, kernel=kernel)
-            want_out, want_lse = _math(q, k, v, head_dim**-0.5, causal, bias)
-            error = max((out.float() - want_out.float()).abs().max().item(), (lse - want_lse).abs().max().item())
-            if not error <= _PROBE_ATOL.get(dtype, 5e-2):
-                notes.append(f"{kernel.value} ({'masked' if masked else 'unmasked'}) differs from math by {error:.3g}")
-                return False
-    except (RuntimeError, NotImplementedError, AttributeError) as error:  # a kernel missing or refusing these shapes
-        notes.append(f"{kernel.value} ({'masked' if masked else 'unmasked'}) unavailable: {str(error).splitlines()[0][:200]}")
-        return False
-    return True
-
-
-def _probe_decodes(shape: _ProbeShape, notes: list[str]) -> bool:
-    """Run the paged decode kernel on a batch with scattered blocks, padding, a partial last block and a
-    window, and compare it with MATH over the same keys gathered and masked as the padded call masks them."""
-    ops, why_not = load_ops()
-    if ops is None:
-        notes.append(f"{Kernel.CPU_PAGED_DECODE.value} unavailable: {why_not}")
-        return False
-    device, dtype, num_heads, num_kv_heads, head_dim = shape
-    block_size, num_blocks = 4, 12
-    generator = torch.Generator().manual_seed(0)
-    cache = torch.randn(2, num_kv_heads, num_blocks, block_size, head_dim, generator=generator).to(device=device, dtype=dtype)
-    q = torch.randn(3, num_heads, head_dim, generator=generator).to(device=device, dtype=dtype)
-    # per element: physical blocks (padded to 3 with its first); query position, valid slots, logical blocks
-    blocks = torch.tensor([[7, 2, 9], [5, 5, 5], [3, 11, 3]], device=device)
-    fields = torch.tensor([[10, 11, 0, 1, 2], [2, 3, 0, 0, 0], [21, 6, 4, 5, 4]], device=device)
-    num_keys = blocks.shape[1] * block_size
-    # the padded call's keys: each element's blocks gathered, [B, KV, num_keys, d]
-    k, v = (c[:, blocks].permute(1, 0, 2, 3, 4).reshape(3, num_kv_heads, num_keys, head_dim) for c in cache)
-    try:
-        for window in (None, 5):
-            out, lse = ops.paged_decode(q, cache[0], cache[1], blocks, fields, block_size, window or 0, head_dim**-0.5)
-            bias = mask_bias(fields, 1, num_keys, block_size, window, dtype)  # the padded call's mask
-            want_out, want_lse = _math(q.unsqueeze(2), k, v, head_dim**-0.5, False, bias)
-            error = max((out.float() - want_out[:, :, 0].float()).abs().max().item(), (lse - want_lse[:, :, 0]).abs().max().item())
-            if not error <= _PROBE_ATOL.get(dtype, 5e-2):
-                notes.append(f"{Kernel.CPU_PAGED_DECODE.value} differs from math by {error:.3g}")
-                return False
-    except RuntimeError as error:  # the kernel refusing these shapes or this dtype
-        notes.append(f"{Kernel.CPU_PAGED_DECODE.value} unavailable: {str(error).splitlines()[0][:200]}")
-        return False
-    return True
-
-
-def _math(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool, bias: torch.Tensor | None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    group = q.shape[1] // k.shape[1]
-    k, v = k.repeat_interleave(group, dim=1).float(), v.repeat_interleave(group, dim=1).float()
-    scores = torch.matmul(q.float(), k.transpose(-1, -2)) * scale
-    if bias is not None:
-        scores = scores + bias.float()
-    if causal:
-        n = q.shape[2]
-        hidden = torch.ones(n, n, dtype=torch.bool, device=q.device).triu(1)
-        scores = scores.masked_fill(hidden, float("-inf"))
-    lse = torch.logsumexp(scores, dim=-1)
-    out = torch.matmul(torch.exp(scores - lse.unsqueeze(-1)), v)
-    return out.to(q.dtype), lse
+    label = f"{kernel.value} ({'masked' if masked else 'unmasked'})"
+    note = probe_note(label, lambda: attention_error(call, case, masked, device), case.dtype)
+    if note is not None:
+        notes.append(note)
+    return note is None
 
 
 # ---------------------------------------------------------------------------------------------- CUDA

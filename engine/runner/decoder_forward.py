@@ -27,12 +27,8 @@ the fused linears. Any other model type, activation or layer layout runs through
 instead; `unsupported_reason` says why.
 
 The elementwise steps between the linears (residual add and RMSNorm, SiLU-and-multiply, the rotary
-embedding) run as torch ops (`TorchSteps`) or, on the CPU when the engine's library is loaded, as one op
-each (`FusedSteps`, engine/runner/csrc/decoder_ops.cpp): a torch RMSNorm is six ops (15 us for 8 rows, 3
-fused), and a layer had about 20 such small ops. The fused steps round where the torch ops round, so
-their results are the torch ops' except where the RMSNorm's mean, summed in another order, changes the
-last bit of its float32 scale factor: float32 outputs then move by an ulp or two, and in bf16 that flips a
-rounding now and then.
+embedding) run as torch ops or, on the CPU, as one op each of the engine's library where that op's probe
+passed on the model's dtype and heads (engine/runner/layer_steps.py, `layer_steps`).
 """
 
 from __future__ import annotations
@@ -44,7 +40,9 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from engine.runner.native_kernels import load_ops
+from engine.runner.kernel_probes import ProbeCase
+from engine.runner.layer_steps import FUSED_STEPS, LayerSteps, rms_norm
+from engine.runner.native_kernels import passing_ops, probe_notes
 from engine.runner.packed_linear import pack_weight, packed_linear, packs_linears
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
@@ -83,63 +81,16 @@ class FusedLinear:
         return [parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1) for parts in outputs]
 
 
-class TorchSteps:
-    """A layer's elementwise steps as torch ops (any device)."""
+def layer_steps(device: torch.device, case: ProbeCase, fused: bool = True) -> LayerSteps:
+    """Each step as the library's op where it can run (a CPU device, its probe passed on `case`), else as
+    torch ops; the notes say why a step is not fused.
 
-    name = "torch ops"
-    joined_gate_up = False  # gate and up come as two tensors
-
-    @staticmethod
-    def norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        return _rms_norm(x, weight, eps)
-
-    @staticmethod
-    def add_norm(hidden: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-        """(hidden + delta, its RMSNorm)."""
-        hidden = hidden + delta
-        return hidden, _rms_norm(hidden, weight, eps)
-
-    @staticmethod
-    def silu_and_mul(gate_up: Sequence[torch.Tensor]) -> torch.Tensor:
-        gate, up = gate_up
-        return F.silu(gate) * up
-
-    @staticmethod
-    def rope(qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """qk [T, heads, head_dim] rotated by cos, sin [T, head_dim] (a new tensor)."""
-        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # every head alike
-        return qk * cos + _rotate_half(qk) * sin
-
-
-class FusedSteps:
-    """A layer's elementwise steps as the engine's CPU ops (engine/runner/csrc/decoder_ops.cpp), one pass each.
-    `add_norm` adds into `hidden` in place and `rope` rotates `qk` in place (both are the forward's own tensors)."""
-
-    name = "fused CPU ops"
-    joined_gate_up = True  # gate|up as one [T, 2I] tensor
-
-    def __init__(self, ops: object) -> None:
-        self.ops = ops
-
-    def norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        return self.ops.rms_norm(x, weight, eps)
-
-    def add_norm(self, hidden: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-        return hidden, self.ops.add_rms_norm_(hidden, delta, weight, eps)
-
-    def silu_and_mul(self, gate_up: Sequence[torch.Tensor]) -> torch.Tensor:
-        (joined,) = gate_up
-        return self.ops.silu_and_mul(joined)
-
-    def rope(self, qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        self.ops.rope_(qk, cos, sin)
-        return qk
-
-
-def layer_steps(device: torch.device, fused: bool = True) -> TorchSteps | FusedSteps:
-    """The fused CPU steps where they can run (a CPU device, the library loaded), else torch's."""
-    ops, _ = load_ops() if fused and device.type == "cpu" else (None, "")
-    return FusedSteps(ops) if ops is not None else TorchSteps()
+    Raises:
+        StaleKernelLibraryError: on the CPU, the kernel library is stale (engine/runner/native_kernels.py).
+    """
+    if not fused or device.type != "cpu":
+        return LayerSteps({})
+    return LayerSteps(passing_ops(FUSED_STEPS, case), probe_notes(FUSED_STEPS, case))
 
 
 @dataclass(frozen=True)
@@ -193,12 +144,12 @@ class DecoderForward:
         if reason is not None:
             raise ValueError(f"DecoderForward cannot run this model: {reason}")
         packed = packs_linears(device, dtype)
-        self.steps = layer_steps(device, fused_steps)
         inner = model.model
         config = model.config
         self.num_heads = int(config.num_attention_heads)
         self.num_kv_heads = int(config.num_key_value_heads)
         self.head_dim = int(inner.layers[0].self_attn.head_dim)
+        self.steps = layer_steps(device, ProbeCase(dtype, self.num_heads, self.num_kv_heads, self.head_dim), fused_steps)
         self.embed = inner.embed_tokens.weight
         self.rotary = inner.rotary_emb
         self.norm = inner.norm.weight
@@ -254,7 +205,7 @@ class DecoderForward:
             qk, values = layer.qkv(x)
             qk = qk.view(num_tokens, heads + kv_heads, head_dim)
             if layer.qk_norm is not None:
-                qk = _rms_norm(qk, layer.qk_norm, layer.qk_norm_eps)
+                qk = rms_norm(qk, layer.qk_norm, layer.qk_norm_eps)
             qk = steps.rope(qk, cos, sin)
             values = values.view(num_tokens, kv_heads, head_dim)
             # the last layer writes every token's K/V; past them only the LM head's rows matter
@@ -269,15 +220,6 @@ class DecoderForward:
                 hidden, x = steps.add_norm(hidden, out, following.input_norm, following.eps)
             else:
                 hidden = hidden + out
-        (logits,) = self.lm_head(_rms_norm(hidden, self.norm, self.norm_eps))
+        (logits,) = self.lm_head(rms_norm(hidden, self.norm, self.norm_eps))
         return logits
 
-
-def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """transformers' Llama RMSNorm: normalized in float32, cast back to x's dtype, then scaled."""
-    return weight * torch.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)

@@ -33,7 +33,8 @@ them for its fused elementwise step.
 
 The original weights stay in place (state dicts, tied embeddings, the reference forward and other devices
 are unchanged); each packed layout costs as much memory again as the packed layers' weights (SmolLM2
-fp32: 425 MB of decoder linears, 113 MB of LM head; the panels only where the engine's library is loaded).
+fp32: 425 MB of decoder linears, 113 MB of LM head; the panels only where the engine's library is loaded
+and its panel linear passed its probe at the weight's dtype, engine/runner/native_kernels.py).
 Panels of 2 MB or more live on transparent huge pages where the kernel grants them
 (`host_memory.on_huge_pages`: a decode step streams them whole).
 """
@@ -46,7 +47,8 @@ import torch
 from torch import nn
 
 from engine.runner.host_memory import on_huge_pages
-from engine.runner.native_kernels import load_ops
+from engine.runner.kernel_probes import ProbeCase
+from engine.runner.native_kernels import probe
 
 PACKED_DTYPES = (torch.float32, torch.bfloat16)
 BATCH_HINT = 32  # rows oneDNN's weight layout is chosen for (measured best of 1, 8, 32 and none)
@@ -60,7 +62,7 @@ class PackedWeight:
     """A linear layer's [N, K] weight packed once: oneDNN's layout, and column panels where they serve."""
 
     onednn: torch.Tensor
-    panels: torch.Tensor | None  # `pack_panels`' layout; None without the engine's library or when 32 does not divide N
+    panels: torch.Tensor | None  # `pack_panels`' layout; None without a passing panel probe or when 32 does not divide N
     panel_rows: int  # calls of at most this many rows run on the panels
 
 
@@ -93,13 +95,17 @@ def packed_linear(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | No
 
 
 def pack_weight(weight: torch.Tensor) -> PackedWeight:
-    """Packed copies of a linear layer's [out_features, in_features] weight (CPU, fp32 or bf16)."""
+    """Packed copies of a linear layer's [out_features, in_features] weight (CPU, fp32 or bf16).
+
+    Raises:
+        StaleKernelLibraryError: the kernel library is stale (engine/runner/native_kernels.py).
+    """
     weight = weight.detach()
     onednn = torch.ops.mkldnn._reorder_linear_weight(weight, BATCH_HINT)
-    ops, _ = load_ops()
-    if ops is None or weight.shape[0] % PANEL_WIDTH != 0:
+    panel = probe("panel_linear", ProbeCase.tiny(weight.dtype))
+    if not panel.passed or weight.shape[0] % PANEL_WIDTH != 0:
         return PackedWeight(onednn, None, 0)
-    panels = on_huge_pages(ops.pack_panels(weight))  # streamed whole by every decode step
+    panels = on_huge_pages(panel.ops.pack_panels(weight))  # streamed whole by every decode step
     return PackedWeight(onednn, panels, panel_rows(panels))
 
 
@@ -120,10 +126,10 @@ def linear_kernels(device: torch.device, dtype: torch.dtype) -> str:
     """Which kernels run the linears on this device and dtype, for an operator."""
     if not packs_linears(device, dtype):
         return "F.linear"
-    ops, why_not = load_ops()
-    if ops is None:
-        return f"oneDNN (no panel kernel: {why_not})"
-    rows = panel_rows(ops.pack_panels(torch.zeros(PANEL_WIDTH, 2, dtype=dtype)))
+    panel = probe("panel_linear", ProbeCase.tiny(dtype))
+    if not panel.passed:
+        return f"oneDNN (no panel kernel: {panel.note})"
+    rows = panel_rows(panel.ops.pack_panels(torch.zeros(PANEL_WIDTH, 2, dtype=dtype)))
     return f"panels up to {rows} rows, oneDNN above"
 
 
