@@ -22,9 +22,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from engine.core.block_pool import BlockPool  # noqa: E402
+from engine.core.chain_keys import ChainKeys  # noqa: E402
 from engine.core.events import EventLog  # noqa: E402
 from engine.core.full_attention_manager import FullAttentionManager  # noqa: E402
-from engine.core.namespace import CacheNamespace  # noqa: E402
+from engine.core.namespace import CacheNamespace, NamespaceRoots  # noqa: E402
 from storage.read import queries  # noqa: E402
 from storage.db import db_engine  # noqa: E402
 from storage.write.retention import RetentionPolicy  # noqa: E402
@@ -40,6 +41,7 @@ def workload(num_events: int, seed: int = 0):
     rng = random.Random(seed)
     log = EventLog()
     m = FullAttentionManager(BlockPool(NUM_BLOCKS, BLOCK_SIZE, log), CacheNamespace("m", "r", "float32", BLOCK_SIZE, ("full",)), log)
+    root = NamespaceRoots(m.namespace, [m.pool]).root_key(None)
     stems = [[rng.randrange(1000) for _ in range(BLOCK_SIZE * 4)] for _ in range(8)]
     live: list[str] = []
     made = 0
@@ -58,10 +60,10 @@ def workload(num_events: int, seed: int = 0):
             live.append(rid)
         else:
             prompt = rng.choice(stems) + [rng.randrange(1000) for _ in range(rng.randrange(1, 40))]
-            hits = m.find_prefix_hit(prompt, None)
+            hits = m.find_prefix_hit(prompt, ChainKeys(root, BLOCK_SIZE))
             new = prompt[len(hits) * BLOCK_SIZE :]
             if m.can_allocate(len(new), hits):
-                m.allocate(rid, new, hits=hits)
+                m.allocate(rid, new, root_key=root, hits=hits)
                 m.cache_full_blocks(rid)
                 live.append(rid)
         events = log.take()

@@ -49,9 +49,10 @@ from transformers.generation.continuous_batching.cache_allocators import (  # no
 )
 
 from engine.core.block_pool import BlockPool  # noqa: E402
+from engine.core.chain_keys import ChainKeys  # noqa: E402
 from engine.core.events import EventLog  # noqa: E402
 from engine.core.full_attention_manager import FullAttentionManager  # noqa: E402
-from engine.core.namespace import CacheNamespace  # noqa: E402
+from engine.core.namespace import CacheNamespace, NamespaceRoots  # noqa: E402
 
 BLOCK_SIZE = 16
 CONTEXTS = (256, 1024, 4096, 16384, 32768)
@@ -103,27 +104,28 @@ class Ours:
     def __init__(self, num_blocks: int) -> None:
         self.log = EventLog()
         self.manager = FullAttentionManager(BlockPool(num_blocks, BLOCK_SIZE, self.log), self.namespace, self.log)
+        self.root = NamespaceRoots(self.namespace, [self.manager.pool]).root_key(None)  # as the scheduler's, once
 
     def prefill(self, request_id: str, tokens: list[int]) -> None:
-        self.manager.allocate(request_id, tokens)
+        self.manager.allocate(request_id, tokens, root_key=self.root)
         self.manager.cache_full_blocks(request_id)
         self.log.take()  # the engine drains its events every step
 
     def lookup_thunk(self, prompt: list[int], repeats: int) -> Thunk:
-        find = self.manager.find_prefix_hit
+        find, root = self.manager.find_prefix_hit, self.root
 
         def run() -> None:
             for _ in range(repeats):
-                find(prompt, None)
+                find(prompt, ChainKeys(root, BLOCK_SIZE))  # a request's first lookup hashes its blocks
 
         return run
 
     def allocate_thunk(self, contexts: list[tuple[str, list[int]]]) -> Thunk:
-        allocate, cache = self.manager.allocate, self.manager.cache_full_blocks
+        allocate, cache, root = self.manager.allocate, self.manager.cache_full_blocks, self.root
 
         def run() -> None:
             for request_id, tokens in contexts:
-                allocate(request_id, tokens)
+                allocate(request_id, tokens, root_key=root)
                 cache(request_id)
 
         return run
@@ -147,7 +149,7 @@ class Ours:
         return run
 
     def num_hit_blocks(self, prompt: list[int]) -> int:
-        return len(self.manager.find_prefix_hit(prompt, None))
+        return len(self.manager.find_prefix_hit(prompt, ChainKeys(self.root, BLOCK_SIZE)))
 
     def num_held_blocks(self, request_id: str) -> int:
         return len(self.manager.block_ids(request_id))

@@ -70,9 +70,10 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # before transformers is imported:
 import torch  # noqa: E402
 
 from engine.core.arith import ceil_div  # noqa: E402
+from engine.core.chain_keys import ChainKeys  # noqa: E402
 from engine.core.config import MAX_BATCHED_TOKENS, EngineConfig, default_data_dir  # noqa: E402
 from engine.engine import Engine  # noqa: E402
-from engine.core.kv_groups import FULL, SLIDING  # noqa: E402
+from engine.core.kv_groups import FULL, SLIDING, HitPlan  # noqa: E402
 from engine.runner.model_runner import ModelRunner  # noqa: E402
 from engine.runner.model_loading import SMOLLM2_CACHE_NAME, LoadedModel, load_model  # noqa: E402
 from engine.core.request import SamplingParams  # noqa: E402
@@ -270,6 +271,11 @@ class System:
     def reset(self) -> None:
         assert self.engine.reset_cache().ok, "nothing may be held between repetitions"
 
+    def plan(self, tokens: list[int]) -> HitPlan:
+        """The engine's hit plan for an unsalted request with this context (planning only)."""
+        kv = self.engine.kv
+        return kv.plan_hit(tokens, ChainKeys(kv.roots.root_key(None), kv.block_size))
+
     def build_document(self, doc: list[int], plan_suffix: list[int]) -> None:
         """Cache D the way two earlier readers leave it: D[:checkpoint], then all of D."""
         self.run(doc[: self.s.checkpoint_len], 1)
@@ -279,7 +285,7 @@ class System:
             b.block_id for b in self.engine.snapshot().blocks if b.group == SLIDING and b.key is not None
         }
         for h in self.s.plan_points:
-            plan = self.engine.kv.plan_hit(doc[:h] + plan_suffix, None)
+            plan = self.plan(doc[:h] + plan_suffix)
             self.plans[h] = (plan.mode, plan.h, plan.r)
 
     def plan_follow_up(self, probe: Probe, prompt: list[int], new_tokens: list[int]) -> FollowUp:
@@ -288,7 +294,7 @@ class System:
         Blocks it would share that entered the cache after D was built, at positions from `probe.r` on, hold
         state the approximate request computed: only that request ran on this chain since.
         """
-        plan = self.engine.kv.plan_hit(prompt + list(probe.outputs) + new_tokens, None)
+        plan = self.plan(prompt + list(probe.outputs) + new_tokens)
         bs = self.s.block_size
         sliding = sum(1 for b in plan.sliding_hits if b.start_pos >= probe.r and b.block_id not in self.setup_sliding_ids)
         return FollowUp(plan.mode, plan.h, plan.r, sliding, len(plan.sliding_hits), len(plan.full_hits) - probe.h // bs)

@@ -27,6 +27,7 @@ from storage.read import queries
 from storage.db import db_engine
 from storage.write.recorder import record_engine
 from storage.write.writer import EventWriter
+from tests.manager_support import root_key
 from tests.own_workload_support import NAMESPACE, token_prompts, write_run_trace
 
 KEYING = Keying(NAMESPACE, None)
@@ -46,7 +47,7 @@ def test_block_ids_are_the_chain_keys_the_kv_cache_manager_computes():
     trace = run_trace(submit("a", tokens, salt="t"))
     log = EventLog()
     manager = FullAttentionManager(BlockPool(8, 4, log), NAMESPACE, log)
-    manager.allocate("a", tokens, salt="t")
+    manager.allocate("a", tokens, root_key=root_key(manager, "t"))
     manager.cache_full_blocks("a")
     assert trace.block_ids.tolist() == list(key_ids(b"".join(manager.chain_keys("a"))))
     assert trace.partial_blocks is PartialBlocks.DROPPED and trace.format is TraceFormat.RUN_TRACE

@@ -18,6 +18,7 @@ from engine.core.events import EventLog
 from engine.core.eviction import LruPolicy, ReuseLruPolicy
 from engine.core.full_attention_manager import FullAttentionManager
 from tests.analysis_support import BAILIAN_SAMPLE, CONVERSATION_SAMPLE, SYNTHETIC_SAMPLE, trace_of
+from tests.manager_support import find_hit, root_key
 from tests.own_workload_support import NAMESPACE, token_prompts, write_run_trace
 
 
@@ -79,8 +80,8 @@ def test_a_token_trace_hits_what_the_engines_kv_cache_manager_hits(tmp_path):
         engine_hits = []
         for index, (tokens, salt) in enumerate(prompts):
             kept = tokens[: capacity * size]  # the sequential rule: blocks past the capacity are not kept
-            hits = manager.find_prefix_hit(kept + [0], salt)  # + [0]: look up every block of `kept`
-            manager.allocate(str(index), kept[len(hits) * size :], hits=hits, salt=salt)
+            hits = find_hit(manager, kept + [0], salt)  # + [0]: look up every block of `kept`
+            manager.allocate(str(index), kept[len(hits) * size :], root_key=root_key(manager, salt), hits=hits)
             manager.cache_full_blocks(str(index))
             manager.free(str(index))
             engine_hits.append(min(len(hits) * size, len(tokens)))

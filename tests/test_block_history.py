@@ -20,8 +20,9 @@ from engine.core.eviction import EvictionPolicyName
 from engine.core.full_attention_manager import FullAttentionManager
 from engine.core.namespace import CacheNamespace
 from storage.read.block_history import EVICTABLE_FROM_HERE, SAFE_TO_REUSE, StoredEvent, replay, rows_involving
-from tests.test_kv_cache_manager_properties import KVCacheManagerMachine
+from tests.test_kv_cache_manager_properties import FullAttentionManagerMachine
 from tests.test_kv_coordinator_properties import CoordinatorMachine
+from tests.manager_support import find_hit, root_key
 
 
 def stored(events, first_id: int = 0) -> list[StoredEvent]:
@@ -54,7 +55,7 @@ class _RecordsHistory:
                 assert (last.state if last else "free") == pool.state_of(block)
 
 
-class KVCacheManagerHistoryMachine(_RecordsHistory, KVCacheManagerMachine):
+class FullAttentionManagerHistoryMachine(_RecordsHistory, FullAttentionManagerMachine):
     policy = EvictionPolicyName.LRU
 
     @invariant()
@@ -76,14 +77,14 @@ class CoordinatorHistoryMachine(_RecordsHistory, CoordinatorMachine):
         self._check_history(self.kv.managers)
 
 
-class ReuseLruKVCacheManagerHistoryMachine(KVCacheManagerHistoryMachine):
+class ReuseLruFullAttentionManagerHistoryMachine(FullAttentionManagerHistoryMachine):
     policy = EvictionPolicyName.REUSE_LRU
 
 
-TestKVCacheManagerHistory = KVCacheManagerHistoryMachine.TestCase
-TestKVCacheManagerHistory.settings = settings(max_examples=80, stateful_step_count=40, deadline=None)
-TestReuseLruKVCacheManagerHistory = ReuseLruKVCacheManagerHistoryMachine.TestCase
-TestReuseLruKVCacheManagerHistory.settings = settings(max_examples=40, stateful_step_count=40, deadline=None)
+TestFullAttentionManagerHistory = FullAttentionManagerHistoryMachine.TestCase
+TestFullAttentionManagerHistory.settings = settings(max_examples=80, stateful_step_count=40, deadline=None)
+TestReuseLruFullAttentionManagerHistory = ReuseLruFullAttentionManagerHistoryMachine.TestCase
+TestReuseLruFullAttentionManagerHistory.settings = settings(max_examples=40, stateful_step_count=40, deadline=None)
 TestCoordinatorHistory = CoordinatorHistoryMachine.TestCase
 TestCoordinatorHistory.settings = settings(max_examples=80, stateful_step_count=40, deadline=None)
 
@@ -94,7 +95,7 @@ def exercise():
     two forks, each appending a different token, then the parent's release and the children's."""
     log = EventLog()
     m = FullAttentionManager(BlockPool(8, 4, log), CacheNamespace("m", "r", "float32", 4, ("full",)), log)
-    m.allocate("p", [1, 2, 3, 4, 5, 6])
+    m.allocate("p", [1, 2, 3, 4, 5, 6], root_key=root_key(m))
     m.cache_full_blocks("p")
     m.fork("p", "a")
     m.fork("p", "b")
@@ -142,12 +143,12 @@ def test_each_childs_copy_is_its_own_from_the_copy_to_its_release():
 def test_a_cached_block_is_shared_by_a_prefix_hit_then_evicted_with_its_reason_and_freed():
     log = EventLog()
     m = FullAttentionManager(BlockPool(2, 4, log), CacheNamespace("m", "r", "float32", 4, ("full",)), log)
-    m.allocate("p", [1, 2, 3, 4, 5])
+    m.allocate("p", [1, 2, 3, 4, 5], root_key=root_key(m))
     m.cache_full_blocks("p")
     m.free("p")
-    m.allocate("h", [9], hits=m.find_prefix_hit([1, 2, 3, 4, 9], None))
+    m.allocate("h", [9], root_key=root_key(m), hits=find_hit(m, [1, 2, 3, 4, 9]))
     m.free("h")
-    m.allocate("q", [7] * 7)  # needs both blocks: the cached one is evicted
+    m.allocate("q", [7] * 7, root_key=root_key(m))  # needs both blocks: the cached one is evicted
     life = replay(stored(log.take()), [0])[0]
     assert [(r.event, r.request_id, r.ref_count, r.state, r.marker) for r in life.rows] == [
         ("allocate", "p", 1, "referenced", ""),
@@ -172,11 +173,11 @@ def test_a_history_that_starts_mid_life_is_shown_from_the_next_allocation_and_fl
 def test_lives_are_cut_at_each_allocation_and_a_requests_stretch_is_picked_out():
     log = EventLog()
     m = FullAttentionManager(BlockPool(1, 4, log), CacheNamespace("m", "r", "float32", 4, ("full",)), log)
-    m.allocate("first", [1, 2])
+    m.allocate("first", [1, 2], root_key=root_key(m))
     m.free("first")
-    m.allocate("second", [3])
+    m.allocate("second", [3], root_key=root_key(m))
     m.free("second")
-    m.allocate("third", [4])
+    m.allocate("third", [4], root_key=root_key(m))
     life = replay(stored(log.take()), [0])[0]
     assert [r.life for r in life.rows] == [0, 0, 1, 1, 2]
     # The row before (the count "second" found) and the row after (what came next) frame its stretch.
@@ -191,10 +192,10 @@ def test_events_name_every_block_whose_count_they_change():
     could say which blocks a fork or a prefix hit shared."""
     log = EventLog()
     m = FullAttentionManager(BlockPool(8, 4, log), CacheNamespace("m", "r", "float32", 4, ("full",)), log)
-    m.allocate("a", [1, 2, 3, 4, 5, 6, 7, 8, 9])
+    m.allocate("a", [1, 2, 3, 4, 5, 6, 7, 8, 9], root_key=root_key(m))
     m.cache_full_blocks("a")
     m.fork("a", "b")
-    m.allocate("c", [9, 9], hits=m.find_prefix_hit([1, 2, 3, 4, 5, 6, 7, 8, 9, 9], None))
+    m.allocate("c", [9, 9], root_key=root_key(m), hits=find_hit(m, [1, 2, 3, 4, 5, 6, 7, 8, 9, 9]))
     by_kind = {e.kind: e.detail for e in log.take()}
     assert by_kind[EventKind.FORK]["block_ids"] == [0, 1, 2]
     assert by_kind[EventKind.HIT]["block_ids"] == [0, 1] and by_kind[EventKind.HIT]["group"] == "full"

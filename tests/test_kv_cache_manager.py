@@ -8,8 +8,9 @@ from engine.core.block_pool import BlockPool
 from engine.core.errors import InvariantError, NoFreeBlocksError
 from engine.core.events import EventKind, EventLog, EvictReason
 from engine.core.full_attention_manager import FullAttentionManager
-from engine.core.kv_cache_manager import BlockCopy
+from engine.core.single_type_kv_cache_manager import BlockCopy
 from engine.core.namespace import CacheNamespace
+from tests.manager_support import find_hit, root_key
 
 
 def make_manager(num_blocks: int = 8, block_size: int = 4, **ns_overrides) -> FullAttentionManager:
@@ -24,10 +25,10 @@ def refs(m: FullAttentionManager, *block_ids: int) -> list[int]:
 
 
 def prefill(m: FullAttentionManager, rid: str, tokens: list[int], salt: str | None = None) -> list:
-    hits = m.find_prefix_hit(tokens, salt)
+    hits = find_hit(m, tokens, salt)
     new = tokens[len(hits) * m.block_size :]
     assert m.can_allocate(len(new), hits)
-    m.allocate(rid, new, hits=hits, salt=salt)
+    m.allocate(rid, new, root_key=root_key(m, salt), hits=hits)
     m.cache_full_blocks(rid)
     return hits
 
@@ -92,10 +93,10 @@ def test_prefix_hit_is_capped_so_one_token_is_always_computed():
     m = make_manager()
     prefill(m, "a", [1, 2, 3, 4, 5, 6, 7, 8, 9])
     m.free("a")
-    assert len(m.find_prefix_hit([1, 2, 3, 4, 5, 6, 7, 8], None)) == 1  # 8 tokens: cap (8-1)//4 = 1 block
-    assert len(m.find_prefix_hit([1, 2, 3, 4, 5, 6, 7, 8, 42], None)) == 2
-    assert len(m.find_prefix_hit([1, 2, 3, 4], None)) == 0
-    assert len(m.find_prefix_hit([1, 2, 3, 9, 5, 6, 7, 8, 42], None)) == 0  # first block differs
+    assert len(find_hit(m, [1, 2, 3, 4, 5, 6, 7, 8])) == 1  # 8 tokens: cap (8-1)//4 = 1 block
+    assert len(find_hit(m, [1, 2, 3, 4, 5, 6, 7, 8, 42])) == 2
+    assert len(find_hit(m, [1, 2, 3, 4])) == 0
+    assert len(find_hit(m, [1, 2, 3, 9, 5, 6, 7, 8, 42])) == 0  # first block differs
 
 
 def test_hit_shares_blocks_and_takes_them_out_of_the_lru():
@@ -255,7 +256,7 @@ def test_reset_drops_unreferenced_cached_blocks_and_reports_referenced_ones():
     m.free("a")
     dropped, kept = m.reset_prefix_cache()
     assert (dropped, kept) == (2, 1)  # a's two blocks dropped, b's full block is in use
-    assert m.find_prefix_hit([1, 2, 3, 4, 5, 6, 7, 8, 9], None) == []
+    assert find_hit(m, [1, 2, 3, 4, 5, 6, 7, 8, 9]) == []
     m.check_invariants()
 
 
@@ -286,8 +287,8 @@ def test_same_tokens_under_another_namespace_never_hit(override):
     tokens = [1, 2, 3, 4, 5, 6, 7, 8, 9]
     prefill(first, "a", tokens)
     second = FullAttentionManager(pool, CacheNamespace(**{**base, **override}), log)
-    assert second.find_prefix_hit(tokens, None) == []
-    assert len(first.find_prefix_hit(tokens, None)) == 2
+    assert find_hit(second, tokens) == []
+    assert len(find_hit(first, tokens)) == 2
 
 
 def test_another_block_size_never_hits():
@@ -300,9 +301,9 @@ def test_salt_isolates_tenants():
     m = make_manager()
     tokens = [1, 2, 3, 4, 5, 6, 7, 8, 9]
     prefill(m, "a", tokens, salt="tenant-a")
-    assert m.find_prefix_hit(tokens, "tenant-b") == []
-    assert m.find_prefix_hit(tokens, None) == []
-    assert len(m.find_prefix_hit(tokens, "tenant-a")) == 2
+    assert find_hit(m, tokens, "tenant-b") == []
+    assert find_hit(m, tokens) == []
+    assert len(find_hit(m, tokens, "tenant-a")) == 2
 
 
 def test_lookup_confirms_tokens_so_a_forged_key_cannot_hit():

@@ -15,6 +15,7 @@ from engine.core.events import EventKind, EventLog, EvictReason
 from engine.core.eviction import EvictionPolicyName, make_eviction_policy
 from engine.core.full_attention_manager import FullAttentionManager
 from engine.core.namespace import CacheNamespace
+from tests.manager_support import find_hit, root_key
 
 BLOCK_SIZE = 4
 NUM_BLOCKS = 24
@@ -23,7 +24,7 @@ STEMS = [[1, 2, 3, 4, 5, 6, 7, 8], [1, 2, 3, 4, 9, 9, 9, 9], [5, 5, 5, 5]]
 tokens = st.lists(st.integers(0, 6), min_size=1, max_size=14)
 
 
-class KVCacheManagerMachine(RuleBasedStateMachine):
+class FullAttentionManagerMachine(RuleBasedStateMachine):
     policy: EvictionPolicyName
 
     def __init__(self) -> None:
@@ -44,13 +45,13 @@ class KVCacheManagerMachine(RuleBasedStateMachine):
     def submit(self, stem, tail, salt):
         prompt = stem + tail
         rid = self._new_id()
-        hits = self.m.find_prefix_hit(prompt, salt)
+        hits = find_hit(self.m, prompt, salt)
         assert len(hits) * BLOCK_SIZE <= len(prompt) - 1
         for i, block in enumerate(hits):
             assert block.token_ids == prompt[i * BLOCK_SIZE : (i + 1) * BLOCK_SIZE]
         new = prompt[len(hits) * BLOCK_SIZE :]
         if self.m.can_allocate(len(new), hits):
-            self.m.allocate(rid, new, hits=hits, salt=salt)
+            self.m.allocate(rid, new, root_key=root_key(self.m, salt), hits=hits)
             self.m.cache_full_blocks(rid)
             self.context[rid] = prompt
         else:
@@ -77,19 +78,20 @@ class KVCacheManagerMachine(RuleBasedStateMachine):
         before they are computed, then the forward: both keyed in chunk order, or (the holder's forward
         went non-finite) both freed, nothing of theirs entering the index."""
         holder_prompt, prompt = stem + holder_tail, stem + tail
-        hits = self.m.find_prefix_hit(holder_prompt, salt)
+        hits = find_hit(self.m, holder_prompt, salt)
         new = holder_prompt[len(hits) * BLOCK_SIZE :]
         if not self.m.can_allocate(len(new), hits):
             return
         indexed_before = {b.key for b in self.m.pool.blocks if b.key is not None}
         holder = self._new_id()
-        self.m.allocate(holder, new, hits=hits, salt=salt)
+        root = root_key(self.m, salt)
+        self.m.allocate(holder, new, root_key=root, hits=hits)
         common = next((i for i, (a, b) in enumerate(zip(holder_prompt, prompt)) if a != b), min(len(prompt), len(holder_prompt)))
         num_blocks = min(common, len(prompt) - 1) // BLOCK_SIZE  # the hit cap: its last token is computed
         rids = [holder]
         if num_blocks and self.m.can_allocate(len(prompt) - num_blocks * BLOCK_SIZE):
             rids.append(self._new_id())
-            self.m.share_leading_blocks(holder, rids[1], num_blocks, prompt[num_blocks * BLOCK_SIZE :], salt=salt)
+            self.m.share_leading_blocks(holder, rids[1], num_blocks, prompt[num_blocks * BLOCK_SIZE :], root_key=root)
             assert self.m.block_ids(rids[1])[:num_blocks] == self.m.block_ids(holder)[:num_blocks]
         if fails:
             for rid in reversed(rids):
@@ -174,10 +176,10 @@ class KVCacheManagerMachine(RuleBasedStateMachine):
 
 
 def machine_for(policy: EvictionPolicyName):
-    return type(f"{policy.name}ManagerMachine", (KVCacheManagerMachine,), {"policy": policy})
+    return type(f"{policy.name}ManagerMachine", (FullAttentionManagerMachine,), {"policy": policy})
 
 
-TestKVCacheManagerMachine = machine_for(EvictionPolicyName.LRU).TestCase
-TestReuseLruKVCacheManagerMachine = machine_for(EvictionPolicyName.REUSE_LRU).TestCase
-TestKVCacheManagerMachine.settings = settings(max_examples=100, stateful_step_count=40, deadline=None)
-TestReuseLruKVCacheManagerMachine.settings = TestKVCacheManagerMachine.settings
+TestFullAttentionManagerMachine = machine_for(EvictionPolicyName.LRU).TestCase
+TestReuseLruFullAttentionManagerMachine = machine_for(EvictionPolicyName.REUSE_LRU).TestCase
+TestFullAttentionManagerMachine.settings = settings(max_examples=100, stateful_step_count=40, deadline=None)
+TestReuseLruFullAttentionManagerMachine.settings = TestFullAttentionManagerMachine.settings

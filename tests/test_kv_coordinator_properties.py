@@ -13,6 +13,7 @@ from hypothesis import settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from engine.core.assembly import build_core
+from engine.core.chain_keys import ChainKeys
 from engine.core.config import EngineConfig
 from engine.core.events import EventLog
 from engine.core.kv_groups import kv_groups
@@ -55,7 +56,7 @@ class CoordinatorMachine(RuleBasedStateMachine):
     def submit(self, stem, tail, salt, chunk):
         prompt = stem + tail
         rid = self._new_id()
-        plan = self.kv.plan_hit(prompt, salt)
+        plan = self.kv.plan_hit(prompt, ChainKeys(self.kv.roots.root_key(salt), BLOCK_SIZE))
         assert plan.r <= plan.h <= len(prompt) - 1
         for i, block in enumerate(plan.full_hits):
             assert block.token_ids == prompt[i * BLOCK_SIZE : (i + 1) * BLOCK_SIZE]
@@ -65,7 +66,7 @@ class CoordinatorMachine(RuleBasedStateMachine):
             assert not self.kv.has_table(rid)
             self.gone.add(rid)
             return
-        reservation = self.kv.admit(rid, first, admission, salt)
+        reservation = self.kv.admit(rid, first, admission)
         assert reservation.num_copies == 0  # a new table has no shared partial tail to write into
         self.context[rid] = prompt
         self.computed[rid] = plan.r + len(first)

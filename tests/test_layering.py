@@ -268,3 +268,22 @@ def test_the_console_imports_no_torch_and_no_model_runner() -> None:
 def test_product_code_imports_nothing_from_tests_or_benchmarks() -> None:
     imports = [found for package in PRODUCT for found in imports_in(package)]
     assert breaking(imports, lambda found: not found.within("tests", "benchmarks")) == []
+
+
+def test_a_salt_becomes_a_root_key_in_one_place() -> None:
+    """Issue 46: engine/core/namespace.py derives a salt's root key and binds it in the pools, and one call
+    in the scheduler's admission plan asks for it; the plan carries the root to the coordinator and the
+    managers, which neither derive nor register one."""
+    names = ("root_key", "register_root")
+    defined: list[tuple[str, str]] = []
+    called: list[tuple[str, str]] = []
+    for path in sorted((ROOT / "engine").rglob("*.py")):
+        source = path.relative_to(ROOT).as_posix()
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), filename=source)):
+            if isinstance(node, ast.FunctionDef) and node.name in names:
+                defined.append((source, node.name))
+            elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in names:
+                called.append((source, node.func.attr))
+    namespace, scheduler = "engine/core/namespace.py", "engine/core/scheduler.py"
+    assert sorted(defined) == [("engine/core/block_pool.py", "register_root"), (namespace, "root_key"), (namespace, "root_key")]
+    assert sorted(called) == [(namespace, "register_root"), (namespace, "root_key"), (scheduler, "root_key")]

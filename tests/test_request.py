@@ -11,7 +11,7 @@ from engine.core.request import HitSource, PromptKeys, Request, RequestStatus, S
 
 
 def plan(mode: ReplayMode, h: int, r: int) -> HitPlan:
-    return HitPlan(h=h, s=0, e=h, r=r, mode=mode, chain_keys=[])
+    return HitPlan(h=h, s=0, e=h, r=r, mode=mode, root_key=bytes(16), chain_keys=[])
 
 
 def test_a_readmission_decides_afresh_whether_its_state_may_be_cached():

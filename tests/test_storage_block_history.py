@@ -17,13 +17,14 @@ from storage.read import queries
 from storage.read.block_history import EVICTABLE_FROM_HERE, SAFE_TO_REUSE
 from storage.write.writer import RunInfo
 from tests.storage_support import BASE_TIME, RUN_INFO, request_view
+from tests.manager_support import root_key
 
 
 def exercise_events(group: str = "full"):
     """The exercise's engine events (block 0 full and shared, block 1 the half-full tail, 2 and 3 the copies)."""
     log = EventLog(clock=iter(BASE_TIME + i for i in range(1000)).__next__)
     m = FullAttentionManager(BlockPool(8, 4, log, group=group), CacheNamespace("m", "r", "float32", 4, ("full",)), log)
-    m.allocate("p", [1, 2, 3, 4, 5, 6])
+    m.allocate("p", [1, 2, 3, 4, 5, 6], root_key=root_key(m))
     m.cache_full_blocks("p")
     log.step = 1
     m.fork("p", "a")
@@ -56,7 +57,7 @@ def write_exercise(db_url: str, make_writer) -> tuple[str, str]:
     other = writer.start_run(RunInfo(**{**vars(RUN_INFO), "started_at": BASE_TIME + 100}))
     log = EventLog()
     m = FullAttentionManager(BlockPool(8, 4, log), CacheNamespace("m", "r", "float32", 4, ("full",)), log)
-    m.allocate("other", [1, 2, 3, 4, 5])
+    m.allocate("other", [1, 2, 3, 4, 5], root_key=root_key(m))
     writer.submit(log.take())
     assert writer.flush(timeout_s=20)
     return run, other

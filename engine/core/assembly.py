@@ -18,7 +18,7 @@ from engine.core.config import EngineConfig
 from engine.core.events import EventLog
 from engine.core.eviction import EvictionPolicy, make_eviction_policy
 from engine.core.full_attention_manager import FullAttentionManager
-from engine.core.kv_cache_manager import KVCacheManager
+from engine.core.single_type_kv_cache_manager import SingleTypeKVCacheManager
 from engine.core.kv_coordinator import KVCoordinator
 from engine.core.kv_groups import KVGroupSpec, WindowPolicy
 from engine.core.namespace import CacheNamespace
@@ -75,7 +75,7 @@ def build_core(
 
 def _manager(
     spec: KVGroupSpec, pool: BlockPool, namespace: CacheNamespace, log: EventLog, backtrack: int
-) -> KVCacheManager:
+) -> SingleTypeKVCacheManager:
     """The manager of one group's attention type: a sliding group's keeps W + `backtrack` tokens of state."""
     if spec.window is None:
         return FullAttentionManager(pool, namespace, log)

@@ -1,8 +1,9 @@
 """Block tables of full-attention layers: every table holds its whole context, from block 0.
 
-Pure Python: no torch. On top of what every manager does (engine/core/kv_cache_manager.py), a full
-group answers prefix lookups: its pool's index is a tree of chains from the namespace roots, so the
-longest run of leading blocks found confirms every token before it.
+Pure Python: no torch. On top of what every manager does (engine/core/single_type_kv_cache_manager.py),
+a full group answers prefix lookups: its pool's index is a tree of chains from the namespace roots, so
+the longest run of leading blocks found confirms every token before it. A lookup takes the context's
+chain keys, which carry their root: the manager never turns a salt into one (engine/core/namespace.py).
 """
 
 from __future__ import annotations
@@ -12,12 +13,12 @@ from engine.core.block_pool import BlockPool
 from engine.core.chain_keys import ChainKeys
 from engine.core.errors import require
 from engine.core.events import EventKind, EventLog
-from engine.core.kv_cache_manager import BlockTable, HitShare, KVCacheManager, TableStart
+from engine.core.single_type_kv_cache_manager import BlockTable, HitShare, SingleTypeKVCacheManager, TableStart
 from engine.core.kv_groups import HitPlan, max_hit_blocks
 from engine.core.namespace import CacheNamespace
 
 
-class FullAttentionManager(KVCacheManager):
+class FullAttentionManager(SingleTypeKVCacheManager):
     """The block tables of a full-attention group over a chained pool."""
 
     def __init__(self, pool: BlockPool, namespace: CacheNamespace, log: EventLog) -> None:
@@ -25,28 +26,19 @@ class FullAttentionManager(KVCacheManager):
             raise ValueError("a full-attention group uses a chained pool")
         super().__init__(pool, namespace, log)
 
-    def find_prefix_hit(self, token_ids: list[int], salt: str | None, keys: ChainKeys | None = None) -> list[Block]:
+    def find_prefix_hit(self, token_ids: list[int], keys: ChainKeys) -> list[Block]:
         """The longest run of leading full blocks of `token_ids` found in the prefix index.
 
         Capped at `max_hit_blocks` blocks (engine/core/kv_groups.py) so at least one token is always
-        computed to produce logits. Registers the salt's namespace root with the pool on first use
-        (`root_key`) and changes nothing else; pass the result to `allocate`.
+        computed to produce logits. Changes nothing; pass the result to `allocate`, with `keys.root_key`.
 
         Args:
             token_ids: the context.
-            salt: tenant salt.
-            keys: the context's chain keys kept from earlier lookups (a waiting request's); None hashes
-                afresh. They are extended as far as this lookup reaches.
-
-        Raises:
-            ValueError: `keys` hang from another root than the salt's.
+            keys: the context's chain keys under its namespace root (a waiting request keeps its own, so
+                its lookups hash no block twice). They are extended as far as this lookup reaches.
         """
         bs = self.block_size
-        parent = self.root_key(salt)
-        if keys is None:
-            keys = ChainKeys(parent, bs)
-        elif keys.root_key != parent:
-            raise ValueError("chain keys under another namespace root or salt")
+        parent = keys.root_key
         hits: list[Block] = []
         for i in range(max_hit_blocks(len(token_ids), bs)):
             key = keys.key(i, token_ids)
@@ -58,7 +50,7 @@ class FullAttentionManager(KVCacheManager):
         return hits
 
     def share_leading_blocks(
-        self, holder_id: str, request_id: str, num_blocks: int, new_token_ids: list[int], *, salt: str | None = None
+        self, holder_id: str, request_id: str, num_blocks: int, new_token_ids: list[int], *, root_key: bytes
     ) -> None:
         """Give a new request a table that shares the holder's first `num_blocks` blocks, then reserve
         slots for `new_token_ids` after them: an in-flight hit (engine/core/kv_coordinator.py's `share`).
@@ -70,13 +62,14 @@ class FullAttentionManager(KVCacheManager):
 
         Raises:
             ValueError: the request already has a table, the holder's table hangs from another namespace
-                root than `salt`'s, or its first `num_blocks` blocks are not all full (or fewer than one).
+                root than `root_key` (the new request's), or its first `num_blocks` blocks are not all full
+                (or fewer than one).
             KeyError: the holder has no table. Nothing changes on a raise.
         """
         if request_id in self._tables:
             raise ValueError(f"request {request_id!r} already has a block table")
         holder = self._tables[holder_id]
-        if holder.root_key != self.root_key(salt):
+        if holder.root_key != root_key:
             raise ValueError(f"request {holder_id!r} holds blocks under another namespace root or salt")
         shared = holder.blocks[:num_blocks]
         if num_blocks < 1 or len(shared) < num_blocks or any(len(b.token_ids) < self.block_size for b in shared):

@@ -5,7 +5,10 @@ nothing across groups, as a check and a commit: `plan_admission` / `admit` give 
 tables, `plan_append` / `append` grow them. The check asks each group's pool once whether it can
 supply that group's blocks and returns what the commit needs (`KVAdmission`, `KVGrowth`); the commit
 takes it and changes every group without asking again. A full-attention model has one group and
-behaves exactly like a single manager.
+behaves exactly like a single manager. (vLLM v1 calls this part `KVCacheCoordinator`.)
+
+Every group chains the same keys from the same namespace root: `roots` binds each salt's root in every
+group's pool, and the hit plan carries the root its caller resolved to every group's new table.
 
 Per group, a chunk writes K/V only for positions at or after the group's `write_from`: during an
 exact or approximate replay the full group already holds [r, h), so only the sliding group writes there.
@@ -20,7 +23,7 @@ from engine.core.chain_keys import ChainKeys
 from engine.core.errors import InvariantError, require
 from engine.core.events import EventKind, EventLog
 from engine.core.full_attention_manager import FullAttentionManager
-from engine.core.kv_cache_manager import BlockCopy, HitShare, KVCacheManager
+from engine.core.single_type_kv_cache_manager import BlockCopy, HitShare, SingleTypeKVCacheManager
 from engine.core.kv_groups import (
     HitPlan,
     KVGroupSpec,
@@ -32,7 +35,7 @@ from engine.core.kv_groups import (
     plan_sliding_only_hit,
     plan_window_hit,
 )
-from engine.core.namespace import CONTENT_ROOT_KEY
+from engine.core.namespace import CONTENT_ROOT_KEY, NamespaceRoots
 from engine.core.request import PromptKeys
 from engine.core.sliding_window_manager import SlidingWindowManager
 
@@ -54,7 +57,7 @@ class GroupTable(NamedTuple):
 class GroupAdmission(NamedTuple):
     """One group's share of an admission."""
 
-    manager: KVCacheManager
+    manager: SingleTypeKVCacheManager
     share: HitShare  # what the group's new table shares, and where the group writes from
     skip: int  # leading tokens of the first chunk this group already holds (hit blocks), so does not write
 
@@ -71,7 +74,7 @@ class KVAdmission(NamedTuple):
 class GroupGrowth(NamedTuple):
     """One group's share of a chunk appended to existing tables."""
 
-    manager: KVCacheManager
+    manager: SingleTypeKVCacheManager
     skip: int  # leading tokens of the chunk this group already holds, so does not write
     write_from: int  # the first position the group writes
 
@@ -98,7 +101,11 @@ class KVShare(NamedTuple):
 
 class KVCoordinator:
     def __init__(
-        self, specs: Sequence[KVGroupSpec], managers: Sequence[KVCacheManager], policy: WindowPolicy, log: EventLog
+        self,
+        specs: Sequence[KVGroupSpec],
+        managers: Sequence[SingleTypeKVCacheManager],
+        policy: WindowPolicy,
+        log: EventLog,
     ) -> None:
         if not managers or [s.name for s in specs] != [m.pool.group for m in managers]:
             raise ValueError("one manager per group spec, in the same order")
@@ -111,6 +118,9 @@ class KVCoordinator:
         self.sliding = next((m for m in managers if isinstance(m, SlidingWindowManager)), None)
         if len(managers) != (self.full is not None) + (self.sliding is not None):
             raise ValueError("at most one full-attention and one sliding-window group")
+        if any(m.namespace != managers[0].namespace for m in managers):
+            raise ValueError("every group of one engine under one cache namespace")
+        self.roots = NamespaceRoots(managers[0].namespace, [m.pool for m in managers])
 
     @property
     def ready_mode(self) -> ReplayMode:
@@ -147,50 +157,31 @@ class KVCoordinator:
         """Per group, the request's table as the runner reads it in this step (the lists are not copied)."""
         return tuple(GroupTable(*m.live_block_ids(request_id)) for m in self.managers)
 
-    def root_key(self, salt: str | None) -> bytes:
-        """The namespace root for `salt` (every group chains the same keys). Registers it with every
-        group's pool on first use; a later call changes nothing."""
-        root = self.managers[0].root_key(salt)
-        for manager in self.managers[1:]:
-            manager.root_key(salt)
-        return root
-
     # ------------------------------------------------------------------ hits
-    def plan_hit(self, token_ids: list[int], salt: str | None, keys: ChainKeys | None = None) -> HitPlan:
-        """Decide what a new request reuses; pass the plan to `plan_admission`. Registers the salt's
-        namespace root with every pool on first use (`root_key`) and changes nothing else.
+    def plan_hit(self, token_ids: list[int], keys: ChainKeys) -> HitPlan:
+        """Decide what a new request reuses; pass the plan to `plan_admission`. Changes nothing.
 
         Args:
             token_ids: the request's context.
-            salt: its tenant salt.
-            keys: the context's chain keys kept from its earlier lookups (`Request.lookup_keys`); None
-                hashes afresh. They are extended as far as this lookup reaches.
-
-        Raises:
-            ValueError: `keys` hang from another root than the salt's.
+            keys: the context's chain keys under its root from `roots` (`Request.lookup_keys` keeps them
+                across lookups). They are extended as far as this lookup reaches; the plan carries their root.
         """
-        root = self.root_key(salt)
-        if keys is None:
-            keys = ChainKeys(root, self.block_size)
-        elif keys.root_key != root:
-            raise ValueError("chain keys under another namespace root or salt")
         if self.sliding is not None:
-            return self._plan_window_hit(self.sliding, token_ids, salt, keys)
+            return self._plan_window_hit(self.sliding, token_ids, keys)
         if self.full is None:
             raise ValueError("a coordinator needs a group")
-        hits = self.full.find_prefix_hit(token_ids, salt, keys)
+        hits = self.full.find_prefix_hit(token_ids, keys)
         h = len(hits) * self.block_size
         mode = ReplayMode.FULL if h else ReplayMode.NONE
-        return HitPlan(h=h, s=0, e=0, r=h, mode=mode, chain_keys=keys.first(len(hits), token_ids), full_hits=hits)
+        chain = keys.first(len(hits), token_ids)
+        return HitPlan(h=h, s=0, e=0, r=h, mode=mode, root_key=keys.root_key, chain_keys=chain, full_hits=hits)
 
-    def _plan_window_hit(
-        self, sliding: SlidingWindowManager, token_ids: list[int], salt: str | None, keys: ChainKeys
-    ) -> HitPlan:
+    def _plan_window_hit(self, sliding: SlidingWindowManager, token_ids: list[int], keys: ChainKeys) -> HitPlan:
         """`plan_hit` in a model with a sliding group (hybrid, or sliding only): engine/core/kv_groups.py."""
         bs, window, full = self.block_size, sliding.window, self.full
         full_hits: list[Block] = []
         if full is not None:
-            full_hits = full.find_prefix_hit(token_ids, salt, keys)
+            full_hits = full.find_prefix_hit(token_ids, keys)
             h_blocks = len(full_hits)
         else:
             h_blocks = max_hit_blocks(len(token_ids), bs)
@@ -218,6 +209,7 @@ class KVCoordinator:
             e=hit.e,
             r=hit.r,
             mode=hit.mode,
+            root_key=keys.root_key,
             chain_keys=chain[: max(h_blocks, hit.r // bs)],
             full_hits=full_hits[: hit.h // bs],
             sliding_offset=offset,
@@ -241,9 +233,10 @@ class KVCoordinator:
             groups.append(GroupAdmission(manager, share, skip))
         return KVAdmission(plan, num_tokens, tuple(groups))
 
-    def admit(self, request_id: str, token_ids: list[int], admission: KVAdmission, salt: str | None) -> Reservation:
+    def admit(self, request_id: str, token_ids: list[int], admission: KVAdmission) -> Reservation:
         """First allocation of a new request, as `plan_admission` decided: share the plan's hits and
-        reserve slots for `token_ids`, the tokens of the first chunk from position `plan.r`.
+        reserve slots for `token_ids`, the tokens of the first chunk from position `plan.r`, in tables
+        under the plan's root.
 
         Raises:
             InvariantError: `token_ids` are not the chunk the admission was planned for; nothing changes.
@@ -252,7 +245,8 @@ class KVCoordinator:
         plan = admission.plan
         for group in admission.groups:
             new = token_ids[group.skip :]
-            group.manager.allocate(request_id, new, hits=group.share.hits, salt=salt, start=group.share.start)
+            hits, start = group.share.hits, group.share.start
+            group.manager.allocate(request_id, new, root_key=plan.root_key, hits=hits, start=start)
         if plan.mode in (ReplayMode.EXACT, ReplayMode.APPROXIMATE):
             detail = {
                 "h": plan.h,
@@ -279,9 +273,10 @@ class KVCoordinator:
             raise InvariantError("in-flight hits need a full-attention-only model")
         return self.full
 
-    def plan_share(self, holder_id: str, num_blocks: int, num_tokens: int) -> KVShare | None:
-        """Whether a new request can share the first `num_blocks` blocks of the holder's table, all full,
-        and take a first chunk of `num_tokens` tokens after them; None when the pool has no room.
+    def plan_share(self, holder_id: str, num_blocks: int, num_tokens: int, root_key: bytes) -> KVShare | None:
+        """Whether a new request, under namespace root `root_key`, can share the first `num_blocks` blocks
+        of the holder's table, all full, and take a first chunk of `num_tokens` tokens after them; None
+        when the pool has no room.
 
         The scheduler plans this for a request whose prompt shares those blocks with a request whose chunk
         in this step fills them (an in-flight hit, as vLLM caches a block when it schedules it): the runner
@@ -294,10 +289,10 @@ class KVCoordinator:
         if not self._full_only().can_allocate(num_tokens):
             return None
         h = num_blocks * self.block_size
-        plan = HitPlan(h=h, s=0, e=0, r=h, mode=ReplayMode.FULL, chain_keys=[])
+        plan = HitPlan(h=h, s=0, e=0, r=h, mode=ReplayMode.FULL, root_key=root_key, chain_keys=[])
         return KVShare(holder_id, num_blocks, num_tokens, plan)
 
-    def share(self, request_id: str, token_ids: list[int], share: KVShare, salt: str | None) -> Reservation:
+    def share(self, request_id: str, token_ids: list[int], share: KVShare) -> Reservation:
         """First allocation of a new request, as `plan_share` decided: share the holder's blocks and
         reserve slots for `token_ids`, the first chunk's tokens from the end of the shared blocks.
 
@@ -306,7 +301,8 @@ class KVCoordinator:
             ValueError, KeyError: as `FullAttentionManager.share_leading_blocks`; nothing changes.
         """
         require(len(token_ids) == share.num_tokens, f"{request_id}: a chunk other than the one planned")
-        self._full_only().share_leading_blocks(share.holder_id, request_id, share.num_blocks, token_ids, salt=salt)
+        root = share.plan.root_key
+        self._full_only().share_leading_blocks(share.holder_id, request_id, share.num_blocks, token_ids, root_key=root)
         return Reservation((share.plan.h,), 0)
 
     def plan_append(self, request_id: str, start_pos: int, num_tokens: int) -> KVGrowth | None:

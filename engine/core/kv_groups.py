@@ -133,6 +133,9 @@ class HitPlan:
     e: int
     r: int  # replay boundary: the first chunk starts here; [r, h) is recomputed
     mode: ReplayMode
+    # the namespace root (with the request's salt) its keys hang from, resolved once for the admission
+    # (engine/core/namespace.py): the new tables hang from it, and nothing derives it again
+    root_key: bytes = field(repr=False)
     chain_keys: list[bytes] = field(repr=False)  # keys of the prompt's full blocks up to the hit cap
     full_hits: list[Block] = field(default_factory=list, repr=False)  # full-group blocks [0, h)
     sliding_offset: int = 0  # logical block where the sliding table starts

@@ -31,7 +31,7 @@ from typing import Collection, Mapping
 from engine.core.arith import common_prefix
 from engine.core.config import EngineConfig
 from engine.core.events import EventKind, EventLog
-from engine.core.kv_cache_manager import BlockCopy
+from engine.core.single_type_kv_cache_manager import BlockCopy
 from engine.core.kv_coordinator import KVAdmission, KVCoordinator, KVGrowth, KVShare
 from engine.core.kv_groups import HitPlan, max_hit_blocks
 from engine.core.request import Request, RequestStatus, TokenLogprobs
@@ -217,7 +217,8 @@ class Scheduler:
         A fork child grows the tables it shares with its parent from their end. Any other request is
         looked up in the prefix index (its chain keys are kept on it, so waiting hashes nothing twice)
         and starts at its hit plan's replay boundary, unless another request is computing its next block:
-        then it shares that request's blocks now, or waits (`_in_flight_admission`).
+        then it shares that request's blocks now, or waits (`_in_flight_admission`). Its salt becomes a
+        namespace root here, once (`KVCoordinator.roots`); the plan carries the root from here on.
         """
         rid = request.request_id
         if self.kv.has_table(rid):
@@ -225,11 +226,11 @@ class Scheduler:
             n = min(budget, request.num_tokens - start)
             growth = self.kv.plan_append(rid, start, n)
             return None if growth is None else Admission(request, start, n, growth)
-        keys = request.lookup_keys(self.kv.root_key(request.salt), self.kv.block_size)
-        plan = self.kv.plan_hit(request.all_token_ids, request.salt, keys)
+        keys = request.lookup_keys(self.kv.roots.root_key(request.salt), self.kv.block_size)
+        plan = self.kv.plan_hit(request.all_token_ids, keys)
         holder = self._computing_next_block(request, plan.r)
         if holder is not None:
-            return self._in_flight_admission(request, holder, budget)
+            return self._in_flight_admission(request, holder, plan.root_key, budget)
         n = min(budget, request.num_tokens - plan.r)
         tables = self.kv.plan_admission(plan, n)
         return None if tables is None else Admission(request, plan.r, n, tables)
@@ -243,10 +244,10 @@ class Scheduler:
         reads_from = None
         if isinstance(admission.kv, KVAdmission):
             plan = admission.kv.plan
-            reservation = self.kv.admit(rid, tokens, admission.kv, request.salt)
+            reservation = self.kv.admit(rid, tokens, admission.kv)
         elif isinstance(admission.kv, KVShare):
             plan, reads_from = admission.kv.plan, admission.kv.holder_id
-            reservation = self.kv.share(rid, tokens, admission.kv, request.salt)
+            reservation = self.kv.share(rid, tokens, admission.kv)
         else:
             reservation = self.kv.append(rid, tokens, admission.kv)
         first_time = request.first_scheduled_time is None
@@ -284,9 +285,12 @@ class Scheduler:
             None,
         )
 
-    def _in_flight_admission(self, request: Request, holder: Request, budget: int) -> Admission | None:
-        """A new request whose next block `holder` is computing: share the holder's blocks now when its
-        chunk in this step fills every full block the two prompts share; else None, to wait for them.
+    def _in_flight_admission(
+        self, request: Request, holder: Request, root_key: bytes, budget: int
+    ) -> Admission | None:
+        """A new request (under namespace root `root_key`) whose next block `holder` is computing: share
+        the holder's blocks now when its chunk in this step fills every full block the two prompts share;
+        else None, to wait for them.
 
         Admitting it on its own would compute those blocks a second time (a burst of requests with a new
         system prompt would all prefill it together). Sharing them in the same step is what vLLM does (it
@@ -302,7 +306,7 @@ class Scheduler:
         if self.kv.num_tokens(holder.request_id) < num_blocks * bs:
             return None
         n = min(budget, request.num_tokens - num_blocks * bs)
-        share = self.kv.plan_share(holder.request_id, num_blocks, n)
+        share = self.kv.plan_share(holder.request_id, num_blocks, n, root_key)
         return None if share is None else Admission(request, num_blocks * bs, n, share)
 
     def _preempt(self, request: Request, *, after_failure_of: str | None = None) -> None:

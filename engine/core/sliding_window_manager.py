@@ -1,7 +1,7 @@
 """Block tables of sliding-window layers: a table keeps only the blocks its newest token can see.
 
-Pure Python: no torch. A query at position p of a layer with window W sees keys in [p - W + 1, p].
-On top of what every manager does (engine/core/kv_cache_manager.py), a sliding group
+Pure Python: no torch. A query at position p of a layer with window W sees keys in [p - W + 1, p]. On
+top of what every manager does (engine/core/single_type_kv_cache_manager.py), a sliding group
 
   * releases the blocks of a table that lie wholly outside the window of its next token
     (`release_outside_window`, after every chunk), so the table starts at a logical `offset` > 0;
@@ -17,12 +17,12 @@ from __future__ import annotations
 
 from engine.core.block_pool import BlockPool
 from engine.core.events import EventKind, EventLog, EvictReason
-from engine.core.kv_cache_manager import BlockTable, HitShare, KVCacheManager, TableStart
+from engine.core.single_type_kv_cache_manager import BlockTable, HitShare, SingleTypeKVCacheManager, TableStart
 from engine.core.kv_groups import HitPlan
 from engine.core.namespace import CacheNamespace
 
 
-class SlidingWindowManager(KVCacheManager):
+class SlidingWindowManager(SingleTypeKVCacheManager):
     """The block tables of a sliding-window group of window W over an unchained pool."""
 
     def __init__(

@@ -19,7 +19,7 @@ from engine.core.block_pool import BlockState
 from engine.core.request import Request, RequestStatus, TokenLogprobs, can_release
 
 if TYPE_CHECKING:
-    from engine.core.kv_cache_manager import KVCacheManager
+    from engine.core.single_type_kv_cache_manager import SingleTypeKVCacheManager
     from engine.core.kv_coordinator import KVCoordinator
     from engine.core.scheduler import Scheduler
 
@@ -252,7 +252,7 @@ class EngineSnapshot:
 
 
 # ---------------------------------------------------------------------------------------------- assembly
-def group_stats(manager: KVCacheManager) -> GroupStats:
+def group_stats(manager: SingleTypeKVCacheManager) -> GroupStats:
     pool = manager.pool
     return GroupStats(
         name=pool.group,

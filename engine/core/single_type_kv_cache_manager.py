@@ -1,10 +1,12 @@
 """Block tables: slot allocation, forks, copy-on-write, caching and release, over one block pool.
 
 Pure Python: no torch. A manager decides which physical block each token's KV lives in; the model
-runner executes the copies it asks for (`take_copies`) before the next forward. `KVCacheManager` is
-the part every attention type shares; each type is a subclass (vLLM's design):
-`FullAttentionManager` (engine/core/full_attention_manager.py) looks prefixes up and keeps whole
-tables; `SlidingWindowManager` (engine/core/sliding_window_manager.py) adds the window: it releases
+runner executes the copies it asks for (`take_copies`) before the next forward. `SingleTypeKVCacheManager`
+is the part every attention type shares; each type is a subclass. The names are vLLM v1's: its
+`SingleTypeKVCacheManager` is this base class, its `KVCacheCoordinator` is engine/core/kv_coordinator.py,
+and its `KVCacheManager` (the facade its scheduler calls) has no counterpart here: the scheduler calls
+the coordinator. `FullAttentionManager` (engine/core/full_attention_manager.py) looks prefixes up and
+keeps whole tables; `SlidingWindowManager` (engine/core/sliding_window_manager.py) adds the window: it releases
 blocks that left it and retires cached state older than the chain's retained tail.
 
 A table maps a request's logical blocks, in order, to physical blocks. Only its last block can be
@@ -93,7 +95,7 @@ class BlockTable:
         self.block_ids.extend(block.block_id for block in blocks)
 
 
-class KVCacheManager(ABC):
+class SingleTypeKVCacheManager(ABC):
     """Owns every request's block table over one block pool: what every attention type shares."""
 
     window: int | None = None  # the attention window stats report: None for full attention
@@ -114,7 +116,6 @@ class KVCacheManager(ABC):
         self._log = log
         self._tables: dict[str, BlockTable] = {}
         self._copies: list[BlockCopy] = []
-        self._root_keys: dict[str | None, bytes] = {}  # salt -> registered root (the namespace is frozen)
         self.num_cow_copies = 0
 
     @abstractmethod
@@ -152,16 +153,6 @@ class KVCacheManager(ABC):
     def num_logical_blocks(self) -> int:
         return sum(len(t.blocks) for t in self._tables.values())
 
-    def root_key(self, salt: str | None) -> bytes:
-        """The namespace root for `salt`. Registers it with the pool on first use (the pool refuses to
-        cache under an unregistered root); a later call changes nothing."""
-        root = self._root_keys.get(salt)
-        if root is None:
-            root = self.namespace.root_key(salt)
-            self.pool.register_root(root, self.namespace.text(salt))
-            self._root_keys[salt] = root
-        return root
-
     # ------------------------------------------------------------------ allocation
     def blocks_to_allocate(self, num_new_tokens: int, hits: Sequence[Block] = ()) -> int:
         """Blocks `allocate` takes from the allocatable ones: new blocks for the tokens, plus the
@@ -178,8 +169,8 @@ class KVCacheManager(ABC):
         request_id: str,
         new_token_ids: list[int],
         *,
+        root_key: bytes,
         hits: Sequence[Block] = (),
-        salt: str | None = None,
         start: TableStart | None = None,
     ) -> None:
         """Give a new request its table: share `hits`, then reserve slots for `new_token_ids` after them.
@@ -189,8 +180,9 @@ class KVCacheManager(ABC):
         Args:
             request_id: the request; it must hold no table yet.
             new_token_ids: tokens whose KV the next forward computes, in position order.
+            root_key: the namespace root its keys hang from (the admission's, engine/core/namespace.py),
+                registered with the pool.
             hits: cached blocks to share: logical blocks from the table's start on.
-            salt: tenant salt.
             start: where the table starts (see `check_start`); default: logical block 0.
 
         Raises:
@@ -198,7 +190,7 @@ class KVCacheManager(ABC):
         """
         if request_id in self._tables:
             raise ValueError(f"request {request_id!r} already has a block table")
-        table = BlockTable(root_key=self.root_key(salt))
+        table = BlockTable(root_key=root_key)
         if start is not None:
             self.check_start(start)
             table.offset = start.offset
