@@ -7,12 +7,19 @@ kernel would move them: `Machine.run(seconds, stalled)` advances the clock and a
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.openmp import ONEDNN_CACHE, ONEDNN_CACHE_CAPACITY, SPIN_COUNT, cpu_stall_us, set_openmp_defaults
+from engine.openmp import NATIVE_CACHE_CAPACITY, NATIVE_CACHES, SPIN_COUNT, cpu_stall_us, set_openmp_defaults
 from engine.runner.thread_governor import IDLE_RESET_S, MAX_HOLD_S, MIN_HOLD_S, WINDOW_S, ThreadGovernor
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 class Machine:
@@ -226,7 +233,7 @@ def test_the_pressure_counter_is_the_some_lines_total(tmp_path):
 def test_openmp_workers_spin_briefly_only_where_pressure_is_reported_and_the_operator_decides_first(tmp_path):
     reported, absent = tmp_path / "cpu", tmp_path / "absent"
     reported.write_text(PRESSURE_FILE)
-    bounded = {ONEDNN_CACHE: str(ONEDNN_CACHE_CAPACITY)}
+    bounded = {cache: str(NATIVE_CACHE_CAPACITY) for cache in NATIVE_CACHES}
     environ: dict[str, str] = {}
     assert set_openmp_defaults(environ, reported) == f"GOMP_SPINCOUNT={SPIN_COUNT}"
     assert environ == {"GOMP_SPINCOUNT": str(SPIN_COUNT), **bounded}
@@ -238,15 +245,53 @@ def test_openmp_workers_spin_briefly_only_where_pressure_is_reported_and_the_ope
         assert set_openmp_defaults(environ, reported) == "operator" and environ == {**own, **bounded}
 
 
-def test_onednns_primitive_cache_is_bounded_unless_the_operator_sized_it(tmp_path):
-    """Regression: at oneDNN's default (1,024 primitives) a server fed prompts of every length grew by about
-    120 MB over 6,000 requests (benchmarks/soak.py)."""
+def test_onednns_and_ideeps_shape_caches_are_bounded_unless_the_operator_sized_them(tmp_path):
+    """Regression: at their defaults (1,024 entries each) a server fed prompts of every length grew for hours
+    (benchmarks/soak.py: 181 MB over 18,000 requests with only oneDNN's bounded)."""
     environ: dict[str, str] = {}
     set_openmp_defaults(environ, tmp_path / "absent")
-    assert int(environ[ONEDNN_CACHE]) == ONEDNN_CACHE_CAPACITY <= 256
-    environ = {ONEDNN_CACHE: "1024"}
+    assert set(NATIVE_CACHES) == {"ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY"}
+    assert all(int(environ[cache]) == NATIVE_CACHE_CAPACITY <= 256 for cache in NATIVE_CACHES)
+    environ = {"LRU_CACHE_CAPACITY": "1024"}
     set_openmp_defaults(environ, tmp_path / "absent")
-    assert environ[ONEDNN_CACHE] == "1024"
+    assert environ["LRU_CACHE_CAPACITY"] == "1024" and environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == str(NATIVE_CACHE_CAPACITY)
+
+
+HEAP_PROBE = """
+import ctypes, sys
+from engine.openmp import set_openmp_defaults
+set_openmp_defaults()
+from engine.core.config import EngineConfig
+from engine.core.request import SamplingParams
+from engine.engine import Engine
+
+class Mallinfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in
+                ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
+libc = ctypes.CDLL(None)
+libc.mallinfo2.restype = Mallinfo2
+engine = Engine(EngineConfig(model="tiny-llama", num_blocks=256, device="cpu"))
+
+def serve(lengths):
+    for length in lengths:
+        engine.submit([100 + (7 * i + length) % 300 for i in range(length)], SamplingParams(max_new_tokens=1))
+        engine.run_until_idle()
+    return libc.mallinfo2().uordblks
+
+before = serve(range(200, 400))
+print((serve(range(400, 600)) - before) / 2**20)
+"""
+
+
+@pytest.mark.skipif(not hasattr(__import__("ctypes").CDLL(None), "mallinfo2"), reason="needs glibc's mallinfo2")
+def test_the_c_heap_stops_growing_once_the_shape_caches_are_full():
+    """Regression: one request per new prompt length, 200 lengths after 200 others: ideep's default cache
+    grew the C heap by 61 MB; bounded, it stays within a few MB (measured 0.7)."""
+    env = {key: value for key, value in os.environ.items() if key not in NATIVE_CACHES}
+    result = subprocess.run([sys.executable, "-c", HEAP_PROBE], cwd=ROOT, env=env, capture_output=True, text=True,
+                            timeout=300, check=True)  # fmt: skip
+    grown_mb = float(result.stdout.split()[-1])
+    assert grown_mb < 8, f"the C heap grew {grown_mb:.1f} MB over 200 new prompt lengths"
 
 
 def test_the_metrics_say_how_long_the_forward_ran_at_each_thread_count_and_how_often_it_moved():
