@@ -17,7 +17,10 @@ Imports no Streamlit and no torch, and from the engine only the types it persist
                     connection, reporting which calls are done.
         writer      `EventWriter`: the database side, a thread that batches (the only batching layer),
                     retries, counts and prunes; in-process in tests and tools.
-        writer_types    RunInfo, WriterOptions, WriterStats, new_run_id: what both sides share.
+        writer_types    `HistoryWriter` (the contract both writers keep), RunInfo, WriterOptions,
+                    WriterStats, new_run_id: what both sides share.
+        handover    the ledger both writers keep of what was handed over: numbering, the bound, exact counts.
+        pending_runs    run rows and stop times a writer has not committed yet (never dropped).
         batch       one batch's items and the transaction they become.
         progress    a writer process's committed totals, saved in its own transactions (exact counts after
                     a crash).

@@ -246,19 +246,20 @@ def test_a_unit_brings_its_source_when_its_opening_was_lost_and_never_rewrites_i
 
 
 def test_a_producer_that_may_wait_waits_for_room_instead_of_dropping(tmp_path: Path) -> None:
-    release = threading.Event()
+    started, release = threading.Event(), threading.Event()
     written: list[str] = []
 
     def slow_write(connection, row_sets) -> None:
+        started.set()
         release.wait(20)
         written.extend(row_sets)
 
-    options = WriterOptions(**{**FAST, "queue_items": 1, "batch_rows": 1})
+    options = WriterOptions(**{**FAST, "queue_items": 2, "batch_rows": 1})
     writer = EventWriter(f"sqlite:///{tmp_path / 'h.sqlite'}", options)
     try:
         assert writer.submit_rows("first", 1, slow_write)
-        assert wait_for(lambda: writer.stats().queued == 1 and writer._queue.empty())  # the thread holds it
-        assert writer.submit_rows("second", 1, slow_write)  # fills the queue
+        assert started.wait(20)  # the thread is writing it: in flight until it is written
+        assert writer.submit_rows("second", 1, slow_write)  # fills the bound
         assert not writer.submit_rows("dropped", 1, slow_write)  # no room, no waiting: counted
         waited = threading.Thread(target=writer.submit_rows, args=("third", 1, slow_write), kwargs={"wait": True})
         waited.start()

@@ -28,8 +28,7 @@ from fleet.events import PodBatch, PodMetrics, PodReset, PodStatus
 from fleet.source import PodSource
 from storage.write.fleet_bulk import write_fleet_rows
 from storage.write.fleet_rows import FleetRowBuilder, FleetRows
-from storage.write.writer import EventWriter, new_run_id
-from storage.write.writer_process import WriterProcess
+from storage.write.writer_types import HistoryWriter, new_run_id
 
 
 @dataclass(frozen=True)
@@ -46,7 +45,7 @@ class FleetStoreStats:
 class FleetStore:
     """A `fleet.sinks.BatchSink` that persists what the collector sees. Called from one thread."""
 
-    def __init__(self, writer: WriterProcess | EventWriter, collector_id: str | None = None) -> None:
+    def __init__(self, writer: HistoryWriter, collector_id: str | None = None) -> None:
         """Args:
         writer: the history writer (a WriterProcess; an in-process EventWriter in tests and tools).
         collector_id: this collector's id; a new one (storage.write.writer.new_run_id) if None.

@@ -8,12 +8,9 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from storage.write.writer import EventWriter, RunInfo
-
-if TYPE_CHECKING:
-    from storage.write.writer_process import WriterProcess
+from storage.write.writer_types import HistoryWriter, RunInfo
 
 
 def run_info(engine: Any, started_at: float | None = None) -> RunInfo:
@@ -30,7 +27,7 @@ def run_info(engine: Any, started_at: float | None = None) -> RunInfo:
     )
 
 
-def record_engine(engine: Any, writer: EventWriter | WriterProcess) -> str:
+def record_engine(engine: Any, writer: HistoryWriter) -> str:
     """Start a run for `engine` and persist everything it does from now on. Returns the run id.
 
     The listener only checks, encodes and queues on the engine's thread; the database work happens in
@@ -41,7 +38,7 @@ def record_engine(engine: Any, writer: EventWriter | WriterProcess) -> str:
     return run_id
 
 
-def persistence_listener(writer: EventWriter | WriterProcess) -> Callable[[list, list], None]:
+def persistence_listener(writer: HistoryWriter) -> Callable[[list, list], None]:
     """An engine listener that queues every event and request view into the writer's current run.
 
     The engine hands its listeners `Event`s and `RequestView`s, the only types the writers accept.
@@ -67,7 +64,7 @@ class EngineHistory:
 
     def __init__(self, db_url: str) -> None:
         self.db_url = db_url
-        self.writer: WriterProcess | None = None  # once open
+        self.writer: HistoryWriter | None = None  # once open (a WriterProcess)
         self.run_id: str | None = None
 
     def next_request_number(self) -> int:

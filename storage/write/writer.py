@@ -1,54 +1,33 @@
 """The history writer's database side: a thread that batches, writes, retries, counts and prunes.
 
 The console, the CLI and the fleet collector run it in a process of its own, behind a `WriterProcess`
-(storage.write.writer_process: same interface, same contract); tests and tools may run it in-process.
+(storage.write.writer_process); tests and tools may run it in-process. Both keep one contract, the
+`HistoryWriter` protocol (storage.write.writer_types: calls that never wait on the database, atomic
+items, read-your-writes, exact counts), and one ledger of what was handed over (storage.write.handover:
+the numbering, the `queue_items` bound, the counts). What only this thread does:
 
-Contract with the engine thread:
-    * `start_run`, `submit`, `record_requests` and `close` never wait on the database. They check what
-      they are given (engine `Event`s and `RequestView`s only: anything else raises TypeError at the
-      call, see storage.write.rows), encode events (one orjson call, in C) and queue; views are immutable and
-      queued as given. The queue is a bounded `queue.Queue` (`queue_items`; 0: unbounded, as in a writer
-      process, whose engine side bounds it); when it is full the newest data is dropped and counted in
-      `stats().dropped`.
-    * The writer thread gathers a batch for up to `batch_interval_s` after its first item (or until
-      `batch_rows`), so a request updated on every step is upserted once per batch, its latest view
-      winning. `flush` and `wait` cut the wait short.
-    * One `submit()` call of at most `WriterOptions.item_rows` events is written in one transaction,
-      together with the `evictions` rows of its EVICT events: a crash loses whole calls, never part
-      of one. Longer calls are split into items of that size, each atomic.
-    * Read-your-writes: `mark()` names everything handed over so far; `wait(mark, timeout_s)` hurries
-      those rows and returns once they are written or dropped. `stats().done_mark` is the newest mark
-      reached, `stats().lag_s` the age of the oldest row not yet written or dropped.
+    * It gathers a batch for up to `batch_interval_s` after its first item (or until `batch_rows`), so a
+      request updated on every step is upserted once per batch, its latest view winning. `flush` and
+      `wait` cut the wait short (`hurry`).
     * Nothing is lost silently. A batch that fails with a transient error (locked, busy, full, read-only,
       unreachable) is retried with exponential backoff for up to `retry_for_s`; meanwhile new rows wait in
-      the bounded queue. A batch given up (or failing with bad data) is counted (`failed_batches`,
-      `dropped`) and the error kept in `last_error`. The engine keeps serving throughout; the writer
-      recovers when the database does: a lock or an outage shorter than `retry_for_s` loses nothing
-      as long as the queue holds what arrives meanwhile.
+      the queue. A batch given up (or failing with bad data) is counted (`failed_batches`, `dropped`) and
+      the error kept in `last_error`. A lock or an outage shorter than `retry_for_s` loses nothing as
+      long as the bound holds what arrives meanwhile.
     * A database whose schema is newer than this code (`storage.migrate.SchemaTooNewError`) is not
       retried: the writer gives up at once, keeps the error in `last_error` (not retrying) and drops
       every row handed to it from then on, counted in `dropped`. It never writes to that database.
-    * Eviction rollups are updated in the transaction that inserts their evictions.
-    * A run row is never dropped: it stays pending, and goes into every write transaction until one
-      commits, so the rows of that run always find their run.
-    * Other producers (the fleet collector's sink, storage.write.fleet_sink) hand in their own rows with
-      `submit_rows(rows, num_rows, write)`: the same queue, batches, retries and counters, their rows
-      written by their own bulk function `write(connection, [rows, ...])` in the batch's transaction.
-      Unlike the engine, such a producer may wait for room in the queue (`wait=True`) instead of
-      dropping: it can be slowed down, and what its sources send meanwhile is theirs to buffer.
+    * Eviction rollups are updated in the transaction that inserts their evictions; every transaction
+      carries the runs not yet committed (storage.write.pending_runs).
     * With a `progress_key` (in a writer process), every transaction also saves the writer's running
-      totals (storage.write.progress: events, request records and other producers' rows), and the
-      counters start from the totals saved under that key: the `written_*` counts are then those of
-      every writer that ran under the key.
-    * Runs: a new run's row names its owner (host, pid) and is inserted in a transaction that also closes
-      every other run whose owner died as interrupted, with its open requests; the writer refreshes its
-      current run's heartbeat every `run_liveness.HEARTBEAT_S` (storage.write.run_liveness has the rule).
+      totals (storage.write.progress), and the counters start from the totals saved under that key: the
+      `written_*` counts are then those of every writer that ran under the key.
 
 Only the writer thread touches the database; it also applies the retention policy every
-`prune_interval_s` seconds. A batch's rows go in through storage.write.batch and storage.write.bulk,
-which picks each dialect's bulk path (on SQLite one statement per table over a JSON array, so the writer
-holds the GIL for little work per row). Engines sharing one PostgreSQL database each run their own
-writer: every writer only adds rows of its own runs.
+`prune_interval_s` seconds and refreshes the current run's heartbeat (storage.write.run_liveness). A
+batch's rows go in through storage.write.batch and storage.write.bulk (on SQLite one statement per table
+over a JSON array, so the writer holds the GIL for little work per row). Engines sharing one PostgreSQL
+database each run their own writer: every writer only adds rows of its own runs.
 """
 
 from __future__ import annotations
@@ -56,9 +35,8 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any
 
 from engine.core.events import Event
@@ -67,19 +45,21 @@ from storage import migrate
 from storage.db import db_engine
 from storage.schema import RunEnd
 from storage.write import progress, run_liveness
-from storage.write.batch import Item, Stops, is_transient, write_batch
+from storage.write.batch import Item, is_transient, write_batch
+from storage.write.handover import Handed, Ledger
+from storage.write.pending_runs import PendingRuns
 from storage.write.retention import prune
 from storage.write.rows import EncodedEvents, checked_events, checked_views, encode_events
-from storage.write.writer_types import RowWriter, RunInfo, WriterOptions, WriterStats, new_run_id
+from storage.write.writer_types import HistoryWriter, RowWriter, RunInfo, WriterOptions, WriterStats, new_run_id
 
-__all__ = ["EventWriter", "RowWriter", "RunInfo", "WriterOptions", "WriterStats", "new_run_id"]  # the types, for callers
+__all__ = ["EventWriter", "HistoryWriter", "RowWriter", "RunInfo", "WriterOptions", "WriterStats", "new_run_id"]  # for callers
 
 
 @dataclass
 class _Counters:
-    """The counters behind `WriterStats` (the same fields, documented there), guarded by the writer's lock."""
+    """The counters behind `WriterStats` (the same fields, documented there; `dropped` here only what the
+    thread dropped, the ledger counts what was refused), guarded by the writer's lock."""
 
-    queued: int = 0
     written_events: int = 0
     written_requests: int = 0
     written_batches: int = 0
@@ -91,12 +71,6 @@ class _Counters:
     schema_ready: bool = False
     pruned_rows: int = 0
     written_other: int = 0
-
-
-
-def _run_row(run_id: str, info: RunInfo) -> dict[str, Any]:
-    """A new run's row; `heartbeat_at` is set when it is written."""
-    return {"id": run_id, "stopped_at": None, "heartbeat_at": None, "end_reason": None, **asdict(info)}
 
 
 class EventWriter:
@@ -115,19 +89,14 @@ class EventWriter:
         self._options = options or WriterOptions()
         self._progress_key = progress_key
         self._engine = db_engine(url, busy_timeout_ms=self._options.busy_timeout_ms)
-        self._queue: queue.Queue[Item] = queue.Queue(maxsize=self._options.queue_items)
+        self._queue: queue.Queue[Item] = queue.Queue()  # unbounded: the ledger bounds what is in flight
         self._lock = threading.Lock()
         self._progress = threading.Condition(self._lock)
+        self._ledger = Ledger(self._progress, self._options.queue_items)
         self._counters = _Counters()
-        self._pending_runs: dict[str, dict[str, Any]] = {}  # run rows not yet committed
-        self._pending_stops: Stops = {}  # run id -> (stopped_at, how it ended), not yet committed
-        self._current_run: str | None = None
-        self._last_seq = 0  # the newest item put into the queue
-        self._done_seq = 0  # the newest item written or dropped by the thread
+        self._runs = PendingRuns()
         self._hurry_seq = 0  # a waiter waits for this item: batches stop waiting for more until it is done
-        self._waiting: deque[tuple[int, float]] = deque()  # (seq, monotonic time queued) of items with rows
         self._closing = threading.Event()
-        self._gave_up = False  # the schema is newer than this code: every row from then on is dropped
         self._close_deadline = float("inf")  # monotonic time after which failing batches are no longer retried
         self._thread = threading.Thread(target=self._run, name="storage-writer", daemon=True)
         self._thread.start()
@@ -139,10 +108,7 @@ class EventWriter:
         (`run_id`, else a new one from `new_run_id`)."""
         run_id = run_id or new_run_id(info.started_at)
         with self._lock:
-            if self._current_run is not None:
-                self._pending_stops[self._current_run] = (info.started_at, RunEnd.STOPPED)
-            self._pending_runs[run_id] = _run_row(run_id, info)
-            self._current_run = run_id
+            self._runs.start(run_id, info)
         self._enqueue(lambda seq: Item(seq))
         return run_id
 
@@ -153,11 +119,7 @@ class EventWriter:
         current one. A WriterProcess's replacement child starts with this.
         """
         with self._lock:
-            for run_id, (info, stopped_at) in runs.items():
-                self._pending_runs[run_id] = _run_row(run_id, info)
-                if stopped_at is not None:
-                    self._pending_stops[run_id] = (stopped_at, RunEnd.STOPPED)
-                self._current_run = run_id
+            self._runs.restore(runs)
         self._enqueue(lambda seq: Item(seq))
 
     def submit(self, events: Sequence[Event]) -> None:
@@ -212,31 +174,21 @@ class EventWriter:
             wait: while the queue is full, wait for room (until the writer closes) instead of dropping.
 
         Returns:
-            False if the rows were dropped (and counted): the queue was full and `wait` was False, or
-            the writer was closing.
+            False if the rows were dropped (and counted): no room and `wait` was False, or the writer was
+            closing.
         """
-        while True:
-            if self._closing.is_set() or self._gave_up:
-                with self._lock:
-                    self._counters.dropped += num_rows
-                return False
-            make = lambda seq: Item(seq, rows=rows, write_rows=write, num_other=num_rows)  # noqa: E731
-            if self._enqueue(make, num_rows, count_drop=not wait):
-                return True
-            if not wait:
-                return False
-            with self._progress:
-                self._progress.wait_for(lambda: not self._queue.full() or self._closing.is_set(), self._options.poll_s)
+        return self._enqueue(lambda seq: Item(seq, rows=rows, write_rows=write, num_other=num_rows), num_rows, wait)
 
     def stats(self) -> WriterStats:
         with self._lock:
-            lag_s = time.monotonic() - self._waiting[0][1] if self._waiting else 0.0
-            return WriterStats(**vars(self._counters), lag_s=lag_s, done_mark=self._done_seq)
+            ledger = self._ledger
+            counts = {**vars(self._counters), "dropped": self._counters.dropped + ledger.refused}
+            return WriterStats(**counts, queued=ledger.queued, lag_s=ledger.lag_s(), done_mark=ledger.done_through())
 
     def mark(self) -> int:
         """A mark for every row handed over so far (see `wait`)."""
         with self._lock:
-            return self._last_seq
+            return self._ledger.mark()
 
     def wait(self, mark: int, timeout_s: float | None = None) -> bool:
         """Write the rows up to `mark` without waiting for more (`hurry`), and wait until they are written
@@ -247,12 +199,14 @@ class EventWriter:
         """
         self.hurry(mark)
         with self._progress:
-            return self._progress.wait_for(lambda: self._done_seq >= mark or not self._thread.is_alive(), timeout_s)
+            return self._progress.wait_for(
+                lambda: self._ledger.done_through() >= mark or not self._thread.is_alive(), timeout_s
+            )
 
     def hurry(self, mark: int) -> None:
         """Write the rows up to `mark` without waiting for more to join their batch."""
         with self._progress:
-            if self._done_seq >= mark:
+            if self._ledger.done_through() >= mark:
                 return
             self._hurry_seq = max(self._hurry_seq, mark)
         self._enqueue(lambda seq: Item(seq))  # wakes a batch that is waiting for more items
@@ -264,7 +218,7 @@ class EventWriter:
     def wait_for_progress(self, done_mark: int, timeout_s: float) -> None:
         """Return once an item after `done_mark` is done (written or dropped), or after `timeout_s`."""
         with self._progress:
-            self._progress.wait_for(lambda: self._done_seq > done_mark, timeout_s)
+            self._progress.wait_for(lambda: self._ledger.done_through() > done_mark, timeout_s)
 
     def close(self, timeout_s: float | None = 30.0, *, interrupted: bool = False) -> bool:
         """Mark the current run stopped, write what is queued, stop the thread, release the engine.
@@ -281,62 +235,54 @@ class EventWriter:
             within one more attempt).
         """
         with self._lock:
-            if self._current_run is not None and not self._closing.is_set():
-                end = RunEnd.INTERRUPTED if interrupted else RunEnd.STOPPED
-                self._pending_stops[self._current_run] = (time.time(), end)
-            if not self._closing.is_set() and timeout_s is not None:
-                self._close_deadline = time.monotonic() + timeout_s
+            if not self._closing.is_set():
+                self._runs.stop_current(time.time(), RunEnd.INTERRUPTED if interrupted else RunEnd.STOPPED)
+                self._close_deadline = time.monotonic() + (float("inf") if timeout_s is None else timeout_s)
+            self._ledger.close()
         self._closing.set()
         self._enqueue(lambda seq: Item(seq))
         self._thread.join(timeout_s)
         finished = not self._thread.is_alive()
         if finished:
-            self._drop_queued()  # anything that raced in behind the thread's last look
             self._engine.dispose()
         return finished
 
     def _require_run(self) -> str:
-        run_id = self._current_run
+        run_id = self._runs.current
         if run_id is None:
             raise RuntimeError("start_run() before submitting rows")
         return run_id
 
-    def _enqueue(self, make_item, num_rows: int = 0, count_drop: bool = True) -> bool:
-        """Queue the item `make_item(seq)` makes. Returns False if the queue was full or the writer is gone;
-        the rows are then counted as dropped, unless `count_drop` is False (the caller will try again)."""
+    def _enqueue(self, make_item, num_rows: int = 0, wait: bool = False) -> bool:
+        """Hand over the item `make_item(seq)` makes (storage.write.handover). False if it was refused (no
+        room and not `wait`, or closed): its rows are counted as dropped."""
+
+        def deliver(seq: int) -> Handed:
+            self._queue.put_nowait(make_item(seq))
+            return Handed(seq, num_rows, time.monotonic())
+
         with self._lock:
-            if self._gave_up:
-                self._counters.dropped += num_rows if count_drop else 0
-                return False
-            if self._closing.is_set() and num_rows and not self._thread.is_alive():
-                self._counters.dropped += num_rows
-                return False
-            item = make_item(self._last_seq + 1)
-            try:
-                self._queue.put_nowait(item)
-            except queue.Full:
-                if count_drop:
-                    self._counters.dropped += num_rows
-                return False
-            self._last_seq = item.seq
-            self._counters.queued += num_rows
-            if num_rows:
-                self._waiting.append((item.seq, time.monotonic()))
-            return True
+            return self._ledger.hand_over(deliver, num_rows, wait)
 
     # ---- writer thread -------------------------------------------------------------------------
 
     def _run(self) -> None:
-        if not self._prepare_schema():
+        try:
+            if self._prepare_schema():
+                self._loop()
+        finally:
+            with self._lock:
+                self._ledger.end()  # nothing more is taken: what is queued now is the last
             self._drop_queued()
-            return
+
+    def _loop(self) -> None:
+        """Batch, write, prune and beat until closed (or a batch given up while closing)."""
         next_prune = time.monotonic()
         next_beat = time.monotonic() + run_liveness.HEARTBEAT_S
         while True:
             items = self._next_batch()
             if items or self._has_pending_runs():
                 if not self._write(items) and self._closing.is_set():
-                    self._drop_queued()
                     return
             if time.monotonic() >= next_prune:
                 self._prune()
@@ -349,7 +295,7 @@ class EventWriter:
 
     def _prepare_schema(self) -> bool:
         """Upgrade the schema, retrying while the database is unavailable. False when the writer must stop:
-        it is closing, or the schema is newer than this code (then it gives up: see `_enqueue`)."""
+        it is closing, or the schema is newer than this code (then it gives up)."""
         backoff = self._options.first_backoff_s
         while True:
             try:
@@ -359,8 +305,6 @@ class EventWriter:
                         written = progress.load(connection, self._progress_key)
             except migrate.SchemaTooNewError as error:
                 self._note_failure(error, retrying=False)
-                with self._lock:
-                    self._gave_up = True
                 return False
             except Exception as error:  # the thread must outlive any failure; report it instead
                 self._note_failure(error, retrying=not self._closing.is_set())
@@ -400,14 +344,13 @@ class EventWriter:
 
     def _in_a_hurry(self) -> bool:
         with self._lock:
-            return self._closing.is_set() or self._hurry_seq > self._done_seq
+            return self._closing.is_set() or self._hurry_seq > self._ledger.done_through()
 
     def _write(self, items: list[Item]) -> bool:
         """Write one batch, retrying transient failures for up to `retry_for_s`. Returns False if it was
         given up."""
         with self._lock:
-            runs = dict(self._pending_runs)
-            stops = dict(self._pending_stops)
+            runs, stops = dict(self._runs.rows), dict(self._runs.stops)
             written = progress.Written(
                 self._counters.written_events + sum(item.num_events for item in items),
                 self._counters.written_requests + sum(item.num_requests for item in items),
@@ -440,18 +383,13 @@ class EventWriter:
         num_other = sum(item.num_other for item in items)
         with self._progress:
             counters = self._counters
-            counters.queued -= num_events + num_requests + num_other
             counters.retrying = False
             if written:
                 counters.written_events += num_events
                 counters.written_requests += num_requests
                 counters.written_other += num_other
                 counters.written_batches += 1
-                for run_id in runs:
-                    self._pending_runs.pop(run_id, None)
-                for run_id, stopped_at in stops.items():
-                    if self._pending_stops.get(run_id) == stopped_at:
-                        del self._pending_stops[run_id]
+                self._runs.committed(runs, stops)
             elif num_events + num_requests + num_other:
                 counters.dropped += num_events + num_requests + num_other
                 counters.failed_batches += 1
@@ -465,16 +403,12 @@ class EventWriter:
             except queue.Empty:
                 return
             with self._progress:
-                self._counters.queued -= item.num_rows
                 self._counters.dropped += item.num_rows
                 self._mark_done(item.seq)
 
     def _mark_done(self, seq: int) -> None:
         """Every item up to `seq` is written or dropped (the lock held)."""
-        self._done_seq = seq
-        while self._waiting and self._waiting[0][0] <= seq:
-            self._waiting.popleft()
-        self._progress.notify_all()
+        self._ledger.done_through_seq(seq)
 
     def _prune(self) -> None:
         try:
@@ -488,7 +422,7 @@ class EventWriter:
     def _beat(self) -> None:
         """Refresh the current run's heartbeat (storage.write.run_liveness); a failure waits for the next one."""
         with self._lock:
-            run_id = None if self._closing.is_set() else self._current_run
+            run_id = None if self._closing.is_set() else self._runs.current
         if run_id is None:
             return
         try:
@@ -499,7 +433,7 @@ class EventWriter:
 
     def _has_pending_runs(self) -> bool:
         with self._lock:
-            return bool(self._pending_runs or self._pending_stops)
+            return bool(self._runs)
 
     def _note_failure(self, error: Exception, retrying: bool) -> None:
         with self._lock:

@@ -1,6 +1,6 @@
 """The history writer: an `EventWriter` in a process of its own; the caller's process only encodes and sends.
 
-`WriterProcess` has `EventWriter`'s interface and contract (see storage.write.writer) and runs the
+`WriterProcess` keeps the writer's contract (storage.write.writer_types.HistoryWriter) and runs an
 `EventWriter` in a child process (storage.write.writer_child), so the database work (the inserts, the
 writer's Python and its hold on the GIL) never runs in the engine's interpreter. The console's engine
 history, `python -m cli run-trace` and the fleet collector (the console's and `python -m cli fleet watch`)
@@ -16,13 +16,11 @@ Data flow, one way:
       only the sender ever waits on the pipe. The child queues each message as one item of its
       EventWriter, which is the only batching layer: it gathers items for `batch_interval_s`, coalesces
       request views, writes a batch in one transaction.
-    * The bound: at most `queue_items` messages are in flight (in the outbox, the pipe or the child's
-      queue, not yet written or dropped). A message with rows beyond it is refused at the call and its
-      rows counted as dropped (`submit_rows(..., wait=True)` waits for room instead); control messages
-      (a run, hurry, close) always go. The child's own queue is unbounded: it never holds more.
-    * `mark()` is the number of the newest message; the child reports after every transaction which
-      messages are done, and `wait(mark)` hurries them and waits for that report: read-your-writes.
-      `stats().lag_s` is the age of the oldest message with rows not done.
+    * The bound and the numbering are the ledger's (storage.write.handover): at most `queue_items`
+      messages are in flight (in the outbox, the pipe or the child's queue, not yet written or dropped).
+      The child's own writer is unbounded: it never holds more.
+    * The child reports after every transaction which messages are done, and `wait(mark)` hurries them
+      and waits for that report: read-your-writes.
     * Counting, derived: `written_*` are the child's (saved in the database inside every transaction,
       storage.write.progress, so a replacement starts from them), `queued` is the rows of the messages
       in flight, and `dropped` is the rest of what was handed over. So written + queued + dropped ==
@@ -65,6 +63,7 @@ from engine.core.events import Event
 from engine.core.snapshot import RequestView
 from storage.db import db_engine
 from storage.write import progress
+from storage.write.handover import Handed, Ledger
 from storage.write.rows import checked_events, checked_views, encode_events, view_without_prompt
 from storage.write.writer_types import RowWriter, RunInfo, WriterOptions, WriterStats, new_run_id
 
@@ -79,13 +78,10 @@ NO_STATS = WriterStats(
 
 
 @dataclass
-class _Message:
+class _Message(Handed):
     """A call on its way to the child: in the outbox, or sent and not yet reported done."""
 
-    seq: int  # message number, in calling order; `mark()` and `wait()` name messages
-    body: tuple  # what the child receives after the number: (kind, *arguments)
-    num_rows: int  # rows it carries (0 for a control message)
-    since: float  # monotonic time it was handed over
+    body: tuple = ()  # what the child receives after the number: (kind, *arguments)
     generation: int | None = None  # the child it was sent to (None while in the outbox)
 
 
@@ -137,10 +133,7 @@ class WriterProcess:
         self._changed = threading.Condition(self._lock)  # a report arrived, a message went, or the child changed
         self._sending = threading.Lock()  # held while a message goes into the current child's pipe
         self._outbox: deque[_Message] = deque()  # messages not sent yet, in order
-        self._in_flight: dict[int, _Message] = {}  # every message not reported done, by number (in order)
-        self._queued_rows = 0  # rows of the messages in flight
-        self._next_seq = 1
-        self._accepted_rows = 0  # every row handed over, refused ones included
+        self._ledger = Ledger(self._changed, self.options.queue_items)  # every message not reported done
         self._runs: dict[str, tuple[RunInfo, float | None]] = {}  # every run started: (info, stopped_at)
         self._current_run: str | None = None
         self._child_stats = NO_STATS  # the running child's latest report
@@ -149,7 +142,6 @@ class WriterProcess:
         self._last_error: str | None = None
         self._restarts = 0
         self._quick_exits = 0  # children in a row that exited soon after their start
-        self._closed = False
         self._close_timeout_s: float | None = None  # how long the first close() call waits
         self._gone = False  # the child answered close and exited
         with self._sending:
@@ -177,7 +169,7 @@ class WriterProcess:
         return run_id
 
     def submit(self, events: Sequence[Event]) -> None:
-        """Queue events of the current run (see `EventWriter.submit`).
+        """Queue events of the current run (see `HistoryWriter`).
 
         Raises:
             RuntimeError: no run was started.
@@ -194,7 +186,7 @@ class WriterProcess:
                 self._hand_over(body, encoded.count)
 
     def record_requests(self, views: Iterable[RequestView]) -> None:
-        """Queue request views of the current run (see `EventWriter.record_requests`).
+        """Queue request views of the current run (see `HistoryWriter`).
 
         Raises:
             RuntimeError: no run was started.
@@ -208,7 +200,7 @@ class WriterProcess:
                 self._hand_over(("views", list(map(view_without_prompt, views))), len(views))
 
     def submit_rows(self, rows: Any, num_rows: int, write: RowWriter, *, wait: bool = False) -> bool:
-        """Queue another producer's rows as one atomic item (see `EventWriter.submit_rows`); `rows` must
+        """Queue another producer's rows as one atomic item (see `HistoryWriter`); `rows` must
         pickle and `write` be a module-level function.
 
         Args:
@@ -222,15 +214,14 @@ class WriterProcess:
 
     def stats(self) -> WriterStats:
         with self._lock:
-            child, past = self._child_stats, self._past
+            child, past, ledger = self._child_stats, self._past, self._ledger
             written = self._written
-            oldest = next((message.since for message in self._in_flight.values() if message.num_rows), None)
             return WriterStats(
-                queued=self._queued_rows,
+                queued=ledger.queued,
                 written_events=written.events,
                 written_requests=written.requests,
                 written_batches=past.written_batches + child.written_batches,
-                dropped=self._accepted_rows - written.events - written.requests - written.other - self._queued_rows,
+                dropped=ledger.accepted - written.events - written.requests - written.other - ledger.queued,
                 failed_batches=past.failed_batches + child.failed_batches,
                 retries=past.retries + child.retries,
                 retrying=child.retrying,
@@ -238,15 +229,15 @@ class WriterProcess:
                 schema_ready=child.schema_ready,
                 pruned_rows=past.pruned_rows + child.pruned_rows,
                 written_other=written.other,
-                lag_s=0.0 if oldest is None else time.monotonic() - oldest,
-                done_mark=self._done_through(),
+                lag_s=ledger.lag_s(),
+                done_mark=ledger.done_through(),
                 restarts=self._restarts,
             )
 
     def mark(self) -> int:
         """A mark for every row (and run) handed over so far: the number of the newest message."""
         with self._lock:
-            return self._next_seq - 1
+            return self._ledger.mark()
 
     def wait(self, mark: int, timeout_s: float | None = None) -> bool:
         """Have the child write the rows up to `mark` without waiting for more, and wait until they are
@@ -256,11 +247,11 @@ class WriterProcess:
             False if `timeout_s` passed first. Check `stats()` for what was dropped.
         """
         with self._changed:
-            if self._done_through() >= mark:
+            if self._ledger.done_through() >= mark:
                 return True
-            if not self._closed:  # close hurries by itself
+            if not self._ledger.closed:  # close hurries by itself
                 self._hand_over(("hurry",), 0)
-            return self._changed.wait_for(lambda: self._done_through() >= mark or self._gone, timeout_s)
+            return self._changed.wait_for(lambda: self._ledger.done_through() >= mark or self._gone, timeout_s)
 
     def flush(self, timeout_s: float | None = None) -> bool:
         """Wait until everything queued before this call was written or dropped (`wait(mark())`)."""
@@ -275,9 +266,10 @@ class WriterProcess:
             False if the child was still working after `timeout_s` (it finishes on its own).
         """
         with self._changed:
-            if not self._closed:
+            if not self._ledger.closed:
                 self._hand_over(("close", timeout_s), 0)
-                self._closed, self._close_timeout_s = True, timeout_s
+                self._ledger.close()
+                self._close_timeout_s = timeout_s
             return self._changed.wait_for(lambda: self._gone, timeout_s)
 
     def _require_run(self) -> None:
@@ -285,32 +277,15 @@ class WriterProcess:
             raise RuntimeError("start_run() before submitting rows")
 
     def _hand_over(self, body: tuple, num_rows: int, wait: bool = False) -> bool:
-        """Number a message and put it in the outbox (the lock held). A message with rows is refused after
-        close, and while `queue_items` messages are in flight unless `wait`; its rows then count as dropped."""
-        self._accepted_rows += num_rows
-        if num_rows:
-            while not self._closed and len(self._in_flight) >= self.options.queue_items:
-                if not wait:
-                    return False
-                self._changed.wait()
-            if self._closed:
-                return False
-        message = _Message(self._next_seq, body, num_rows, time.monotonic())
-        self._next_seq += 1
-        self._in_flight[message.seq] = message
-        self._queued_rows += num_rows
-        self._outbox.append(message)
-        self._changed.notify_all()
-        return True
+        """Number a message and put it in the outbox (the lock held); False if the ledger refused it (its
+        rows are then counted as dropped)."""
 
-    def _forget(self, message: _Message) -> None:
-        """The message is done: written or dropped (the lock held)."""
-        del self._in_flight[message.seq]
-        self._queued_rows -= message.num_rows
+        def deliver(seq: int) -> _Message:
+            message = _Message(seq, num_rows, time.monotonic(), body)
+            self._outbox.append(message)
+            return message
 
-    def _done_through(self) -> int:
-        """Every message up to this number is written or dropped (the lock held)."""
-        return next(iter(self._in_flight), self._next_seq) - 1
+        return self._ledger.hand_over(deliver, num_rows, wait)
 
     # ---- the sender thread -------------------------------------------------------------------
 
@@ -332,7 +307,7 @@ class WriterProcess:
                 except Exception as error:  # what cannot be pickled (a lock, a lambda in a view): counted, shown
                     reason = f"rows could not be sent to the writer process: {type(error).__name__}: {error}"
             with self._changed:
-                self._forget(message)
+                self._ledger.done(message)
                 self._last_error = reason
                 self._changed.notify_all()
 
@@ -371,15 +346,16 @@ class WriterProcess:
             if stats.last_error is not None and stats.last_error != self._child_stats.last_error:
                 self._last_error = stats.last_error
             self._child_stats = stats
-            settled = [m for m in self._in_flight.values() if m.generation == child.generation and m.seq <= done_seq]
+            in_flight = self._ledger.in_flight.values()
+            settled = [m for m in in_flight if m.generation == child.generation and m.seq <= done_seq]
             if stats.schema_ready:  # it has read what every child before it committed
                 self._written = progress.Written(stats.written_events, stats.written_requests, stats.written_other)
-                settled += [m for m in self._in_flight.values() if m.generation is not None and m.generation < child.generation]
+                settled += [m for m in in_flight if m.generation is not None and m.generation < child.generation]
             if kind == "closed":  # it got every message before close: what is still open went to a killed
                 child.answered_close = True  # predecessor the database could not tell about: dropped
-                settled = list(self._in_flight.values())
+                settled = list(in_flight)
             for message in settled:
-                self._forget(message)
+                self._ledger.done(message)
             self._changed.notify_all()
 
     def _child_exited(self, child: _Child, returncode: int) -> None:
@@ -410,7 +386,7 @@ class WriterProcess:
             with self._changed:
                 self._child = new
                 self._restarts += 1
-                if self._closed and not any(message.body[0] == "close" for message in self._outbox):
+                if self._ledger.closed and not any(message.body[0] == "close" for message in self._outbox):
                     self._hand_over(("close", self._close_timeout_s), 0)  # the dead child took the first
                 self._changed.notify_all()
         self._listen(new)

@@ -1,18 +1,21 @@
-"""The history writer's vocabulary, shared by the engine side and the writer process: what identifies a
-run, how the writer buffers, batches, retries and prunes, and what it reports."""
+"""The history writer's vocabulary, shared by the engine side and the writer process: its contract
+(`HistoryWriter`), what identifies a run, how the writer buffers, batches, retries and prunes, and what
+it reports."""
 
 from __future__ import annotations
 
 import os
 import secrets
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 from sqlalchemy import Connection
 
+from engine.core.events import Event
+from engine.core.snapshot import RequestView
 from storage.db import DEFAULT_BUSY_TIMEOUT_MS
 from storage.write.retention import RetentionPolicy
 from storage.write.run_liveness import this_host
@@ -84,3 +87,50 @@ def new_run_id(started_at: float) -> str:
     stamp = datetime.fromtimestamp(started_at, tz=UTC).strftime("%Y%m%dT%H%M%S")
     return f"{stamp}-{secrets.token_hex(3)}"
 
+
+
+@runtime_checkable
+class HistoryWriter(Protocol):
+    """The one contract of the history writer, kept by `storage.write.writer.EventWriter` (in-process: tests
+    and tools) and `storage.write.writer_process.WriterProcess` (the product's: the database work in a child).
+
+    * `start_run`, `submit`, `record_requests` and `submit_rows` never wait on the database. They check
+      what they are given (engine `Event`s and `RequestView`s only: anything else raises TypeError at the
+      call, see storage.write.rows), encode events and hand the call over as one message
+      (storage.write.handover). At most `queue_items` messages are in flight; beyond that the newest rows
+      are refused and counted in `stats().dropped`.
+    * A `submit()` of at most `item_rows` events is written in one transaction, with the `evictions` rows
+      of its EVICT events: a crash loses whole calls, never part of one. Longer calls are split into
+      items of that size, each atomic.
+    * Other producers (the fleet collector's sink, storage.write.fleet_sink) hand in their own rows with
+      `submit_rows(rows, num_rows, write)`: the same bound, batches, retries and counters, their rows
+      written by their own bulk function `write(connection, [rows, ...])` in the batch's transaction.
+      Unlike the engine, such a producer may wait for room (`wait=True`) instead of dropping.
+    * Read-your-writes: `mark()` names everything handed over so far; `wait(mark, timeout_s)` hurries
+      those rows and returns once they are written or dropped; `flush` is `wait(mark())`.
+    * Exact counts: written + queued + dropped == handed over, every row counted once. `stats().lag_s`
+      is the age of the oldest row not yet written or dropped, `done_mark` the newest mark reached.
+    * A run row is never dropped (storage.write.pending_runs). A new run's row names its owner (host,
+      pid); the writer refreshes its heartbeat and closes the runs of dead owners as interrupted
+      (storage.write.run_liveness).
+    * `close` stops the current run and writes what was handed over; rows handed over after it are
+      refused and counted.
+    """
+
+    def start_run(self, info: RunInfo) -> str: ...
+
+    def submit(self, events: Sequence[Event]) -> None: ...
+
+    def record_requests(self, views: Iterable[RequestView]) -> None: ...
+
+    def submit_rows(self, rows: Any, num_rows: int, write: RowWriter, *, wait: bool = False) -> bool: ...
+
+    def stats(self) -> WriterStats: ...
+
+    def mark(self) -> int: ...
+
+    def wait(self, mark: int, timeout_s: float | None = None) -> bool: ...
+
+    def flush(self, timeout_s: float | None = None) -> bool: ...
+
+    def close(self, timeout_s: float | None = 30.0) -> bool: ...
