@@ -10,7 +10,8 @@
 A command module exposes `add_parser(subparsers)`, which adds its subcommand and sets `run` as that
 parser's default, and `run(args) -> int`, the exit status. Command modules import at the top only what
 their arguments need (no torch, no storage), so `--help` and commands that never run the engine stay
-light; what a command runs it imports in `run`.
+light; what a command runs it imports in `run`. A command that cannot honour an option raises
+`cli.usage.UsageError`: printed as `error: ...`, exit status 2.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from types import ModuleType
 from engine.openmp import set_openmp_defaults
 
 from cli import analyze, block_history, fleet, run_trace, serve, why
+from cli.usage import UsageError
 
 COMMANDS: tuple[ModuleType, ...] = (run_trace, analyze, block_history, fleet, serve, why)
 
@@ -36,7 +38,11 @@ def main(argv: Sequence[str] | None = None, *, prog: str = "python -m cli", comm
     for command in commands:
         command.add_parser(subparsers)
     args = parser.parse_args(argv)
-    return args.run(args)
+    try:
+        return args.run(args)
+    except UsageError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -25,16 +25,14 @@ from decimal import Decimal, InvalidOperation
 from pathlib import Path
 from typing import Any
 
+from cli.usage import UsageError, open_database
+
 NAME = "analyze"
 FORMATS = ("mooncake", "bailian", "run-trace", "history")
 MODES = ("sequential", "timed")
 DEFAULT_POINTS = 10  # capacities evaluated when none are named
 SUFFIXES = {"k": 10**3, "m": 10**6, "g": 10**9}
 MAX_CAPACITY_TOKENS = 10**12  # an operator-typed bound: far beyond any cache
-
-
-class UsageError(ValueError):
-    """An option that cannot be honoured (exit status 2)."""
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -129,7 +127,7 @@ def _history(args: argparse.Namespace):
             raise UsageError(f"no history database at {target} (give a SQLAlchemy URL or a SQLite file)")
         target = f"sqlite:///{Path(target).resolve()}"
     runs = () if args.runs is None else tuple(run for run in args.runs.split(",") if run)
-    database = existing_db_engine(target)  # DatabaseUrlError (a ValueError): exit status 2
+    database = open_database(existing_db_engine, target)
     try:
         rows = queries.prompt_chains(database, runs)
     except SQLAlchemyError as error:  # not a history database (no such table, ...), or unreachable

@@ -19,6 +19,7 @@ import json
 import sys
 from datetime import UTC, datetime
 
+from cli.usage import open_database
 from engine.core.config import MAX_NUM_BLOCKS
 
 NAME = "block-history"
@@ -43,13 +44,9 @@ def run(args: argparse.Namespace) -> int:
     from sqlalchemy.exc import SQLAlchemyError  # the history is read only by this command
 
     from storage.read import queries
-    from storage.db import DatabaseUrlError, existing_db_engine, redacted_url
+    from storage.db import existing_db_engine, redacted_url
 
-    try:
-        db = existing_db_engine(args.db)
-    except DatabaseUrlError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+    db = open_database(existing_db_engine, args.db)
     try:
         run_id = args.run_id or queries.latest_run_id(db)
         if run_id is None:

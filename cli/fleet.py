@@ -37,6 +37,7 @@ import sys
 import threading
 import time
 
+from cli.usage import open_database
 from fleet.source import PodSource, parse_pod
 
 NAME = "fleet"
@@ -126,14 +127,11 @@ def run_watch(args: argparse.Namespace) -> int:
         return _error(f"pod names must be unique: {names}")
     from fleet.collector import Collector
     from fleet.index import FleetIndex
-    from storage.db import DatabaseUrlError, redacted_url
+    from storage.db import redacted_url
     from storage.write.fleet_sink import FleetStore
     from storage.write.writer_process import WriterProcess
 
-    try:
-        writer = WriterProcess(args.db)
-    except DatabaseUrlError as exc:
-        return _error(str(exc))
+    writer = open_database(WriterProcess, args.db)
     stop = threading.Event()
     previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
     previous_gc_thresholds = gc.get_threshold()
@@ -208,12 +206,9 @@ def run_state(args: argparse.Namespace) -> int:
 
     from storage.read import fleet_queries
     from storage import migrate
-    from storage.db import DatabaseUrlError, existing_db_engine, redacted_url
+    from storage.db import existing_db_engine, redacted_url
 
-    try:
-        engine = existing_db_engine(args.db)  # connecting to a missing SQLite file would create an empty one
-    except DatabaseUrlError as exc:
-        return _error(str(exc))
+    engine = open_database(existing_db_engine, args.db)  # connecting to a missing SQLite file would create an empty one
     try:
         if migrate.current_revision(engine) is None:
             return _error(f"{redacted_url(args.db)} holds no history (no schema)")

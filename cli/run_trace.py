@@ -17,6 +17,7 @@ import sys
 from typing import Any
 
 from cli.engine_options import add_engine_options, engine_config
+from cli.usage import open_database
 
 NAME = "run-trace"
 
@@ -46,22 +47,20 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    if args.db is not None:  # the history is optional: storage is imported only when asked for
+        from storage.db import db_engine
+
+        open_database(db_engine, args.db).dispose()  # before anything starts: a bad URL fails at once
     try:
         source = sys.stdin.buffer if args.trace == "-" else open(args.trace, "rb")  # lines decoded one by one
     except OSError as exc:
         print(f"error: cannot read the trace: {exc}", file=sys.stderr)
         return 2
     writer = None
-    if args.db is not None:  # the history is optional: storage is imported only when asked for
-        from storage.db import DatabaseUrlError
+    if args.db is not None:
         from storage.write.writer_process import WriterProcess
 
-        try:
-            writer = WriterProcess(args.db)  # before the model loads: a bad URL fails at once
-        except DatabaseUrlError as exc:
-            source.close()
-            print(f"error: {exc}", file=sys.stderr)
-            return 2
+        writer = WriterProcess(args.db)  # before the model loads
     # torch loads here, for the command that runs the engine, not for `python -m cli --help`.
     from cli.trace import TraceError, replay, summary_record
     from engine.engine import Engine

@@ -21,50 +21,49 @@ import sys
 from typing import TYPE_CHECKING
 
 from cli.engine_options import add_engine_options, engine_config
+from cli.usage import open_database
 from engine.core.config import EngineConfig
 
 if TYPE_CHECKING:
     from serving.api import ApiLimits
 
 NAME = "serve"
-DEFAULT_HOST = "127.0.0.1"
-DEFAULT_PORT = 8000
+LIMITS = ("max_body_bytes", "max_in_flight")  # the ApiLimits fields the flags set; unset ones keep their defaults
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(NAME, help="serve the OpenAI-compatible API (completions, chat, tokenize, metrics)")
     add_engine_options(parser)
-    parser.add_argument("--host", default=DEFAULT_HOST, help="address to bind (default 127.0.0.1: this machine only)")
-    parser.add_argument("--port", type=int, default=DEFAULT_PORT)
+    # Defaults left unset (None) are the server's own (serving.server, serving.api.ApiLimits), read in `run`,
+    # so `--help` loads no web framework.
+    parser.add_argument("--host", default=None, help="address to bind (default: serving.server's, this machine only)")
+    parser.add_argument("--port", type=int, default=None, help="default: serving.server's")
     parser.add_argument("--db", default=None, help="SQLAlchemy URL: write the history there, as the console does")
-    parser.add_argument("--max-in-flight", type=int, default=64, help="unfinished requests before 429")
-    parser.add_argument("--max-body-bytes", type=int, default=4 * 2**20, help="larger bodies get 413")
+    parser.add_argument("--max-in-flight", type=int, default=None, help="unfinished requests before 429 (default: ApiLimits')")
+    parser.add_argument("--max-body-bytes", type=int, default=None, help="larger bodies get 413 (default: ApiLimits')")
     parser.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
     """Serve until a signal; returns the exit status (see the module docstring)."""
     from serving.api import ApiLimits
-    from serving.server import bind
+    from serving.server import DEFAULT_HOST, DEFAULT_PORT, bind
 
+    if args.db is not None:  # a bad URL fails at once, before the model loads
+        from storage.db import db_engine
+
+        open_database(db_engine, args.db).dispose()
+    host = DEFAULT_HOST if args.host is None else args.host
+    port = DEFAULT_PORT if args.port is None else args.port
     try:
         config = engine_config(args)
-        limits = ApiLimits(max_body_bytes=args.max_body_bytes, max_in_flight=args.max_in_flight)
-        if not 0 <= args.port <= 65535:
-            raise ValueError(f"--port must be in [0, 65535], got {args.port}")
-        sock = bind(args.host, args.port)
+        limits = ApiLimits(**{name: getattr(args, name) for name in LIMITS if getattr(args, name) is not None})
+        if not 0 <= port <= 65535:
+            raise ValueError(f"--port must be in [0, 65535], got {port}")
+        sock = bind(host, port)
     except (ValueError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    if args.db is not None:  # a bad URL fails at once, before the model loads
-        from storage.db import DatabaseUrlError, db_engine
-
-        try:
-            db_engine(args.db).dispose()
-        except DatabaseUrlError as exc:
-            sock.close()
-            print(f"error: {exc}", file=sys.stderr)
-            return 2
     try:
         _serve(config, limits, sock, args.db)
     except RuntimeError as exc:  # the engine could not start (EngineGone): its own error

@@ -23,6 +23,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from cli.usage import open_database
+
 NAME = "why"
 CHAT_PRESETS = ("smollm2", "tiny-chat")  # the presets with a tokenizer: SmolLM2's (serving.prompts.load_tokenizer)
 # Where the console caches SmolLM2's tokenizer under the data directory: the converted model, else a
@@ -52,13 +54,9 @@ def run(args: argparse.Namespace) -> int:
         return 2
     from sqlalchemy.exc import SQLAlchemyError
 
-    from storage.db import DatabaseUrlError, db_engine
+    from storage.db import db_engine
 
-    try:
-        db = db_engine(args.db)
-    except DatabaseUrlError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+    db = open_database(db_engine, args.db)
     try:
         result = _summary(db, args) if args.summary else _one(db, args)
     except (LookupError, ValueError, SQLAlchemyError) as exc:
