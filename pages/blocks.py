@@ -6,7 +6,7 @@ from __future__ import annotations
 import pandas as pd
 import streamlit as st
 
-from app import charts
+from app import charts, timeline_charts
 from app.frames import align_tables, block_category, block_counts
 from app.hosting import get_host
 from app.prompting import decode, token_pieces
@@ -81,7 +81,7 @@ def stacked(timelines: dict[int, queries.BlockTimeline], key: str, titles: dict[
     if len(lives) > MAX_STACKED:
         st.caption(f"{len(lives)} different lives; the first {MAX_STACKED} are drawn.")
     shown = [(ids[0], timelines[ids[0]]) for ids in drawn]
-    figure = charts.block_timelines([(life_title(ids, titles), timelines[ids[0]].rows) for ids in drawn])
+    figure = timeline_charts.block_timelines([(life_title(ids, titles), timelines[ids[0]].rows) for ids in drawn])
     st.plotly_chart(figure, key=key, width="stretch")
     with st.expander("Every change of these blocks, with the holders after it"):
         rows = pd.concat([timelines[b].rows.assign(block=b) for ids in drawn for b in ids]).sort_values(["event_id", "block"], kind="stable")
@@ -277,7 +277,7 @@ def block_life(block_id: int) -> None:
     if timeline.rows.empty:
         st.caption(f"Block {block_id} has no stored events in this run yet.")
         return
-    st.plotly_chart(charts.block_timelines([(f"block {block_id}", timeline.rows)]), key="blocks_life_chart", width="stretch")
+    st.plotly_chart(timeline_charts.block_timelines([(f"block {block_id}", timeline.rows)]), key="blocks_life_chart", width="stretch")
     history_table(timeline.rows)
     if (timeline.rows["event"] == "cow").any():
         st.caption(

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pandas as pd
 
-from app import charts
+from app import charts, timeline_charts
 from storage.read.block_history import EVICTABLE_FROM_HERE, HISTORY_COLUMNS, SAFE_TO_REUSE
 
 
@@ -29,7 +29,7 @@ def test_a_block_hit_eleven_times_gets_one_evictable_label_that_counts_them():
     changes = [("allocate", 1, ""), ("release", 0, EVICTABLE_FROM_HERE)]
     for _ in range(11):
         changes += [("hit", 1, ""), ("release", 0, EVICTABLE_FROM_HERE)]
-    figure = charts.block_timelines([("block 3", life(changes))])
+    figure = timeline_charts.block_timelines([("block 3", life(changes))])
     labels = marker_labels(figure)
     assert len(labels) == 1 and "reached 0 12 times" in labels[0]
     points = [x for trace in figure.data[1:] for x in trace.x]  # the event markers (data[0] is the step line)
@@ -39,7 +39,7 @@ def test_a_block_hit_eleven_times_gets_one_evictable_label_that_counts_them():
 
 
 def test_a_block_that_reached_0_once_keeps_its_plain_label():
-    figure = charts.block_timelines([("block 1", life([("allocate", 1, ""), ("release", 0, SAFE_TO_REUSE)]))])
+    figure = timeline_charts.block_timelines([("block 1", life([("allocate", 1, ""), ("release", 0, SAFE_TO_REUSE)]))])
     assert marker_labels(figure) == [f"<b>{SAFE_TO_REUSE}</b>"]
 
 
