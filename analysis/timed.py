@@ -25,7 +25,7 @@ decode_tokens_per_s`; its defaults were measured on the engine (see `ServiceMode
 the trace's; the clock is virtual (the engine's wall-clock stamps on requests are not used).
 
 A request whose prompt and output cannot fit in the whole pool is rejected, by the engine's own rule
-(engine/core/assembly.py's `never_fits`).
+(engine/core/admission.py's `never_fits`).
 """
 
 from __future__ import annotations
@@ -36,8 +36,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from analysis.trace import MAX_REFERENCES, PartialBlocks, Trace
+from engine.core.admission import never_fits
 from engine.core.arith import ceil_div
-from engine.core.assembly import build_core, never_fits
+from engine.core.assembly import build_core
 from engine.core.config import MAX_NEW_TOKENS, EngineConfig
 from engine.core.errors import require
 from engine.core.events import EventLog

@@ -13,54 +13,40 @@ are consistent.
 `start()` runs steps on a background thread whenever there is work; it never touches Streamlit.
 Listeners get each step's events and the requests that changed, on the engine thread, after the step.
 
-Requests leave the engine when they end. It holds the live requests (waiting, running) and the retained
-ones (fork bases, until released), and the final `RequestView`s of the last `RECENT_ENDED` requests that
-ended (finished, released, rejected, failed, aborted) for `get` and `requests`; the history database
-keeps every request. So nothing in the engine's memory or in its per-step work grows with the number of
-requests it ever served: per-request state (the scheduler's queues, the KV block tables, the seeded
-generators, the replay verifier's logits) is held for live and retained requests only, and `stats()`
-counts the retained ones without walking any list. (One thing grows with distinct salts, not requests:
-each KV group's pool keeps the namespace root of every salt it has seen.)
+A request's input passes the admission step (engine/core/admission.py) before anything is recorded.
+Requests leave the engine when they end (engine/core/request_table.py keeps the last RECENT_ENDED ended
+ones' final views; the history database keeps every request). So nothing in the engine's memory or in
+its per-step work grows with the number of requests it ever served: per-request state (the scheduler's
+queues, the KV block tables, the seeded generators, the replay verifier's logits) is held for live and
+retained requests only. (One thing grows with distinct salts, not requests: each KV group's pool keeps
+the namespace root of every salt it has seen.)
 """
 
 from __future__ import annotations
 
-import logging
 import threading
 import time
-from collections import OrderedDict
 from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
-from engine.core.arith import ceil_div
-from engine.core.assembly import build_core, never_fits
+from engine.core.admission import RequestInput, RequestRejected, admit, never_fits
 from engine.core.config import EngineConfig
-from engine.core.errors import require
-from engine.core.events import Event, EventKind, EventLog
-from engine.core.input_checks import check_length, check_logit_bias, check_request_id, check_salt, check_tokens
-from engine.core.kv_memory import pool_num_blocks
-from engine.runner.model_runner import GroupSlots, ModelRunner, SeqChunk
-from engine.runner.model_loading import LoadedModel, load_model
-from engine.core.namespace import CacheNamespace
+from engine.core.events import Event, EventKind
 from engine.core.request import HitSource, Request, RequestStatus, SamplingParams, can_release
+from engine.core.request_invariants import check_request_state
+from engine.core.request_table import RequestTable
 from engine.core.scheduler import SchedulerOutput
-from engine.forward import StepForward
-from engine.runner.thread_governor import ThreadGovernor
 from engine.core.snapshot import EngineSnapshot, PoolStats, RequestView, block_views, pool_stats
-from engine.runner.verify import ReplayVerifier
+from engine.engine_parts import build_parts
+from engine.runner.model_loading import LoadedModel, load_model
+from engine.step_thread import StepThread
+from engine.warm_up import WARM_UP_TOKENS, warm_up
 
-logger = logging.getLogger(__name__)
 
-WARM_UP_TOKENS = 256  # prefill length of `Engine.warm_up`: about a typical prompt
-RECENT_ENDED = 256  # ended requests whose final views the engine keeps (`get`, `requests`); older: the history
 Listener = Callable[[list[Event], list[RequestView]], None]
-
-
-class RequestRejected(ValueError):
-    """The engine refused a request it can never serve (it is recorded with status "rejected")."""
 
 
 @dataclass(frozen=True)
@@ -74,58 +60,40 @@ class ResetResult:
         return self.kept_blocks == 0
 
 
-def pool_size(config: EngineConfig, loaded: LoadedModel) -> int:
-    """Blocks in the pool: `num_blocks`, or as many as `kv_memory_mb` holds, or the default
-    (engine/core/kv_memory.py's `pool_num_blocks`, the console's rule too)."""
-    bytes_per_block = ModelRunner.bytes_per_block(loaded, config.block_size)
-    return pool_num_blocks(config.num_blocks, config.kv_memory_mb, bytes_per_block)
-
-
 class Engine:
     def __init__(
         self, config: EngineConfig, *, loaded: LoadedModel | None = None, first_request_number: int = 0
     ) -> None:
         """`first_request_number`: N of the first generated id "req-N" (past the ids already in a shared history)."""
-        if first_request_number < 0:
-            raise ValueError(f"first_request_number must be non-negative, got {first_request_number}")
+        self._table = RequestTable(first_request_number)  # live, retained and recently ended requests
         self.config = config
         self.loaded = loaded or load_model(config)
-        num_blocks = pool_size(config, self.loaded)
-        self.runner = ModelRunner(self.loaded, num_blocks, config.block_size)
-        self.log = EventLog()
-        self.namespace = CacheNamespace(
-            model_id=self.loaded.model_id,
-            weights_revision=self.loaded.weights_revision,
-            dtype=config.dtype,
-            block_size=config.block_size,
-            attention_spec=self.loaded.attention_spec,
-        )
-        core = build_core(
-            config, self.runner.groups, self.namespace, self.log, num_blocks, eos_token_ids=self.loaded.eos_token_ids
-        )
-        self.kv, self.scheduler = core.kv, core.scheduler
-        # Only when asked for: it keeps logits of approximate replays and recomputes them when they finish.
-        self._verifier = ReplayVerifier(self.runner, self.log) if config.verify_replay else None
-        self._forward = StepForward(self.runner, self.kv, self._verifier)
-        self.thread_governor = ThreadGovernor.for_device(self.loaded.device)  # None: the thread count stays as set
-        self.vocab_size = int(self.loaded.model.config.vocab_size)
-        self.max_model_len = int(self.loaded.max_position_embeddings)
-        self._requests: dict[str, Request] = {}  # live (waiting, running) and retained requests only
-        self._retained: set[str] = set()  # the retained ones among them (`stats` counts them without a walk)
-        self._ended: OrderedDict[str, RequestView] = OrderedDict()  # last RECENT_ENDED ended, oldest first
+        parts = build_parts(config, self.loaded)  # engine/engine_parts.py
+        self.runner, self.log, self.namespace = parts.runner, parts.log, parts.namespace
+        self.kv, self.scheduler = parts.core.kv, parts.core.scheduler
+        self._verifier, self._forward, self.thread_governor = parts.verifier, parts.forward, parts.thread_governor
+        self.limits = parts.limits  # what admission holds requests to
+        self.vocab_size, self.max_model_len = self.limits
         self._generators: dict[str, torch.Generator] = {}  # seeded sampling of running requests
-        self.next_request_number = first_request_number  # the N of the next generated id "req-N"
         self._listeners: list[Listener] = []
         self._lock = threading.RLock()
         self._work = threading.Condition(self._lock)
-        self._thread: threading.Thread | None = None
-        self._stopping = False
+        self._thread: StepThread | None = None  # None: not started, or stopped
         self.failure: BaseException | None = None  # set when the background loop died
         self._retired: str | None = None  # why this engine takes no new requests (see `retire`)
 
     @property
     def tokenizer(self):
         return self.loaded.tokenizer
+
+    @property
+    def next_request_number(self) -> int:
+        """The N of the next generated id "req-N" (a console raises it past a shared history's ids)."""
+        return self._table.next_request_number
+
+    @next_request_number.setter
+    def next_request_number(self, number: int) -> None:
+        self._table.next_request_number = number
 
     @property
     def num_blocks(self) -> int:
@@ -154,19 +122,17 @@ class Engine:
         """Queue a request. Returns its id.
 
         Raises:
-            ValueError: bad input (engine/core/input_checks.py: empty or out-of-vocabulary tokens, a
-                logit bias naming tokens outside the vocabulary, a bad or taken id, a context longer than
-                the model's, a salt over MAX_SALT_LEN characters) or a retired engine; nothing is recorded.
+            AdmissionError: input outside a bound (engine/core/admission.py: empty or out-of-vocabulary
+                tokens, a logit bias naming tokens outside the vocabulary, a malformed id, a context
+                longer than the model's, a salt over MAX_SALT_LEN characters); nothing is recorded.
+            ValueError: a taken id or a retired engine; nothing is recorded.
             RequestRejected: the request can never fit in the pool; it is recorded as rejected.
         """
         sampling = sampling or SamplingParams()
-        check_salt(salt)
-        check_logit_bias(sampling.logit_bias, self.vocab_size)
+        context = admit(RequestInput(prompt_token_ids, sampling, salt), self.limits)
         with self._lock:
             rid = self._claim_id(request_id)
-            tokens = check_tokens(prompt_token_ids, "prompt", self.vocab_size)
-            check_length(len(tokens), sampling.max_new_tokens, self.max_model_len)
-            request = Request(rid, tokens, sampling, retain=retain, salt=salt, arrival_time=time.time())
+            request = Request(rid, tuple(context), sampling, retain=retain, salt=salt, arrival_time=time.time())
             self._enqueue(request)
             return rid
 
@@ -185,8 +151,9 @@ class Engine:
         the parent's last sampled token (when its KV was never computed) and the suffix.
 
         Raises:
+            AdmissionError: an empty or invalid suffix (engine/core/admission.py); nothing changes.
             ValueError: unknown parent, a parent that holds no KV (waiting, finished without retain,
-                released), an empty or invalid suffix, or a retired engine; nothing changes.
+                released), or a retired engine; nothing changes.
             RequestRejected: the child can never fit in the pool; it is recorded as rejected.
         """
         ids = None if request_id is None else [request_id]
@@ -224,39 +191,22 @@ class Engine:
                 is created.
         """
         sampling = sampling or SamplingParams()
-        check_logit_bias(sampling.logit_bias, self.vocab_size)
         if request_ids is not None and len(request_ids) != len(suffixes):
             raise ValueError(f"{len(request_ids)} request ids for {len(suffixes)} suffixes")
         if not suffixes:
             raise ValueError("give at least one fork suffix")
         with self._lock:
-            parent = self._requests.get(parent_id)
-            status = self._status_of(parent_id)
-            if status is None:
-                raise ValueError(f"unknown parent request {parent_id!r}")
-            if parent is None or not parent.status.holds_blocks:
-                raise ValueError(
-                    f"cannot fork {parent_id!r}: it is {status.value}; only running or retained requests "
-                    "hold KV to share"
-                )
+            parent = self._table.fork_base(parent_id)
             children: list[Request] = []
+            inherited = parent.all_token_ids
             for i, suffix_token_ids in enumerate(suffixes):
+                given = RequestInput(suffix_token_ids, sampling, parent.salt)
+                context = admit(given, self.limits, prefix=inherited, what="fork suffix")
                 wanted = None if request_ids is None else request_ids[i]
                 rid = self._claim_id(wanted, taken={c.request_id for c in children})
-                suffix = check_tokens(suffix_token_ids, "fork suffix", self.vocab_size)
-                context = parent.all_token_ids + suffix
-                check_length(len(context), sampling.max_new_tokens, self.max_model_len)
-                child = Request(
-                    rid,
-                    context,
-                    sampling,
-                    parent_id=parent_id,
-                    retain=retain,
-                    salt=parent.salt,
-                    hit_source=HitSource.FORK,
-                    arrival_time=time.time(),
-                    cacheable=parent.cacheable,
-                )
+                child = Request(rid, tuple(context), sampling, parent_id=parent_id, retain=retain, salt=parent.salt,
+                                hit_source=HitSource.FORK, arrival_time=time.time(),
+                                cacheable=parent.cacheable)  # fmt: skip
                 children.append(child)
             for child in children:
                 if self._never_fits(child) is not None:
@@ -273,8 +223,8 @@ class Engine:
             ValueError: unknown request, or one that holds nothing to release.
         """
         with self._lock:
-            request = self._requests.get(request_id)
-            status = self._status_of(request_id)
+            request = self._table.live.get(request_id)
+            status = self._table.status_of(request_id)
             if status is None:
                 raise ValueError(f"unknown request {request_id!r}")
             if request is None or not can_release(request.status, request.retain):  # RequestView.releasable's rule
@@ -282,7 +232,7 @@ class Engine:
             if request.status is RequestStatus.RETAINED:
                 self.kv.free(request_id)
                 request.released()
-                self._settle(request)
+                self._table.settle(request, self._view)
                 self._publish(self.log.take(), [request])  # its RELEASE events leave now, not with the next step
             else:
                 request.release_when_finished()
@@ -299,9 +249,9 @@ class Engine:
             ValueError: unknown request.
         """
         with self._lock:
-            request = self._requests.get(request_id)
+            request = self._table.live.get(request_id)
             if request is None:
-                if request_id in self._ended:
+                if request_id in self._table.ended:
                     return False
                 raise ValueError(f"unknown request {request_id!r}")
             if request.status not in (RequestStatus.WAITING, RequestStatus.RUNNING):
@@ -329,7 +279,7 @@ class Engine:
         with self._lock:
             self._retired = reason
             changed = []
-            for request in list(self._requests.values()):  # each one leaves as it ends
+            for request in list(self._table.live.values()):  # each one leaves as it ends
                 if request.status in (RequestStatus.WAITING, RequestStatus.RUNNING):
                     self.scheduler.stop_request(request, RequestStatus.ABORTED, reason)
                 elif request.status is RequestStatus.RETAINED:
@@ -343,12 +293,7 @@ class Engine:
             return [self._view(r) for r in changed]
 
     def warm_up(self, num_tokens: int = WARM_UP_TOKENS) -> None:
-        """Run the model on throwaway tokens, a prefill of `num_tokens` and then a one-token decode, so
-        that the first request does not pay a first forward's one-time costs (kernel and thread-pool
-        start-up, the allocator growing to a forward's working set).
-
-        Both forwards write their K/V only to the runner's scratch slots and read blocks no request
-        holds: no block, table, request, counter or event changes, and no later output differs.
+        """Pay a first forward's one-time costs on throwaway tokens (engine/warm_up.py): nothing changes.
 
         Raises:
             RuntimeError: requests are queued or hold blocks (warm up right after construction).
@@ -356,13 +301,7 @@ class Engine:
         with self._lock:
             if self.scheduler.has_work or any(m.pool.num_free < m.pool.num_blocks for m in self.kv.managers):
                 raise RuntimeError("warm up an engine before it serves requests")
-            bs = self.config.block_size
-            num_tokens = max(1, min(num_tokens, self.num_blocks * bs - 1, self.max_model_len - 1))
-            blocks = list(range(min(self.num_blocks, ceil_div(num_tokens + 1, bs))))
-            tokens = [i % self.vocab_size for i in range(num_tokens + 1)]
-            for start, end in ((0, num_tokens), (num_tokens, num_tokens + 1)):
-                groups = tuple(GroupSlots(blocks, 0, end) for _ in self.kv.managers)  # write_from = end: scratch only
-                self.runner.execute([SeqChunk(tokens[start:end], start, groups)])
+            warm_up(self.runner, self.num_blocks, self.config.block_size, self.limits, num_tokens)
 
     # ------------------------------------------------------------------ the loop
     def step(self) -> list[RequestView]:
@@ -384,36 +323,12 @@ class Engine:
 
     def _let_go(self, request: Request) -> None:
         """Drop what the engine kept for a request that ended: its generator and its captured replay
-        logits (verified first when it finished; see `ReplayVerifier.verify`); then it leaves (`_settle`)."""
+        logits (verified first when it finished; see `ReplayVerifier.verify`); then it leaves the table
+        (`RequestTable.settle`)."""
         self._generators.pop(request.request_id, None)
         if self._verifier is not None:
             self._verifier.verify(request)
-        self._settle(request)
-
-    def _settle(self, request: Request) -> None:
-        """File a request after a change of status: a retained one stays (counted as retained); any other
-        that ended leaves the engine, its final view going into the ring of recently ended requests (the
-        oldest drops out past RECENT_ENDED). Changes nothing for a live request; calling it twice is harmless."""
-        rid = request.request_id
-        if request.status is RequestStatus.RETAINED:
-            self._retained.add(rid)
-            return
-        self._retained.discard(rid)
-        if not request.status.is_final:
-            return
-        self._requests.pop(rid, None)
-        self._ended.pop(rid, None)
-        self._ended[rid] = self._view(request)
-        while len(self._ended) > RECENT_ENDED:
-            self._ended.popitem(last=False)
-
-    def _status_of(self, request_id: str) -> RequestStatus | None:
-        """The status of a live, retained or recently ended request; None for an id the engine does not know."""
-        request = self._requests.get(request_id)
-        if request is not None:
-            return request.status
-        ended = self._ended.get(request_id)
-        return None if ended is None else RequestStatus(ended.status)
+        self._table.settle(request, self._view)
 
     def has_work(self) -> bool:
         with self._lock:
@@ -430,35 +345,19 @@ class Engine:
 
     # ------------------------------------------------------------------ background thread
     def start(self) -> None:
-        """Run steps on a daemon thread whenever there is work."""
+        """Run steps on a daemon thread whenever there is work (engine/step_thread.py)."""
         with self._lock:
-            if self._thread is not None:
-                return
-            self._stopping = False
-            self._thread = threading.Thread(target=self._loop, name="prefix-engine", daemon=True)
-            self._thread.start()
+            if self._thread is None:
+                self._thread = StepThread(self._work, self.step, self.has_work, self._failed)
 
     def stop(self) -> None:
-        with self._work:
-            self._stopping = True
-            self._work.notify_all()
+        """Stop the daemon thread after its current step (and wait for it)."""
         thread, self._thread = self._thread, None
         if thread is not None:
-            thread.join()
+            thread.stop()
 
-    def _loop(self) -> None:
-        while True:
-            with self._work:
-                while not self._stopping and not self.scheduler.has_work:
-                    self._work.wait(timeout=1.0)
-                if self._stopping:
-                    return
-            try:
-                self.step()
-            except Exception as exc:  # the loop must not die silently: record and stop stepping
-                logger.exception("engine step failed; the background loop stops")
-                self.failure = exc
-                return
+    def _failed(self, exc: BaseException) -> None:
+        self.failure = exc
 
     # ------------------------------------------------------------------ reading
     def get(self, request_id: str) -> RequestView:
@@ -469,20 +368,13 @@ class Engine:
                 (the history database has it).
         """
         with self._lock:
-            request = self._requests.get(request_id)
-            if request is not None:
-                return self._view(request)
-            ended = self._ended.get(request_id)
-            if ended is None:
-                raise KeyError(f"unknown request {request_id!r}")
-            return ended
+            return self._table.get(request_id, self._view)
 
     def requests(self) -> list[RequestView]:
         """The live and retained requests as of now and the last RECENT_ENDED ended ones as they ended,
         by arrival, oldest first (older requests: the history database)."""
         with self._lock:
-            views = [*self._ended.values(), *(self._view(r) for r in self._requests.values())]
-        return sorted(views, key=lambda view: view.arrival_time)
+            return self._table.views(self._view)
 
     def forward_threads(self) -> int:
         """Threads the forward runs on now: the thread governor's count, or torch's where none governs."""
@@ -496,7 +388,7 @@ class Engine:
     def stats(self) -> PoolStats:
         """Counters summed over the KV groups, with each group's own numbers in `groups`."""
         with self._lock:
-            return pool_stats(self.kv, self.scheduler, len(self._retained), self.log.step)
+            return pool_stats(self.kv, self.scheduler, len(self._table.retained), self.log.step)
 
     def snapshot(self) -> EngineSnapshot:
         """Every block of every KV group, the requests `requests()` lists and the counters, all from the same moment."""
@@ -505,31 +397,10 @@ class Engine:
 
     def check_invariants(self) -> None:
         """Raise InvariantError if a KV invariant is broken, a request's table disagrees with its status,
-        or the engine keeps anything for a request that left (see the module docstring)."""
+        or the engine keeps anything for a request that left (engine/core/request_invariants.py)."""
         with self._lock:
             self.kv.check_invariants()
-            require(len(self._ended) <= RECENT_ENDED, f"{len(self._ended)} ended requests kept")
-            require(not self._ended.keys() & self._requests.keys(), "a request is both live and ended")
-            live = self._requests.keys()
-            require(self._generators.keys() <= live, "a generator outlived its request")
-            for manager in self.kv.managers:
-                require(manager.tables().keys() <= live, "a block table outlived its request")
-            queued = [r.request_id for r in (*self.scheduler.waiting, *self.scheduler.running)]
-            require(len(queued) == len(set(queued)) and set(queued) <= live, "the scheduler queues a request that left")
-            retained = {rid for rid, r in self._requests.items() if r.status is RequestStatus.RETAINED}
-            require(self._retained == retained, "the retained count disagrees with the requests")
-            for request in self._requests.values():
-                require(
-                    not request.status.is_final or request.status is RequestStatus.RETAINED,
-                    f"{request.request_id}: {request.status.value} but still held",
-                )
-                rid = request.request_id
-                holds = request.status.holds_blocks or (
-                    request.status is RequestStatus.WAITING and self.kv.has_table(rid)
-                )
-                require(holds == self.kv.has_table(rid), f"{rid}: table mismatch")
-                if holds:
-                    require(self.kv.num_tokens(rid) == request.num_computed_tokens, f"{rid}: computed tokens mismatch")
+            check_request_state(self._table, self.kv, self.scheduler, self._generators.keys())
 
     # ------------------------------------------------------------------ helpers
     def _view(self, request: Request) -> RequestView:
@@ -544,21 +415,13 @@ class Engine:
             listener(events, views)
 
     def _claim_id(self, request_id: str | None, taken: set[str] | frozenset[str] = frozenset()) -> str:
-        """A free request id: `request_id` checked, or the next "req-N"; `taken` are ids claimed but not
-        yet recorded (the other children of one `fork_many`). A retired engine claims none (ValueError)."""
+        """A free request id (`RequestTable.claim_id`); a retired engine claims none (ValueError)."""
         if self._retired is not None:
             raise ValueError(f"this engine takes no new requests: {self._retired}; reload the page for the new one")
-        if request_id is None:  # the next "req-N" that no request holds (a caller may have named one so)
-            while (request_id := f"req-{self.next_request_number}") in self._requests or request_id in self._ended:
-                self.next_request_number += 1
-            self.next_request_number += 1
-        check_request_id(request_id)
-        if request_id in self._requests or request_id in self._ended or request_id in taken:
-            raise ValueError(f"request id {request_id!r} is already taken")
-        return request_id
+        return self._table.claim_id(request_id, taken)
 
     def _never_fits(self, request: Request) -> str | None:
-        """Why the request can never fit in the pool (engine/core/assembly.py's rule), or None."""
+        """Why the request can never fit in the pool (engine/core/admission.py's rule), or None."""
         sampling, size = request.sampling, self.config.block_size
         return never_fits(request.num_prompt_tokens, sampling.max_new_tokens, size, self.num_blocks)
 
@@ -570,12 +433,12 @@ class Engine:
             self._generators[request.request_id] = torch.Generator().manual_seed(seed)
         if reason is not None:  # recorded among the recently ended, never live
             request.rejected("too large for the pool")
-            self._settle(request)
+            self._table.settle(request, self._view)
             detail = {"reason": reason}
             self.log.emit(EventKind.REJECT, detail, request_id=request.request_id, tokens=request.num_prompt_tokens)
             self._publish(self.log.take(), [request])
             raise RequestRejected(f"request {request.request_id!r} rejected: {reason}")
-        self._requests[request.request_id] = request
+        self._table.settle(request, self._view)
         self.scheduler.add(request)
         # The prompt and the salt let the history explain later misses (analysis/why.py reads them).
         detail = {"parent_id": request.parent_id, "salt": request.salt, "prompt_token_ids": request.prompt_token_ids}

@@ -4,9 +4,10 @@ Fields are strict (a string is not a number, a number is not a string), so a bod
 400 before it reaches the engine. No field is accepted and ignored: the completion bodies refuse every
 field they do not define (as OpenAI's server does), and OpenAI's fields this server does not implement
 (`UNSUPPORTED`: tools, response formats, ...) are refused by name unless their value asks for nothing
-(`response_format: {"type": "text"}`, `tools: []`, ...). Bounds the engine checks itself (sampling ranges,
-the context length, token ids in the vocabulary) are left to it: one rule, one place; its
-`SamplingError` names the field and becomes a 400 naming the parameter.
+(`response_format: {"type": "text"}`, `tools: []`, ...). These models hold a body to its types and
+shape only: every bound on a value (sampling ranges, the context length, token ids in the vocabulary,
+`n`, stop sequences, the salt's length) is the engine's admission step's (engine/core/admission.py):
+one rule, one place; the API runs it and names the parameter its `AdmissionError` names.
 """
 
 from __future__ import annotations
@@ -14,23 +15,7 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import (
-    BaseModel,
-    ConfigDict,
-    Field,
-    StrictBool,
-    StrictFloat,
-    StrictInt,
-    StrictStr,
-    field_validator,
-    model_validator,
-)
-
-from engine.core.input_checks import MAX_SALT_LEN
-
-MAX_N = 8  # choices per request (each is one engine request)
-MAX_STOP_SEQUENCES = 4  # as OpenAI
-MAX_STOP_CHARS = 256  # characters of one stop sequence
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, model_validator
 
 # OpenAI's request fields this server does not implement, each with the values that ask for nothing (those
 # are accepted; any other value is a 400 naming the field). None (JSON null) always asks for nothing.
@@ -86,17 +71,17 @@ class SamplingFields(BaseModel):
     temperature: Number = 1.0  # OpenAI's default; 0 is greedy
     top_p: Number = 1.0
     seed: StrictInt | None = None
-    stop: StrictStr | list[StrictStr] | None = None  # at most MAX_STOP_SEQUENCES of MAX_STOP_CHARS each
-    n: StrictInt = 1
+    stop: StrictStr | list[StrictStr] | None = None
+    n: StrictInt = 1  # choices
     user: StrictStr | None = None  # the client's label: it names the engine's request ids
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
-    presence_penalty: Number = 0.0  # the engine checks the bounds ([-2, 2])
+    presence_penalty: Number = 0.0
     frequency_penalty: Number = 0.0
-    logit_bias: dict[StrictStr, Number] | None = None  # token id (as a string, as OpenAI) -> bias in [-100, 100]
+    logit_bias: dict[StrictStr, Number] | None = None  # token id (as a string, as OpenAI) -> bias
     ignore_eos: StrictBool = False  # vLLM's extension
     return_token_ids: StrictBool = True  # vLLM's extension; this server's choices carry them unless told not to
-    cache_salt: Annotated[StrictStr, Field(max_length=MAX_SALT_LEN)] | None = None  # vLLM's: the tenant salt
+    cache_salt: StrictStr | None = None  # vLLM's: the tenant salt
     logprobs_param: ClassVar[str] = "logprobs"  # the parameter that sets how many likeliest tokens to report
 
     @model_validator(mode="before")
@@ -113,16 +98,6 @@ class SamplingFields(BaseModel):
                 only = f" (it accepts {name} {accepted} or null only)" if harmless else ""
                 raise FieldRefused(name, f"{name} is not supported by this server{only}")
         return {name: value for name, value in body.items() if name not in UNSUPPORTED}
-
-    @field_validator("stop")
-    @classmethod
-    def _stop_bounds(cls, stop: str | list[str] | None) -> str | list[str] | None:
-        sequences = [stop] if isinstance(stop, str) else stop or []
-        if len(sequences) > MAX_STOP_SEQUENCES:
-            raise ValueError(f"at most {MAX_STOP_SEQUENCES} stop sequences, got {len(sequences)}")
-        if any(len(s) > MAX_STOP_CHARS for s in sequences):
-            raise ValueError(f"a stop sequence is at most {MAX_STOP_CHARS} characters")
-        return stop
 
     def logit_bias_pairs(self) -> tuple[tuple[int, float], ...]:
         """`logit_bias` as the engine takes it: (token id, bias) pairs, by token id.
@@ -141,11 +116,13 @@ class SamplingFields(BaseModel):
         """How many likeliest tokens to report per output token (None: no logprobs); each endpoint's own."""
         return None
 
+    def stop_given(self) -> list[str]:
+        """The stop sequences as given, as a list (what admission counts)."""
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
     def stop_sequences(self) -> list[str]:
-        """The stop sequences as a list (empty strings dropped: they would match everywhere)."""
-        if self.stop is None:
-            return []
-        return [s for s in ([self.stop] if isinstance(self.stop, str) else self.stop) if s]
+        """The stop sequences to apply (empty strings dropped: they would match everywhere)."""
+        return [s for s in self.stop_given() if s]
 
 
 class CompletionRequest(SamplingFields):

@@ -98,10 +98,10 @@ def test_bad_lines_name_the_line_and_keep_state_consistent(tmp_path, capsys):
         ({"op": "explode"}, "unknown op"),
         ({"op": "fork", "id": "x", "parent": "ghost", "suffix_tokens": [1]}, "unknown parent"),
         ({"op": "submit", "id": "e", "tokens": []}, "empty"),
-        ({"op": "submit", "id": "long", "tokens": [5] * 2100}, "exceeds"),
+        ({"op": "submit", "id": "long", "tokens": [5] * 2100}, "positions"),
         ("{not json", "not valid JSON"),
         ("[" * 100_000, "not valid JSON"),  # nested too deeply (it was a RecursionError traceback)
-        ({"op": "submit", "id": "s", "tokens": [3, 4], "salt": {"tenant": 1}}, "a salt is a string"),
+        ({"op": "submit", "id": "s", "tokens": [3, 4], "salt": {"tenant": 1}}, "salt must be None or a string"),
     ]
     for bad, message in cases:
         proc = run_trace(tmp_path, [{"op": "submit", "id": "a", "tokens": [3, 4, 5], "max_new_tokens": 2}, bad],

@@ -155,8 +155,8 @@ def test_too_large_request_is_rejected_and_recorded(tmp_path):
     "call, message",
     [
         (lambda e: e.submit([], GREEDY), "empty"),
-        (lambda e: e.submit([999999], GREEDY), "outside"),
-        (lambda e: e.submit([5] * 2048, GREEDY), "exceeds"),
+        (lambda e: e.submit([999999], GREEDY), "vocabulary"),
+        (lambda e: e.submit([5] * 2048, GREEDY), "positions"),
         (lambda e: e.fork("nope", [1], GREEDY), "unknown parent"),
         (lambda e: e.release("nope"), "unknown"),
     ],
@@ -258,7 +258,7 @@ def test_a_request_view_carries_every_field_of_its_request_by_name(tmp_path):
     engine.run_until_idle()
     child = engine.fork(parent, tokens(3, 4), SamplingParams(max_new_tokens=5, ignore_eos=True))
     engine.step()
-    request = engine._requests[child]
+    request = engine._table.live[child]
     request.replay_divergence = {"max_abs": 0.5}
     request.finish_reason = "stop"
     # Distinct values, so that two fields of one type swapped would show.

@@ -14,7 +14,8 @@ import pytest
 
 from engine.core.config import EngineConfig
 from engine.core.request import SamplingParams
-from engine.engine import RECENT_ENDED, Engine, RequestRejected
+from engine.core.request_table import RECENT_ENDED
+from engine.engine import Engine, RequestRejected
 from tests.engine_support import tokens
 
 ONE = SamplingParams(max_new_tokens=1, ignore_eos=True)
@@ -31,9 +32,9 @@ def held_ids(engine: Engine) -> dict[str, set[str]]:
     """Request ids of every per-request structure inside the engine."""
     scheduler = engine.scheduler
     held = {
-        "requests": set(engine._requests),
-        "retained": set(engine._retained),
-        "ended": set(engine._ended),
+        "requests": set(engine._table.live),
+        "retained": set(engine._table.retained),
+        "ended": set(engine._table.ended),
         "generators": set(engine._generators),
         "waiting": {r.request_id for r in scheduler.waiting},
         "running": {r.request_id for r in scheduler.running},
@@ -47,7 +48,7 @@ def held_ids(engine: Engine) -> dict[str, set[str]]:
 
 def assert_bounded(engine: Engine, retained_by_test: set[str]) -> None:
     """Between rounds nothing runs: the engine holds the retained requests, and the ring."""
-    assert set(engine._requests) == retained_by_test
+    assert set(engine._table.live) == retained_by_test
     assert len(engine.requests()) <= len(retained_by_test) + RECENT_ENDED
     held = held_ids(engine)
     assert held["requests"] == retained_by_test == held["retained"]
@@ -115,19 +116,19 @@ def test_serving_thousands_of_requests_keeps_every_per_request_structure_bounded
         seen |= {view.status.value for view in engine.requests()}
     assert seen == {"finished", "retained", "released", "rejected", "aborted"}
     assert engine.stats().fork_query_tokens > 0
-    assert len(engine._ended) == RECENT_ENDED
+    assert len(engine._table.ended) == RECENT_ENDED
     for rid in list(retained):
         engine.release(rid)
         retained.discard(rid)
     assert_bounded(engine, retained)
-    assert not engine._requests and not any(m.tables() for m in engine.kv.managers)
+    assert not engine._table.live and not any(m.tables() for m in engine.kv.managers)
 
 
 def test_an_ended_request_stays_readable_until_it_leaves_the_ring(tmp_path):
     engine = make_engine(tmp_path)
     first = engine.submit(tokens(5, 1), ONE)
     engine.run_until_idle()
-    assert first not in engine._requests
+    assert first not in engine._table.live
     view = engine.get(first)
     assert view.status == "finished" and len(view.output_token_ids) == 1
     assert [v.request_id for v in engine.requests()] == [first]
@@ -157,13 +158,13 @@ def test_commands_on_a_recently_ended_request_answer_as_before(tmp_path):
         engine.fork(done, [7])
     assert engine.abort(done, "late") is False
     engine.release(parent)
-    assert engine.get(parent).status == "released" and parent not in engine._requests
+    assert engine.get(parent).status == "released" and parent not in engine._table.live
     assert engine.stats().num_retained == 0
     with pytest.raises(ValueError, match="is released: nothing to release"):
         engine.release(parent)
     with pytest.raises(RequestRejected):
         engine.submit(tokens(5, 1), SamplingParams(max_new_tokens=1000, ignore_eos=True), request_id="big")
-    assert engine.get("big").status == "rejected" and "big" not in engine._requests
+    assert engine.get("big").status == "rejected" and "big" not in engine._table.live
     with pytest.raises(ValueError, match="unknown request"):
         engine.release("nope")
     with pytest.raises(ValueError, match="unknown parent"):
@@ -178,6 +179,6 @@ def test_retire_ends_every_request_and_keeps_none(tmp_path):
     waiting = engine.submit(tokens(6, 3), TWO)
     changed = engine.retire("replaced")
     assert {v.request_id: v.status for v in changed} == {retained: "released", waiting: "aborted"}
-    assert not engine._requests and not engine._retained and not engine.has_work()
+    assert not engine._table.live and not engine._table.retained and not engine.has_work()
     assert {v.request_id for v in engine.requests()} == {retained, waiting}
     engine.check_invariants()

@@ -287,3 +287,22 @@ def test_a_salt_becomes_a_root_key_in_one_place() -> None:
     namespace, scheduler = "engine/core/namespace.py", "engine/core/scheduler.py"
     assert sorted(defined) == [("engine/core/block_pool.py", "register_root"), (namespace, "root_key"), (namespace, "root_key")]
     assert sorted(called) == [(namespace, "register_root"), (namespace, "root_key"), (scheduler, "root_key")]
+
+
+def test_only_the_admission_step_refuses_a_request_for_its_limits() -> None:
+    """Issue 46: a request's limits were checked in four places (the API, the sampling parameters, the
+    engine's input checks, the assembly) and used in one. engine/core/admission.py defines each bound and
+    raises `AdmissionError` for it; every other product module maps that error to its own message and
+    raises none itself (no bound checked twice, nowhere a second definition drifting from the first)."""
+    admission = "engine/core/admission.py"
+    raised: list[str] = []
+    for package in PRODUCT:
+        for path in sorted((ROOT / package).rglob("*.py")):
+            source = path.relative_to(ROOT).as_posix()
+            for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), filename=source)):
+                error = node.exc.func if isinstance(node, ast.Raise) and isinstance(node.exc, ast.Call) else None
+                name = error.id if isinstance(error, ast.Name) else getattr(error, "attr", None)
+                if name == "AdmissionError":
+                    raised.append(source)
+    assert admission in raised  # the scan sees the admission step's own raises
+    assert {source for source in raised if source != admission} == set()

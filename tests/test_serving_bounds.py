@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine.engine import RECENT_ENDED
+from engine.core.request_table import RECENT_ENDED
 from tests.serving_support import Served, serve, shut
 
 pytestmark = pytest.mark.timeout(600)

@@ -1,18 +1,18 @@
-"""The engine's torch-free core, built from its configuration, and the rule of what a pool can ever hold.
+"""The engine's torch-free core, built from its configuration.
 
 Pure Python: no torch. The engine (engine/engine.py) and the workload analyzer's timed mode
-(analysis/timed.py) both build their core here, so both run the same parts wired the same way, and
-both refuse a request by the same rule (`never_fits`):
+(analysis/timed.py) both build their core here, so both run the same parts wired the same way:
 
     per KV group:   BlockPool (its own eviction policy) -> FullAttentionManager | SlidingWindowManager
     over them all:  KVCoordinator (the window policy) -> Scheduler (the batching limits)
+
+Both refuse a request that can never fit by one rule too: engine/core/admission.py's `never_fits`.
 """
 
 from __future__ import annotations
 
 from typing import Collection, NamedTuple, Sequence
 
-from engine.core.arith import ceil_div
 from engine.core.block_pool import BlockPool
 from engine.core.config import EngineConfig
 from engine.core.events import EventLog
@@ -81,11 +81,3 @@ def _manager(
         return FullAttentionManager(pool, namespace, log)
     return SlidingWindowManager(pool, namespace, log, window=spec.window, retain_tokens=spec.window + backtrack)
 
-
-def never_fits(num_context_tokens: int, max_new_tokens: int, block_size: int, num_blocks: int) -> str | None:
-    """Why a request can never be served by pools of `num_blocks` blocks, or None when it can: its
-    context and every token it may generate must fit in one whole pool at once."""
-    needed = ceil_div(num_context_tokens + max_new_tokens, block_size)
-    if needed <= num_blocks:
-        return None
-    return f"needs {needed} blocks for its context and new tokens; the whole pool has {num_blocks}"

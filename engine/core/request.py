@@ -1,7 +1,13 @@
 """Requests: what an operator asked for, and what the engine did with it.
 
-`Request` is the engine's mutable record (owned by the engine thread). Every change of its fields is one
-of the transitions below, each a method that makes all of that transition's changes:
+`Request` is the engine's mutable record. Every change of its fields is one of the transitions below,
+each a method that makes all of that transition's changes, and each is made under the engine's lock
+(engine/engine.py): by a step, or by a command between steps (submit, fork, release, abort, retire), so
+no change ever lands inside a step. Commands come from the thread that calls the engine: in an engine
+process (engine/engine_process.py) that is its one loop thread, which drains its inbox (an API client's
+aborts included) before each step; a console that hosts an engine calls it from its own threads while
+the engine's background thread steps. (The workload analyzer, analysis/timed.py, drives requests of its
+own through the same scheduler on one thread, with no engine.)
 
     submitted ──admitted──> running ──finished──> finished | retained ──released──> released
         │  ^                  │  ^                   (retained: blocks kept as a fork base)
@@ -18,8 +24,8 @@ import enum
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+from engine.core.admission import check_sampling
 from engine.core.chain_keys import ChainKeys
-from engine.core.config import MAX_NEW_TOKENS
 from engine.core.kv_groups import HitPlan, ReplayMode
 
 
@@ -76,14 +82,6 @@ class PromptKeys(NamedTuple):
     content: bytes  # the same blocks' namespace-free keys
 
 
-MIN_TEMPERATURE = 1e-5  # below it (but above 0) logits / temperature can overflow to inf: refused
-MAX_SEED = 2**63 - 1
-MAX_PENALTY = 2.0  # presence and frequency penalties lie in [-MAX_PENALTY, MAX_PENALTY] (OpenAI's bounds)
-MAX_LOGIT_BIAS = 100.0  # a logit bias lies in [-MAX_LOGIT_BIAS, MAX_LOGIT_BIAS]
-MAX_LOGIT_BIAS_ENTRIES = 300  # tokens one request may bias (OpenAI's bound)
-MAX_TOP_LOGPROBS = 20  # most likely alternatives reported per output token (OpenAI's bound)
-
-
 class TokenLogprobs(NamedTuple):
     """One output token's log-probability and the most likely tokens at its position, as the model gave
     them (the raw distribution, before logit bias, penalties and temperature: vLLM's default)."""
@@ -92,17 +90,10 @@ class TokenLogprobs(NamedTuple):
     top: tuple[tuple[int, float], ...]  # (token id, logprob), most likely first; as many as asked for
 
 
-class SamplingError(ValueError):
-    """A sampling parameter outside its bounds; `field` names it (the API names it in its 400)."""
-
-    def __init__(self, field: str, message: str) -> None:
-        super().__init__(message)
-        self.field = field
-
-
 @dataclass(frozen=True)
 class SamplingParams:
-    """How to pick the next token. temperature 0 means greedy (the argmax of the adjusted logits).
+    """How to pick the next token. temperature 0 means greedy (the argmax of the adjusted logits). Built
+    only within the sampling bounds (engine/core/admission.py's `check_sampling`; AdmissionError otherwise).
 
     The logits are adjusted as vLLM does before a token is picked: `logit_bias` is added, then the
     penalties are subtracted, counted over the output generated so far (the prompt is not counted).
@@ -119,42 +110,7 @@ class SamplingParams:
     logprobs: int | None = None  # None: none reported; k: each output token's logprob and the k likeliest
 
     def __post_init__(self) -> None:
-        if type(self.max_new_tokens) is not int or not 1 <= self.max_new_tokens <= MAX_NEW_TOKENS:
-            bounds, got = f"[1, {MAX_NEW_TOKENS}]", self.max_new_tokens
-            raise SamplingError("max_new_tokens", f"max_new_tokens must be an integer in {bounds}, got {got!r}")
-        if not (self.temperature == 0.0 or MIN_TEMPERATURE <= self.temperature <= 10.0):
-            raise SamplingError(
-                "temperature", f"temperature must be 0 (greedy) or in [{MIN_TEMPERATURE:g}, 10], got {self.temperature}"
-            )
-        if not 0.0 < self.top_p <= 1.0:
-            raise SamplingError("top_p", f"top_p must be in (0, 1], got {self.top_p}")
-        if self.seed is not None and (type(self.seed) is not int or not 0 <= self.seed <= MAX_SEED):
-            raise SamplingError("seed", f"seed must be an integer in [0, 2**63 - 1] or None, got {self.seed!r}")
-        for name in ("presence_penalty", "frequency_penalty"):
-            value = getattr(self, name)
-            if type(value) not in (int, float) or not -MAX_PENALTY <= value <= MAX_PENALTY:  # NaN fails too
-                raise SamplingError(name, f"{name} must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}], got {value}")
-        self._check_logit_bias()
-        if self.logprobs is not None and (type(self.logprobs) is not int or not 0 <= self.logprobs <= MAX_TOP_LOGPROBS):
-            raise SamplingError(
-                "logprobs", f"logprobs must be None or an integer in [0, {MAX_TOP_LOGPROBS}], got {self.logprobs!r}"
-            )
-
-    def _check_logit_bias(self) -> None:
-        bias = self.logit_bias
-        if not isinstance(bias, tuple) or len(bias) > MAX_LOGIT_BIAS_ENTRIES:
-            raise SamplingError(
-                "logit_bias", f"logit_bias must be a tuple of at most {MAX_LOGIT_BIAS_ENTRIES} (token id, bias) pairs"
-            )
-        for pair in bias:
-            if not (isinstance(pair, tuple) and len(pair) == 2 and type(pair[0]) is int and pair[0] >= 0):
-                raise SamplingError("logit_bias", f"logit_bias entries are (token id >= 0, bias) pairs, got {pair!r}")
-            if type(pair[1]) not in (int, float) or not -MAX_LOGIT_BIAS <= pair[1] <= MAX_LOGIT_BIAS:
-                raise SamplingError(
-                    "logit_bias", f"a logit bias must be in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], got {pair[1]!r}"
-                )
-        if len({token for token, _ in bias}) != len(bias):
-            raise SamplingError("logit_bias", "logit_bias names a token id twice")
+        check_sampling(self)  # engine/core/admission.py: AdmissionError naming the field out of its bounds
 
     @property
     def adjusts_logits(self) -> bool:
@@ -164,7 +120,8 @@ class SamplingParams:
 
 @dataclass
 class Request:
-    """The engine's record of one request. Mutated only by the engine thread, only through its methods."""
+    """The engine's record of one request. Changed only through its transition methods, under the engine's
+    lock (see the module docstring)."""
 
     request_id: str
     prompt_token_ids: tuple[int, ...]  # context before generation (a fork's inherited tokens included); fixed
