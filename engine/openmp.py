@@ -22,9 +22,11 @@ primitive per shape (1,024 by default, ONEDNN_PRIMITIVE_CACHE_CAPACITY); ideep, 
 caches one whole computation per shape in front of that (1,024 by default, LRU_CACHE_CAPACITY), each
 holding its primitive, its scratch and its reordered buffers. Measured, tiny-llama in-process, one request
 per prompt length: 200 new lengths grew the C heap by 61 MB at ideep's default and by 0.7 MB at 128; the
-API soak (tiny-chat, 20,000 requests) grew by 181 MB with only oneDNN's cache bounded. Both are bounded
-at NATIVE_CACHE_CAPACITY entries unless the operator sized them; a shape that left a cache is built again
-when it comes back (tens of microseconds, beside a step's milliseconds).
+API soak (tiny-chat, 20,000 requests) grew by 181 MB with only oneDNN's cache bounded, and the engine
+process by 30-50 MB more between its 2,000th and 20,000th request with both at 128 (the caches still
+filling), by 5 MB at 64. Both are bounded at NATIVE_CACHE_CAPACITY entries unless the operator sized
+them; a shape that left a cache is built again when it comes back (tens of microseconds, once per
+weight shape in a step, beside the step's milliseconds).
 
 Stdlib only: the console and the CLI call `set_openmp_defaults` before anything imports torch.
 """
@@ -39,7 +41,7 @@ CPU_PRESSURE = Path("/proc/pressure/cpu")  # Linux pressure stall information (k
 OPENMP_SETTINGS = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")  # what an operator (or a benchmark) sets itself
 SPIN_COUNT = 10_000  # libgomp spins before sleeping: about 0.1 ms (its documentation: ~100,000 spins a ms)
 NATIVE_CACHES = ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY")  # oneDNN's primitives, ideep's computations
-NATIVE_CACHE_CAPACITY = 128  # entries each keeps (their default, 1,024 each, let a server grow for hours)
+NATIVE_CACHE_CAPACITY = 64  # entries each keeps (their default, 1,024 each, let a server grow for hours)
 
 
 def cpu_stall_us(path: Path = CPU_PRESSURE) -> int | None:
