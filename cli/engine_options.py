@@ -11,7 +11,8 @@ from engine.core.eviction import EvictionPolicyName
 
 
 def add_engine_options(parser: argparse.ArgumentParser) -> None:
-    """--model, --block-size, --num-blocks, --eviction-policy, --device, --dtype, --seed, --attention."""
+    """--model, --block-size, --num-blocks, --eviction-policy, --device, --dtype, --seed, --attention,
+    --offload-dir, --offload-gib."""
     parser.add_argument("--model", default=DEFAULT_MODEL, help="preset name or local model directory")
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--num-blocks", type=int, default=None)
@@ -26,6 +27,11 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
         "--attention", "--attention-override", dest="attention", default=None,
         help="'sliding:W' or 'hybrid:W' (even layers sliding)",
     )  # fmt: skip
+    parser.add_argument(
+        "--offload-dir", default=None,
+        help="a second KV tier on local disk: evicted blocks kept in files here (with --offload-gib)",
+    )  # fmt: skip
+    parser.add_argument("--offload-gib", type=float, default=None, help="the disk tier's size in GiB")
 
 
 def engine_config(args: argparse.Namespace, **more: Any) -> EngineConfig:
@@ -43,5 +49,7 @@ def engine_config(args: argparse.Namespace, **more: Any) -> EngineConfig:
         eviction_policy=EvictionPolicyName(args.eviction_policy),
         seed=args.seed,
         attention_override=args.attention,
+        offload_dir=args.offload_dir,
+        offload_gib=args.offload_gib,
         **more,
     )

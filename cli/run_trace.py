@@ -63,12 +63,17 @@ def run(args: argparse.Namespace) -> int:
         writer = WriterProcess(args.db)  # before the model loads
     # torch loads here, for the command that runs the engine, not for `python -m cli --help`.
     from cli.trace import TraceError, replay, summary_record
+    from engine.core.errors import KVTierError
     from engine.engine import Engine
 
     status = 0
     try:
         with source:
-            engine = Engine(config)
+            try:
+                engine = Engine(config)
+            except KVTierError as exc:  # the disk tier's directory, refused at start
+                print(f"error: {exc}", file=sys.stderr)
+                return 2
             if writer is not None:
                 from storage.write.recorder import record_engine
 
@@ -79,6 +84,7 @@ def run(args: argparse.Namespace) -> int:
                 print(f"error: {exc}", file=sys.stderr)
                 status = 2
         _emit(summary_record(engine))
+        engine.stop()  # a disk tier gets the pool's cached blocks: the next run on its directory starts warm
     finally:
         if writer is not None:
             writer.close()  # also when the replay fails: the rows handed over so far are written

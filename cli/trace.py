@@ -37,6 +37,7 @@ def request_record(view: RequestView) -> dict[str, Any]:
         "parent": view.parent_id,
         "prompt_tokens": view.num_prompt_tokens,
         "cached_tokens": view.cached_tokens,
+        "cached_tokens_by_tier": view.cached_tokens_by_tier,
         "computed_tokens": view.computed_tokens,
         "hit_source": view.hit_source,
         "output_token_ids": list(view.output_token_ids),
@@ -73,6 +74,7 @@ def summary_record(engine: Engine) -> dict[str, Any]:
             "preemptions": stats.preemptions,
             "prefix_hit_tokens": stats.prefix_hit_tokens,
             "prefix_query_tokens": stats.prefix_query_tokens,
+            "tier_hit_tokens": stats.tier_hit_tokens,  # of the hits, those read from the disk tier
             "fork_shared_tokens": stats.fork_shared_tokens,
             "fork_query_tokens": stats.fork_query_tokens,
             "preempted_hit_tokens": stats.preempted_hit_tokens,

@@ -310,8 +310,8 @@ class Engine:
             self.log.step += 1
             out = self.scheduler.schedule()
             with self.thread_governor.step() if self.thread_governor is not None else nullcontext():
-                sampled, logprobs, failed = self._forward.run(out, self._generators)
-            finished = self.scheduler.postprocess(out, sampled, failed, logprobs)
+                done = self._forward.run(out, self._generators)
+            finished = self.scheduler.postprocess(out, done.sampled, done.failed, done.logprobs, done.failed_loads)
             self._end_step(out, finished)
             return [self._view(r) for r in finished]
 
@@ -351,10 +351,12 @@ class Engine:
                 self._thread = StepThread(self._work, self.step, self.has_work, self._failed)
 
     def stop(self) -> None:
-        """Stop the daemon thread after its current step (and wait for it)."""
+        """Stop the daemon thread after its current step (and wait for it); the pool's cached blocks go to disk."""
         thread, self._thread = self._thread, None
         if thread is not None:
             thread.stop()
+        with self._lock:
+            self._forward.write_back()
 
     def _failed(self, exc: BaseException) -> None:
         self.failure = exc

@@ -16,7 +16,10 @@ from engine.core.config import EngineConfig
 from engine.core.events import EventLog
 from engine.core.kv_memory import pool_num_blocks
 from engine.core.namespace import CacheNamespace
+from engine.core.kv_tier import TierIndex
 from engine.forward import StepForward
+from engine.runner.kv_tier_files import TierFiles, TierGeometry
+from engine.runner.kv_tier_io import DiskTier
 from engine.runner.model_loading import LoadedModel
 from engine.runner.model_runner import ModelRunner
 from engine.runner.thread_governor import ThreadGovernor
@@ -53,8 +56,35 @@ def build_parts(config: EngineConfig, loaded: LoadedModel) -> EngineParts:
         block_size=config.block_size,
         attention_spec=loaded.attention_spec,
     )
-    core = build_core(config, runner.groups, namespace, log, num_blocks, eos_token_ids=loaded.eos_token_ids)
+    disk, index = open_disk_tier(config, runner, namespace)
+    core = build_core(config, runner.groups, namespace, log, num_blocks, eos_token_ids=loaded.eos_token_ids, tier=index)
     verifier = ReplayVerifier(runner, log) if config.verify_replay else None
     limits = ModelLimits(int(loaded.model.config.vocab_size), int(loaded.max_position_embeddings))
     governor = ThreadGovernor.for_device(loaded.device)
-    return EngineParts(runner, log, namespace, core, verifier, StepForward(runner, core.kv, verifier), governor, limits)
+    forward = StepForward(runner, core.kv, verifier, disk)
+    return EngineParts(runner, log, namespace, core, verifier, forward, governor, limits)
+
+
+def open_disk_tier(
+    config: EngineConfig, runner: ModelRunner, namespace: CacheNamespace
+) -> tuple[DiskTier | None, TierIndex | None]:
+    """The disk tier `config.offload_dir` names (its byte copies and its index, warm with what the directory
+    holds), behind the full-attention group's pool; (None, None) without one.
+
+    Raises:
+        ValueError: an all-sliding model (no full-attention group to offload).
+        TierUnavailableError, TierMismatchError: the directory cannot serve this engine
+            (engine/runner/kv_tier_files.py).
+    """
+    if config.offload_dir is None or config.offload_gib is None:
+        return None, None
+    full = next((g for g, spec in enumerate(runner.groups) if spec.window is None), None)
+    if full is None:
+        raise ValueError("the disk tier holds full-attention blocks: an all-sliding model has none to offload")
+    kv = runner.kv[full]
+    block_shape = (kv.shape[0], kv.shape[1], kv.shape[2], kv.shape[4], kv.shape[5])
+    geometry = TierGeometry.sized(block_shape, kv.element_size(), config.offload_gib)
+    disk = DiskTier(TierFiles(config.offload_dir, namespace, geometry), kv)
+    index = TierIndex(geometry.num_slots, config.block_size, geometry.slot_bytes, disk.writes)
+    index.restore(disk.files.restored)
+    return disk, index

@@ -21,6 +21,7 @@ from engine.core.full_attention_manager import FullAttentionManager
 from engine.core.single_type_kv_cache_manager import SingleTypeKVCacheManager
 from engine.core.kv_coordinator import KVCoordinator
 from engine.core.kv_groups import KVGroupSpec, WindowPolicy
+from engine.core.kv_tier import TierIndex
 from engine.core.namespace import CacheNamespace
 from engine.core.scheduler import Scheduler
 from engine.core.sliding_window_manager import SlidingWindowManager
@@ -42,6 +43,7 @@ def build_core(
     *,
     eos_token_ids: Collection[int] = (),
     eviction: EvictionPolicy | None = None,
+    tier: TierIndex | None = None,
 ) -> EngineCore:
     """Build the pools, managers, coordinator and scheduler of a model with these KV groups.
 
@@ -55,6 +57,7 @@ def build_core(
         eos_token_ids: tokens that end a request.
         eviction: a fresh eviction policy for the pool of a one-group model (the analyzer brings its
             own); None gives every pool `config.eviction_policy`.
+        tier: the disk tier's index behind the full group's pool (engine/core/kv_tier.py); None: none.
 
     Raises:
         ValueError: `eviction` given for more than one group.
@@ -69,7 +72,7 @@ def build_core(
         )
         managers.append(_manager(spec, pool, namespace, log, config.window_backtrack))
     window_policy = WindowPolicy(config.window_backtrack, config.allow_approximate_replay)
-    kv = KVCoordinator(groups, managers, window_policy, log)
+    kv = KVCoordinator(groups, managers, window_policy, log, tier)
     return EngineCore(kv, Scheduler(config, kv, log, eos_token_ids))
 
 

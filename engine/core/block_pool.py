@@ -39,7 +39,7 @@ Invariants (checked by `check_invariants`):
 from __future__ import annotations
 
 from collections import deque
-from typing import Iterable, Sequence
+from typing import Callable, Iterable, Sequence
 
 from engine.core.block import Block
 from engine.core.errors import NoFreeBlocksError
@@ -82,6 +82,10 @@ class BlockPool:
         self._index: dict[bytes, Block] = {}  # key -> cached block
         self._roots: dict[bytes, str] = {}  # namespace root key -> the namespace text it hashes
         self.num_evictions = 0
+        # Told of each unreferenced block the allocator (or its parent's eviction) drops from the index,
+        # before the block forgets its key and tokens: the disk tier's `offer` (engine/core/kv_tier.py).
+        # Resets and window evictions are not told: their state is dropped on purpose.
+        self.on_evict: Callable[[Block], None] | None = None
 
     # ------------------------------------------------------------------ capacity
     @property
@@ -378,7 +382,10 @@ class BlockPool:
         and emit their EVICT events. Their own children stay linked to them: the caller evicts those
         (`_drop_descendants`)."""
         index, policy, recording = self._index, self._evictable, self._log.recording
+        offer = self.on_evict if reason is not EvictReason.RESET and reason is not EvictReason.WINDOW else None
         for block in blocks:
+            if offer is not None and block.ref_count == 0:
+                offer(block)
             parent = block.parent
             if parent is not None:
                 before, after = block.prev_sibling, block.next_sibling

@@ -19,6 +19,7 @@ MAX_NUM_BLOCKS = 1 << 20
 MAX_NEW_TOKENS = 4096
 MAX_BATCHED_TOKENS = 1 << 16
 MAX_TOPIC_BYTES = 256
+MAX_OFFLOAD_GIB = 1 << 14
 _BIND_SCHEMES = ("tcp://", "ipc://", "inproc://")
 
 
@@ -56,6 +57,10 @@ class EngineConfig:
     kv_events_replay_endpoint: str | None = None  # replay ROUTER to bind, e.g. "tcp://127.0.0.1:5558"
     kv_events_topic: str = ""  # the feed's topic frame (vLLM's default is "")
     metrics_port: int | None = None  # Prometheus /metrics on 127.0.0.1:PORT (0: any free port); None: none
+    # A second KV tier on local disk (engine/core/kv_tier.py): evicted full-attention blocks kept in files in
+    # this directory, up to `offload_gib` GiB, and promoted back on a hit. None: no second tier (the default).
+    offload_dir: Path | None = None
+    offload_gib: float | None = None  # the tier's size; required with `offload_dir`
 
     def __post_init__(self) -> None:
         try:  # a name ("reuse-lru") is accepted and stored as the enum
@@ -91,6 +96,12 @@ class EngineConfig:
             raise ValueError("kv_events_replay_endpoint needs kv_events_endpoint")
         if len(self.kv_events_topic.encode()) > MAX_TOPIC_BYTES:
             raise ValueError(f"kv_events_topic must be at most {MAX_TOPIC_BYTES} bytes")
+        if (self.offload_dir is None) != (self.offload_gib is None):
+            raise ValueError("give offload_dir and offload_gib together (a disk tier needs both), or neither")
+        if self.offload_dir is not None:
+            object.__setattr__(self, "offload_dir", Path(self.offload_dir))
+            if not 0 < float(self.offload_gib or 0) <= MAX_OFFLOAD_GIB:
+                raise ValueError(f"offload_gib must be in (0, {MAX_OFFLOAD_GIB}], got {self.offload_gib}")
         if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
             raise ValueError(f"metrics_port must be in [0, 65535], got {self.metrics_port}")
 

@@ -15,6 +15,11 @@ class NoFreeBlocksError(RuntimeError):
     `can_allocate` first."""
 
 
+class KVTierError(RuntimeError):
+    """The disk tier's directory cannot serve this engine (engine/runner/kv_tier_files.py says why): refused
+    at start, before the engine serves anything."""
+
+
 def require(condition: bool, message: str) -> None:
     """Raise `InvariantError(message)` unless `condition` holds: an assert that `python -O` keeps."""
     if not condition:

@@ -12,6 +12,12 @@ group's pool, and the hit plan carries the root its caller resolved to every gro
 
 Per group, a chunk writes K/V only for positions at or after the group's `write_from`: during an
 exact or approximate replay the full group already holds [r, h), so only the sliding group writes there.
+
+With a disk tier (engine/core/kv_tier.py) a lookup goes on where the full group's pool hit ends, along the
+same chain keys in the tier's index; the blocks found there (`HitPlan.tier_hits`) count as hits: the full
+group allocates fresh blocks for them and the runner reads their K/V in before the forward
+(`take_tier_transfers`). Only the full group uses the tier: a hybrid model's sliding group finds its window
+state in its own pool, so a hit that reaches into the tier follows the replay-boundary rules of any hit.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ from engine.core.errors import InvariantError, require
 from engine.core.events import EventKind, EventLog
 from engine.core.full_attention_manager import FullAttentionManager
 from engine.core.single_type_kv_cache_manager import BlockCopy, HitShare, SingleTypeKVCacheManager
+from engine.core.kv_tier import TierEntry, TierIndex, TierTransfers, NO_TRANSFERS
 from engine.core.kv_groups import (
     HitPlan,
     KVGroupSpec,
@@ -106,7 +113,9 @@ class KVCoordinator:
         managers: Sequence[SingleTypeKVCacheManager],
         policy: WindowPolicy,
         log: EventLog,
+        tier: TierIndex | None = None,
     ) -> None:
+        """`tier`: the disk tier's index behind the full group's pool (None: no second tier)."""
         if not managers or [s.name for s in specs] != [m.pool.group for m in managers]:
             raise ValueError("one manager per group spec, in the same order")
         self.specs = tuple(specs)
@@ -121,6 +130,11 @@ class KVCoordinator:
         if any(m.namespace != managers[0].namespace for m in managers):
             raise ValueError("every group of one engine under one cache namespace")
         self.roots = NamespaceRoots(managers[0].namespace, [m.pool for m in managers])
+        if tier is not None:
+            if self.full is None:
+                raise ValueError("the disk tier holds full-attention blocks: an all-sliding model has none to offload")
+            self.full.pool.on_evict = tier.offer
+        self.tier = tier
 
     @property
     def ready_mode(self) -> ReplayMode:
@@ -171,18 +185,50 @@ class KVCoordinator:
         if self.full is None:
             raise ValueError("a coordinator needs a group")
         hits = self.full.find_prefix_hit(token_ids, keys)
-        h = len(hits) * self.block_size
+        promoted = self._tier_hits(len(hits), token_ids, keys)
+        num = len(hits) + len(promoted)
+        h = num * self.block_size
         mode = ReplayMode.FULL if h else ReplayMode.NONE
-        chain = keys.first(len(hits), token_ids)
-        return HitPlan(h=h, s=0, e=0, r=h, mode=mode, root_key=keys.root_key, chain_keys=chain, full_hits=hits)
+        chain = keys.first(num, token_ids)
+        return HitPlan(
+            h=h, s=0, e=0, r=h, mode=mode, root_key=keys.root_key, chain_keys=chain, full_hits=hits, tier_hits=promoted
+        )
+
+    def _tier_hits(self, first: int, token_ids: list[int], keys: ChainKeys) -> list[TierEntry]:
+        """The tier's entries for the context's full blocks from `first` (where the pool's hit ended) on,
+        within the hit cap; none without a tier."""
+        if self.tier is None:
+            return []
+        return self.tier.find(keys, token_ids, first, max_hit_blocks(len(token_ids), self.block_size))
+
+    def settle_tier(self) -> None:
+        """Apply the tier writer's reports (stores now ready or dropped); nothing without a tier."""
+        if self.tier is not None:
+            self.tier.settle()
+
+    def write_back_tier(self) -> TierTransfers:
+        """Offer every cached full-group block to the tier (an engine stopping: so that the next one on the
+        same directory starts warm) and take the stores; the blocks stay cached in the pool."""
+        if self.tier is None or self.full is None:
+            return NO_TRANSFERS
+        for block in self.full.pool.blocks:
+            if block.key is not None:
+                self.tier.offer(block)
+        return self.tier.take_transfers()
+
+    def take_tier_transfers(self) -> TierTransfers:
+        """The step's tier stores and loads, for the runner to execute before the forward."""
+        return NO_TRANSFERS if self.tier is None else self.tier.take_transfers()
 
     def _plan_window_hit(self, sliding: SlidingWindowManager, token_ids: list[int], keys: ChainKeys) -> HitPlan:
         """`plan_hit` in a model with a sliding group (hybrid, or sliding only): engine/core/kv_groups.py."""
         bs, window, full = self.block_size, sliding.window, self.full
         full_hits: list[Block] = []
+        promoted: list[TierEntry] = []
         if full is not None:
             full_hits = full.find_prefix_hit(token_ids, keys)
-            h_blocks = len(full_hits)
+            promoted = self._tier_hits(len(full_hits), token_ids, keys)
+            h_blocks = len(full_hits) + len(promoted)
         else:
             h_blocks = max_hit_blocks(len(token_ids), bs)
         chain = keys.first(h_blocks, token_ids)
@@ -212,6 +258,7 @@ class KVCoordinator:
             root_key=keys.root_key,
             chain_keys=chain[: max(h_blocks, hit.r // bs)],
             full_hits=full_hits[: hit.h // bs],
+            tier_hits=promoted if hit.h else [],
             sliding_offset=offset,
             sliding_hits=sliding_hits,
         )
@@ -228,7 +275,8 @@ class KVCoordinator:
         for manager in self.managers:
             share = manager.hit_share(plan)
             skip = max(0, share.write_from - plan.r)
-            if not manager.can_allocate(max(0, num_tokens - skip), share.hits):
+            promoted = plan.tier_tokens if manager is self.full else 0  # fresh blocks the tier's hits are read into
+            if not manager.can_allocate(max(0, num_tokens - skip) + promoted, share.hits):
                 return None
             groups.append(GroupAdmission(manager, share, skip))
         return KVAdmission(plan, num_tokens, tuple(groups))
@@ -246,7 +294,13 @@ class KVCoordinator:
         for group in admission.groups:
             new = token_ids[group.skip :]
             hits, start = group.share.hits, group.share.start
+            if plan.tier_hits and group.manager is self.full:
+                new = [token for entry in plan.tier_hits for token in entry.token_ids] + new
             group.manager.allocate(request_id, new, root_key=plan.root_key, hits=hits, start=start)
+        if plan.tier_hits and self.tier is not None and self.full is not None:
+            first = len(plan.full_hits)
+            targets = self.full.live_block_ids(request_id)[0][first : first + len(plan.tier_hits)]
+            self.tier.plan_loads(request_id, plan.tier_hits, targets)
         if plan.mode in (ReplayMode.EXACT, ReplayMode.APPROXIMATE):
             detail = {
                 "h": plan.h,

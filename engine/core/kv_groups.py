@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 from engine.core.arith import ceil_div
 from engine.core.block import Block
 from engine.core.chain_keys import chain_key
+from engine.core.kv_tier import TierEntry
 
 FULL = "full"
 SLIDING = "sliding"
@@ -137,13 +138,20 @@ class HitPlan:
     # (engine/core/namespace.py): the new tables hang from it, and nothing derives it again
     root_key: bytes = field(repr=False)
     chain_keys: list[bytes] = field(repr=False)  # keys of the prompt's full blocks up to the hit cap
-    full_hits: list[Block] = field(default_factory=list, repr=False)  # full-group blocks [0, h)
+    full_hits: list[Block] = field(default_factory=list, repr=False)  # the full group's pool blocks from 0 on
+    # the disk tier's entries for the full group's blocks after `full_hits`, up to h (engine/core/kv_tier.py)
+    tier_hits: list[TierEntry] = field(default_factory=list, repr=False)
     sliding_offset: int = 0  # logical block where the sliding table starts
     sliding_hits: list[Block] = field(default_factory=list, repr=False)  # sliding blocks from the offset to r
 
     @property
     def replayed_tokens(self) -> int:
         return self.h - self.r
+
+    @property
+    def tier_tokens(self) -> int:
+        """Hit tokens the disk tier holds (promoted into the pool before the forward)."""
+        return sum(len(entry.token_ids) for entry in self.tier_hits)
 
 
 def chain_keys_of(token_ids: list[int], root_key: bytes, block_size: int, num_blocks: int) -> list[bytes]:

@@ -134,6 +134,7 @@ class Request:
     output_logprobs: list[TokenLogprobs] = field(default_factory=list)  # one per output token, when asked for
     num_computed_tokens: int = 0  # tokens whose KV is in this request's blocks
     cached_tokens: int = 0  # hit position: tokens reused at first schedule
+    disk_cached_tokens: int = 0  # of which read from the disk tier (the rest were in the pool's memory)
     computed_tokens: int = 0  # prefill tokens actually run through the model
     hit_source: HitSource = HitSource.NONE
     cow_copies: int = 0  # copy-on-write copies its chunks made (shared partial tails written into)
@@ -211,6 +212,7 @@ class Request:
         self.preemptions += 1
         self.num_computed_tokens = 0
         self.cached_tokens = 0
+        self.disk_cached_tokens = 0
         self.replay_from = 0
         self.replay_mode = ReplayMode.NONE
         self.hit_source = HitSource.NONE
@@ -235,10 +237,18 @@ class Request:
         self.first_scheduled_time = now
         if plan is not None:
             self.cached_tokens = plan.h
+            self.disk_cached_tokens = plan.tier_tokens
             self.hit_source = HitSource.PREFIX if plan.h else HitSource.NONE
             self.window_start, self.window_end = plan.s, plan.e
             self.replay_from, self.replay_mode = plan.r, plan.mode
             self.replayed_tokens = plan.replayed_tokens
+
+    def tier_hit_lost(self) -> int:
+        """Its disk-tier blocks failed their checksum and are computed instead: its hit ends where the pool's
+        did. Returns the tokens it no longer counts as cached."""
+        lost, self.disk_cached_tokens = self.disk_cached_tokens, 0
+        self.cached_tokens -= lost
+        return lost
 
     def reserved(self, num_copies: int) -> None:
         """Slots for its next chunk were reserved; `num_copies` shared partial tails were copied for it."""

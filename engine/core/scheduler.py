@@ -34,6 +34,7 @@ from engine.core.events import EventKind, EventLog
 from engine.core.single_type_kv_cache_manager import BlockCopy
 from engine.core.kv_coordinator import KVAdmission, KVCoordinator, KVGrowth, KVShare
 from engine.core.kv_groups import HitPlan, max_hit_blocks
+from engine.core.kv_tier import NO_TRANSFERS, TierLoad, TierTransfers
 from engine.core.request import Request, RequestStatus, TokenLogprobs
 
 
@@ -55,6 +56,7 @@ class ReuseCounters:
 
     prefix_query_tokens: int = 0  # prompt tokens of new requests looked up in the prefix index
     prefix_hit_tokens: int = 0  # of which reused from the index and not computed (r per request)
+    tier_hit_tokens: int = 0  # of which read from the disk tier (the rest came from the pool)
     replayed_tokens: int = 0  # hit tokens computed again to rebuild sliding-window state (h - r)
     fork_query_tokens: int = 0  # context tokens of fork children at their first admission
     fork_shared_tokens: int = 0  # of which shared from the parent and not computed
@@ -73,7 +75,13 @@ class ReuseCounters:
         else:
             self.prefix_query_tokens += request.num_prompt_tokens
             self.prefix_hit_tokens += start
+            self.tier_hit_tokens += max(0, start - (plan.h - plan.tier_tokens))  # the pool's hit ends at h - tier
             self.replayed_tokens += plan.replayed_tokens
+
+    def tier_hit_lost(self, tokens: int) -> None:
+        """A request's disk-tier hit of `tokens` tokens failed its checksum: they were computed after all."""
+        self.prefix_hit_tokens -= min(tokens, self.tier_hit_tokens)
+        self.tier_hit_tokens -= min(tokens, self.tier_hit_tokens)
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,6 +119,7 @@ class SchedulerOutput:
     copies: tuple[list[BlockCopy], ...]  # per KV group: copy-on-write copies to execute before the forward
     preempted: list[Request]
     changed: list[Request]  # every request this step changes: those with a chunk, then the preempted
+    tier: TierTransfers = NO_TRANSFERS  # disk-tier stores, then loads, to execute before the copies and the forward
 
 
 class Scheduler:
@@ -134,6 +143,7 @@ class Scheduler:
 
     # ------------------------------------------------------------------ scheduling
     def schedule(self) -> SchedulerOutput:
+        self.kv.settle_tier()
         budget = self.max_num_batched_tokens
         chunks: list[ScheduledChunk] = []
         preempted: list[Request] = []
@@ -158,7 +168,7 @@ class Scheduler:
             budget = self._admit_waiting(chunks, budget, preempted)
 
         changed = [chunk.request for chunk in chunks] + preempted
-        return SchedulerOutput(chunks, self.kv.take_copies(), preempted, changed)
+        return SchedulerOutput(chunks, self.kv.take_copies(), preempted, changed, self.kv.take_tier_transfers())
 
     def _make_room(self, request: Request, num_tokens: int, preempted: list[Request]) -> KVGrowth | None:
         """Preempt the newest running requests until the request's next chunk fits. Returns the growth
@@ -329,6 +339,7 @@ class Scheduler:
         sampled: dict[str, int],
         failed: Mapping[str, str] | None = None,
         logprobs: Mapping[str, TokenLogprobs] | None = None,
+        failed_loads: Collection[TierLoad] = (),
     ) -> list[Request]:
         """Account for the forward over `out`: computed chunks enter the cache, sampled tokens are
         appended, requests that stop finish, and requests whose forward went wrong fail. Returns the
@@ -342,8 +353,15 @@ class Scheduler:
                 freed, none of them cached. A chunk that read blocks a failed chunk computed (an in-flight
                 hit) is not computed either: its request goes back to the queue, as if preempted.
             logprobs: the sampled token's logprobs, for the requests that asked for them.
+            failed_loads: disk-tier loads whose bytes did not match their checksum: the entries leave the
+                tier, and their requests (and those that read from them) go back to the queue, as if
+                preempted, to compute those blocks (their chunks were neither sampled nor cached).
         """
         failed = failed or {}
+        reload = {load.request_id for load in failed_loads}
+        for load in failed_loads:
+            if self.kv.tier is not None:
+                self.kv.tier.discard(load)
         logprobs = logprobs or {}
         finished = []
         now = time.time()
@@ -355,6 +373,10 @@ class Scheduler:
                 continue
             if chunk.reads_from in failed:  # its in-flight hit's blocks were zeroed: recompute it later
                 self._preempt(request, after_failure_of=chunk.reads_from)
+                continue
+            if request.request_id in reload or chunk.reads_from in reload:  # a torn disk-tier block
+                self.counters.tier_hit_lost(request.tier_hit_lost())
+                self._preempt(request, after_failure_of=chunk.reads_from or request.request_id)
                 continue
             request.chunk_computed(len(chunk.token_ids))
             self.kv.finish_chunk(request.request_id, cacheable=request.cacheable)

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Iterable, Mapping, NamedTuple, Sequence
 
 from engine.core.block_pool import BlockState
+from engine.core.kv_tier import TierStats
 from engine.core.request import Request, RequestStatus, TokenLogprobs, can_release
 
 if TYPE_CHECKING:
@@ -58,6 +59,7 @@ class RequestView(NamedTuple):
     content_keys: bytes | None  # the same blocks' namespace-free keys, once finished
     # One per output token when its sampling asked for logprobs (`SamplingParams.logprobs`), else None.
     output_logprobs: tuple[TokenLogprobs, ...] | None = None
+    disk_cached_tokens: int = 0  # of `cached_tokens`, those read from the disk tier (the rest: the pool's memory)
 
     # The sliding-window vocabulary of engine/core/kv_groups.py (and of the stored request rows).
     @property
@@ -79,6 +81,12 @@ class RequestView(NamedTuple):
     def r(self) -> int:
         """Replay boundary: computation started here."""
         return self.replay_from
+
+    @property
+    def cached_tokens_by_tier(self) -> dict[str, int]:
+        """Where its cached prompt tokens came from: the pool's memory, or the disk tier (they sum to
+        `cached_tokens`)."""
+        return {"memory": self.cached_tokens - self.disk_cached_tokens, "disk": self.disk_cached_tokens}
 
     @property
     def block_table(self) -> tuple[int, ...]:
@@ -144,6 +152,7 @@ class RequestView(NamedTuple):
             block_keys=None if request.prompt_keys is None else request.prompt_keys.chain,
             content_keys=None if request.prompt_keys is None else request.prompt_keys.content,
             output_logprobs=None if request.sampling.logprobs is None else tuple(request.output_logprobs),
+            disk_cached_tokens=request.disk_cached_tokens,
         )
 
 
@@ -215,6 +224,8 @@ class PoolStats:
     num_running: int
     num_retained: int
     groups: tuple[GroupStats, ...] = ()  # the same counters per KV group
+    tier_hit_tokens: int = 0  # of `prefix_hit_tokens`, those read from the disk tier (the rest: the pool's memory)
+    tier: TierStats | None = None  # the disk tier's counters (engine/core/kv_tier.py); None without one
 
     @property
     def kv_usage(self) -> float:
@@ -302,6 +313,8 @@ def pool_stats(kv: KVCoordinator, scheduler: Scheduler, num_retained: int, steps
         num_running=len(scheduler.running),
         num_retained=num_retained,
         groups=groups,
+        tier_hit_tokens=scheduler.counters.tier_hit_tokens,
+        tier=None if kv.tier is None else kv.tier.stats(),
     )
 
 

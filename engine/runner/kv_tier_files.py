@@ -1,0 +1,186 @@
+"""The disk tier's files: one directory, opened once, checked against the engine that opens it.
+
+    DIR/kv-tier.json   the identity: the cache namespace (model, weights, dtype, block size, attention spec,
+                       KV layout) and the geometry (slot shape, slot count); written once, when the tier is made
+    DIR/kv-tier.data   numpy memmap, uint8 [num_slots, slot_bytes]: slot s holds one block's K/V of every
+                       full-attention layer, laid out as the runner's block ([layer, K|V, kv_head, slot, dim])
+    DIR/kv-tier.meta   numpy memmap, one record per slot: valid flag, chain key, parent key, the block's
+                       token ids, the bytes' xxh3-64 checksum and the store's stamp (the LRU order)
+
+Crash-consistent per slot: a store clears the slot's valid flag, writes the bytes, then the record with its
+checksum and the flag; a torn store leaves the slot invalid (ignored at start), and bytes changed after
+their record was written fail their checksum when loaded (reported, recomputed, never served). A tier whose
+identity differs from the engine's (another model, weights, dtype, block size or size) is refused at start
+with an error naming what differs; so is a directory that is missing and cannot be made, or read-only.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+
+from engine.core.errors import KVTierError
+from engine.core.kv_tier import TierEntry
+from engine.core.namespace import CacheNamespace
+
+FORMAT = "prefix-console kv tier 1"
+HEADER, DATA, META = "kv-tier.json", "kv-tier.data", "kv-tier.meta"
+KEY_BYTES = 16
+GIB = 1 << 30
+
+
+class TierUnavailableError(KVTierError):
+    """The disk tier's directory cannot be used (missing and uncreatable, read-only, or out of space)."""
+
+
+class TierMismatchError(KVTierError):
+    """The disk tier's directory holds a tier made by an engine of another model, dtype, block size or size."""
+
+
+@dataclass(frozen=True)
+class TierGeometry:
+    """What one slot holds: one block of the full-attention layers, as the runner lays it out."""
+
+    block_shape: tuple[int, ...]  # [layer, K|V, kv_head, slot, head_dim] of one block
+    itemsize: int  # bytes per value of the KV dtype
+    num_slots: int
+
+    @property
+    def slot_bytes(self) -> int:
+        return int(np.prod(self.block_shape)) * self.itemsize
+
+    @classmethod
+    def sized(cls, block_shape: tuple[int, ...], itemsize: int, gib: float) -> TierGeometry:
+        """As many slots as `gib` GiB hold.
+
+        Raises:
+            TierUnavailableError: not even one block fits.
+        """
+        slot_bytes = int(np.prod(block_shape)) * itemsize
+        num_slots = round(gib * GIB) // slot_bytes  # to the byte: a size given as a float may fall just short
+        if num_slots < 1:
+            raise TierUnavailableError(f"offload_gib={gib} holds no block of {slot_bytes} bytes")
+        return cls(tuple(block_shape), itemsize, num_slots)
+
+
+def meta_dtype(block_size: int) -> np.dtype:
+    """One slot's record in kv-tier.meta."""
+    return np.dtype(
+        [
+            ("valid", "u1"),
+            ("key", "u1", (KEY_BYTES,)),
+            ("parent", "u1", (KEY_BYTES,)),
+            ("checksum", "<u8"),
+            ("stamp", "<u8"),
+            ("tokens", "<i4", (block_size,)),
+        ]
+    )
+
+
+class TierFiles:
+    """The opened tier: its memmaps (`data`, `meta`) and the entries a previous engine left (`restored`)."""
+
+    def __init__(self, directory: Path, namespace: CacheNamespace, geometry: TierGeometry) -> None:
+        """Open (or make) the tier in `directory` for an engine of `namespace`.
+
+        Raises:
+            TierUnavailableError: the directory is missing and cannot be made, is read-only, or the disk
+                has no room for the tier's files.
+            TierMismatchError: it holds a tier of another identity.
+        """
+        self.directory = directory
+        self.geometry = geometry
+        self.block_size = namespace.block_size
+        _check_writable(directory)
+        identity = {
+            "format": FORMAT,
+            "namespace": {**asdict(namespace), "attention_spec": list(namespace.attention_spec)},
+            "block_shape": list(geometry.block_shape),
+            "itemsize": geometry.itemsize,
+            "num_slots": geometry.num_slots,
+        }
+        header = directory / HEADER
+        fresh = not header.exists()
+        if not fresh:
+            _check_identity(header, identity)
+        records = meta_dtype(self.block_size)
+        self.data = _memmap(directory / DATA, np.dtype("u1"), (geometry.num_slots, geometry.slot_bytes), fresh)
+        self.meta = _memmap(directory / META, records, (geometry.num_slots,), fresh)
+        if fresh:  # the header last: a tier whose files were never made whole is made again
+            header.write_text(json.dumps(identity, indent=1, sort_keys=True))
+        self.restored = [] if fresh else self._written_entries()
+
+    def _written_entries(self) -> list[TierEntry]:
+        """The slots whose record says written, as ready entries (a key met twice keeps its newer store)."""
+        meta = self.meta
+        found: dict[bytes, TierEntry] = {}
+        for slot in np.flatnonzero(meta["valid"] == 1).tolist():
+            record = meta[slot]
+            key = record["key"].tobytes()
+            entry = TierEntry(
+                key=key,
+                parent_key=record["parent"].tobytes(),
+                token_ids=tuple(int(t) for t in record["tokens"]),
+                slot=slot,
+                checksum=int(record["checksum"]),
+                stamp=int(record["stamp"]),
+            )
+            if key not in found or found[key].stamp < entry.stamp:
+                found[key] = entry
+        return list(found.values())
+
+    def flush(self) -> None:
+        """Push the memmaps' dirty pages to the files."""
+        self.data.flush()
+        self.meta.flush()
+
+
+def _check_writable(directory: Path) -> None:
+    """Make the directory if it is missing and prove a file can be made in it."""
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(prefix=".probe-", dir=directory)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as exc:
+        raise TierUnavailableError(
+            f"offload_dir {str(directory)!r} is not a writable directory (missing and uncreatable, or "
+            f"read-only): {exc.strerror or exc}"
+        ) from exc
+
+
+def _check_identity(header: Path, identity: dict[str, object]) -> None:
+    """Refuse a tier whose identity differs from this engine's, naming the fields that differ."""
+    try:
+        found = json.loads(header.read_text())
+    except (OSError, ValueError) as exc:
+        raise TierMismatchError(f"{header} is unreadable ({exc}): remove the directory or choose another") from exc
+    if found == identity:
+        return
+    mine: dict[str, object] = {**identity.pop("namespace"), **identity}  # type: ignore[dict-item]
+    theirs = {**found.pop("namespace", {}), **found} if isinstance(found, dict) else {}
+    differ = sorted(name for name in mine.keys() | theirs.keys() if mine.get(name) != theirs.get(name))
+    detail = ", ".join(f"{name}: tier {theirs.get(name)!r}, engine {mine.get(name)!r}" for name in differ)
+    raise TierMismatchError(
+        f"offload_dir {str(header.parent)!r} holds a KV tier of another engine ({detail}); "
+        "use another directory, or remove this one to start an empty tier"
+    )
+
+
+def _memmap(path: Path, dtype: np.dtype, shape: tuple[int, ...], fresh: bool) -> np.memmap:
+    """The file as a writable memmap; a fresh one is made at its full size with its blocks reserved
+    (`posix_fallocate`), so a full disk refuses the tier now instead of failing a write later."""
+    size = int(np.prod(shape)) * dtype.itemsize
+    try:
+        if fresh or not path.exists() or path.stat().st_size != size:
+            with open(path, "wb") as file:
+                os.posix_fallocate(file.fileno(), 0, size)
+        return np.memmap(path, dtype=dtype, mode="r+", shape=shape)
+    except OSError as exc:
+        why = exc.strerror or exc
+        raise TierUnavailableError(f"cannot make the KV tier file {path} of {size} bytes: {why}") from exc

@@ -1,0 +1,229 @@
+"""The disk tier (issue 44): evicted full-attention blocks kept in files, promoted back on a hit.
+
+Every engine here is a seeded random tiny-llama on the CPU with a pool small enough that a second prompt
+evicts the first one's blocks; "recompute" is the same engine without a tier, "memory hit" one whose pool
+keeps everything.
+"""
+
+from __future__ import annotations
+
+import json
+import queue
+import random
+
+import pytest
+import torch
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
+
+from engine.core.block import Block
+from engine.core.chain_keys import ChainKeys, chain_key
+from engine.core.config import EngineConfig
+from engine.core.kv_tier import TierIndex, TierWrite
+from cli.__main__ import main
+from engine.core.request import SamplingParams
+from engine.engine import Engine
+from engine.runner.kv_tier_files import DATA, TierMismatchError, TierUnavailableError
+from tests.engine_reference import LogitSpy
+from tests.engine_support import HYBRID_WINDOW, tokens
+
+BS = 4
+SMALL_POOL = 12  # blocks: a 30-token prompt takes 8, so the next prompt evicts most of the last one's
+GREEDY = SamplingParams(max_new_tokens=4, ignore_eos=True)
+TIER_GIB = 0.001
+
+
+def engine(tmp_path, tier: bool, *, num_blocks: int = SMALL_POOL, **overrides) -> Engine:
+    fields = dict(model="tiny-llama", device="cpu", block_size=BS, num_blocks=num_blocks, data_dir=tmp_path)
+    if tier:
+        fields.update(offload_dir=tmp_path / "tier", offload_gib=TIER_GIB)
+    fields.update(overrides)
+    return Engine(EngineConfig(**fields))
+
+
+def run(e: Engine, prompt: list[int]):
+    rid = e.submit(prompt, GREEDY)
+    e.run_until_idle()
+    e.check_invariants()
+    return e.get(rid)
+
+
+def first_prompt_again(e: Engine):
+    """Run prompt A, then B (which evicts A's blocks from a small pool), then A again; returns A's last view."""
+    a, b = tokens(30, 1), tokens(30, 2)
+    run(e, a)
+    run(e, b)
+    e.stop()  # waits for the tier's writer (stores are written off the step, so a step does not wait)
+    return run(e, a)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("attention", [None, f"hybrid:{HYBRID_WINDOW}"])
+def test_promotion_from_disk_equals_recompute(tmp_path, dtype, attention):
+    recompute = engine(tmp_path / "r", tier=False, dtype=dtype, attention_override=attention)
+    tiered = engine(tmp_path / "t", tier=True, dtype=dtype, attention_override=attention)
+    spies = LogitSpy(recompute), LogitSpy(tiered)
+    expected, promoted = first_prompt_again(recompute), first_prompt_again(tiered)
+    assert promoted.disk_cached_tokens > 0, "the second run of A must reach the disk tier"
+    assert expected.disk_cached_tokens == 0
+    assert promoted.output_token_ids == expected.output_token_ids
+    for got, want in zip(spies[1].logits[promoted.request_id], spies[0].logits[expected.request_id]):
+        torch.testing.assert_close(got, want, atol=2e-2 if dtype == "bfloat16" else 1e-4, rtol=0)
+    stats = tiered.stats()
+    assert stats.tier is not None and stats.tier.loads * BS == stats.tier.hit_tokens > 0
+    assert promoted.cached_tokens_by_tier == {
+        "memory": promoted.cached_tokens - promoted.disk_cached_tokens,
+        "disk": promoted.disk_cached_tokens,
+    }
+
+
+def test_promoted_blocks_hold_the_same_bytes_as_a_memory_hit(tmp_path):
+    """Full attention: a hit read from disk computes exactly what the same hit in memory computes."""
+    in_memory = engine(tmp_path / "m", tier=False, num_blocks=64)
+    tiered = engine(tmp_path / "t", tier=True)
+    spies = LogitSpy(in_memory), LogitSpy(tiered)
+    memory_hit, disk_hit = first_prompt_again(in_memory), first_prompt_again(tiered)
+    assert disk_hit.cached_tokens == memory_hit.cached_tokens and disk_hit.disk_cached_tokens > 0
+    for got, want in zip(spies[1].logits[disk_hit.request_id], spies[0].logits[memory_hit.request_id]):
+        assert torch.equal(got, want)
+
+
+def test_a_corrupted_tier_file_is_detected_and_its_blocks_recomputed(tmp_path):
+    recompute = engine(tmp_path / "r", tier=False)
+    expected = first_prompt_again(recompute)
+    tiered = engine(tmp_path / "t", tier=True)
+    run(tiered, tokens(30, 1))
+    run(tiered, tokens(30, 2))
+    tiered.stop()  # every store written
+    data = tmp_path / "t" / "tier" / DATA
+    data.write_bytes(random.Random(0).randbytes(data.stat().st_size))
+    again = run(tiered, tokens(30, 1))
+    stats = tiered.stats()
+    assert stats.tier.corrupt > 0
+    assert again.output_token_ids == expected.output_token_ids
+    assert again.disk_cached_tokens == 0 and stats.tier_hit_tokens == 0
+
+
+def test_a_full_tier_drops_stores_and_counts_them(tmp_path):
+    slot_bytes = engine(tmp_path / "probe", tier=True).kv.tier.slot_bytes
+    tiny = engine(tmp_path, tier=True, offload_gib=2 * slot_bytes / (1 << 30))
+    a = first_prompt_again(tiny)
+    stats = tiny.stats()
+    assert stats.tier.num_slots == 2
+    assert stats.tier.drops > 0
+    assert a.output_token_ids == first_prompt_again(engine(tmp_path / "r", tier=False)).output_token_ids
+
+
+@pytest.mark.parametrize("directory", ["/proc/prefix-console-tier", "/proc"])
+def test_a_tier_on_an_unwritable_directory_is_refused_at_start(tmp_path, directory):
+    with pytest.raises(TierUnavailableError, match="not a writable directory"):
+        engine(tmp_path, tier=True, offload_dir=directory)
+
+
+def test_a_tier_of_another_block_size_is_refused(tmp_path):
+    engine(tmp_path, tier=True).stop()
+    with pytest.raises(TierMismatchError, match="block_size"):
+        engine(tmp_path, tier=True, block_size=8)
+
+
+def test_an_all_sliding_model_has_no_blocks_to_offload(tmp_path):
+    with pytest.raises(ValueError, match="all-sliding"):
+        engine(tmp_path, tier=True, attention_override="sliding:8")
+
+
+def test_a_restarted_engine_serves_the_first_requests_prefix_from_disk(tmp_path):
+    first = engine(tmp_path, tier=True)
+    before = run(first, tokens(30, 1))
+    first.stop()  # writes the pool's cached blocks back and waits for the writer
+    second = engine(tmp_path, tier=True)
+    assert second.stats().tier.ready_blocks > 0
+    again = run(second, tokens(30, 1))
+    assert again.disk_cached_tokens == again.cached_tokens == (30 - 1) // BS * BS
+    assert again.output_token_ids == before.output_token_ids
+
+
+def test_salts_do_not_share_tier_blocks(tmp_path):
+    e = engine(tmp_path, tier=True)
+    a = tokens(30, 1)
+    e.submit(a, GREEDY, salt="tenant-1")
+    e.run_until_idle()
+    run(e, tokens(30, 2))
+    e.stop()
+    rid = e.submit(a, GREEDY, salt="tenant-2")
+    e.run_until_idle()
+    assert e.get(rid).cached_tokens == 0
+
+
+def test_run_trace_takes_the_tier_and_a_second_run_starts_warm(tmp_path, capsys):
+    trace = tmp_path / "trace.jsonl"
+    line = {"op": "submit", "id": "a", "tokens": tokens(30, 1), "max_new_tokens": 2, "ignore_eos": True}
+    trace.write_text(json.dumps(line) + "\n" + json.dumps({"op": "run"}) + "\n")
+    args = ["run-trace", str(trace), "--model", "tiny-llama", "--device", "cpu", "--block-size", str(BS),
+            "--offload-dir", str(tmp_path / "tier"), "--offload-gib", "0.001"]  # fmt: skip
+    assert main(args) == 0 and main(args) == 0
+    second = [json.loads(text) for text in capsys.readouterr().out.splitlines()][-2:]
+    assert second[0]["cached_tokens_by_tier"] == {"memory": 0, "disk": 28}
+    assert second[1]["summary"]["tier_hit_tokens"] == 28
+
+
+def test_run_trace_refuses_an_unwritable_tier_clearly(tmp_path, capsys):
+    trace = tmp_path / "trace.jsonl"
+    trace.write_text(json.dumps({"op": "run"}) + "\n")
+    args = ["run-trace", str(trace), "--model", "tiny-llama", "--device", "cpu",
+            "--offload-dir", "/proc/prefix-console-tier", "--offload-gib", "1"]  # fmt: skip
+    assert main(args) == 2
+    assert "not a writable directory" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------- the index alone
+ROOT = b"\0" * 16
+KEYS = [chain_key(ROOT, [i, i]) for i in range(8)]  # one-block contexts [i, i] under one root
+
+
+class TierIndexMachine(RuleBasedStateMachine):
+    """Offers, stores, writer reports, lookups, loads and corrupt loads in any order keep the index whole."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.writes: queue.SimpleQueue[TierWrite] = queue.SimpleQueue()
+        self.index = TierIndex(3, 2, 64, self.writes)
+        self.in_flight: list = []
+
+    @rule(i=st.integers(0, len(KEYS) - 1))
+    def offer(self, i):
+        block = Block(i, token_ids=[i, i], key=KEYS[i], parent_key=ROOT)
+        self.index.offer(block)
+
+    @rule()
+    def take(self):
+        self.in_flight += self.index.take_transfers().stores
+
+    @rule(ok=st.booleans())
+    def writer_reports(self, ok):
+        if self.in_flight:
+            store = self.in_flight.pop(0)
+            self.writes.put(TierWrite(store.slot, store.key, 7 if ok else None))
+        self.index.settle()
+
+    @rule(i=st.integers(0, len(KEYS) - 1), corrupt=st.booleans())
+    def load(self, i, corrupt):
+        keys = ChainKeys(ROOT, 2)
+        found = self.index.find(keys, [i, i], 0, 1)
+        if found:
+            self.index.plan_loads("r", found, [0])
+            loads = self.index.take_transfers()
+            self.in_flight += loads.stores
+            if corrupt:
+                self.index.discard(loads.loads[0])
+                assert not self.index.find(keys, [i, i], 0, 1)
+
+    @invariant()
+    def whole(self):
+        self.index.check_invariants()
+        stats = self.index.stats()
+        assert stats.ready_blocks + stats.writing_blocks <= stats.num_slots
+
+
+TestTierIndex = TierIndexMachine.TestCase
+TestTierIndex.settings = settings(max_examples=60, stateful_step_count=30, deadline=None)
