@@ -3,11 +3,12 @@
 Starts `python -m cli serve` (tiny-chat by default: the model is cheap, so the serving path's own memory
 and bookkeeping show) with a SQLite history, then sends `--requests` short requests from `--clients`
 concurrent openai SDK clients: completions and chats over a few shared prefixes, some streamed, one in
-fifty abandoned mid-stream. At the checkpoint (`--checkpoint`, 2,000) and at the end it measures:
+fifty abandoned mid-stream. At the checkpoint (`--checkpoint`, 2,000: the clients pause) and at the end,
+both times idle, it measures:
 
     RSS            the server and every process under it (the engine process, its history writer)
-    /metrics       median latency of 20 scrapes
-    console data   median latency of 20 reads of what a console page reads (/engine/snapshot, /engine/stats)
+    /metrics       median latency of 50 scrapes
+    console data   median latency of 50 reads of what a console page reads (/engine/snapshot, /engine/stats)
 
 and at the end checks that every request the client saw finish is in the history, and that the engine's
 invariants hold (its per-request bookkeeping included: only live requests tracked). Exit status 1 when
@@ -72,7 +73,7 @@ def tree_rss_mb(pid: int) -> dict[int, float]:
     return sizes
 
 
-def latency_ms(url: str, times: int = 20) -> float:
+def latency_ms(url: str, times: int = 50) -> float:
     samples = []
     for _ in range(times):
         started = time.perf_counter()
@@ -94,7 +95,7 @@ def measure(base: str, pid: int) -> dict[str, float]:
 
 
 async def send(base: str, model: str, total: int, clients: int, finished: list[str], checkpoint: int,
-               at_checkpoint: asyncio.Event) -> None:  # fmt: skip
+               at_checkpoint: asyncio.Event, resume: asyncio.Event) -> None:  # fmt: skip
     client = openai.AsyncOpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=120)
     rng = random.Random(0)
     prefixes = [" ".join(f"rule {i} of tenant {t}." for i in range(12)) for t in range(8)]
@@ -124,6 +125,8 @@ async def send(base: str, model: str, total: int, clients: int, finished: list[s
             await one(index)
             if index + 1 == checkpoint:
                 at_checkpoint.set()
+            if at_checkpoint.is_set():
+                await resume.wait()  # every client pauses while the checkpoint is measured, as at the end
 
     await asyncio.gather(*(worker() for _ in range(clients)))
     await client.close()
@@ -131,13 +134,15 @@ async def send(base: str, model: str, total: int, clients: int, finished: list[s
 
 async def soak(base: str, pid: int, args: argparse.Namespace) -> tuple[dict, dict, list[str], float]:
     finished: list[str] = []
-    at_checkpoint = asyncio.Event()
+    at_checkpoint, resume = asyncio.Event(), asyncio.Event()
     started = time.perf_counter()
     sender = asyncio.create_task(send(base, args.model, args.requests, args.clients, finished, args.checkpoint,
-                                      at_checkpoint))  # fmt: skip
+                                      at_checkpoint, resume))  # fmt: skip
     await at_checkpoint.wait()
+    await asyncio.sleep(2)  # the clients' requests in flight end; then measured idle, like the end
     first = await asyncio.to_thread(measure, base, pid)
     print(f"after {args.checkpoint:,}: {first}", flush=True)
+    resume.set()
     await sender
     elapsed = time.perf_counter() - started
     await asyncio.sleep(2)  # the last steps' stats and rows leave the engine
