@@ -10,21 +10,28 @@ from __future__ import annotations
 import json
 import queue
 import random
+import threading
+
+import numpy as np
 
 import pytest
 import torch
 from hypothesis import settings
+from prometheus_client import generate_latest
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from engine.core.block import Block
 from engine.core.chain_keys import ChainKeys, chain_key
 from engine.core.config import EngineConfig
-from engine.core.kv_tier import TierIndex, TierWrite
+from engine.core.kv_tier import TierIndex, TierStore, TierTransfers, TierWrite
+from engine.core.namespace import CacheNamespace
 from cli.__main__ import main
 from engine.core.request import SamplingParams
 from engine.engine import Engine
-from engine.runner.kv_tier_files import DATA, TierMismatchError, TierUnavailableError
+from engine.feeds.metrics_server import BlockResidency, engine_registry
+from engine.runner.kv_tier_files import DATA, TierFiles, TierGeometry, TierMismatchError, TierUnavailableError
+from engine.runner.kv_tier_io import DiskTier
 from tests.engine_reference import LogitSpy
 from tests.engine_support import HYBRID_WINDOW, tokens
 
@@ -141,6 +148,8 @@ def test_a_restarted_engine_serves_the_first_requests_prefix_from_disk(tmp_path)
     again = run(second, tokens(30, 1))
     assert again.disk_cached_tokens == again.cached_tokens == (30 - 1) // BS * BS
     assert again.output_token_ids == before.output_token_ids
+    text = generate_latest(engine_registry(second, BlockResidency())).decode()
+    assert 'prefix_console:kv_tier_hit_tokens_total{engine="0",model_name="tiny-llama"} 28.0' in text
 
 
 def test_salts_do_not_share_tier_blocks(tmp_path):
@@ -174,6 +183,41 @@ def test_run_trace_refuses_an_unwritable_tier_clearly(tmp_path, capsys):
             "--offload-dir", "/proc/prefix-console-tier", "--offload-gib", "1"]  # fmt: skip
     assert main(args) == 2
     assert "not a writable directory" in capsys.readouterr().err
+
+
+def test_a_slow_disk_drops_stores_instead_of_stalling_the_step(tmp_path):
+    """The writer is stuck on its first store: the queue takes one more, and the third is dropped at once."""
+    kv = torch.randn(2, 2, 2, 5, BS, 16)
+    namespace = CacheNamespace("m", "w", "float32", BS, ("full", "full"))
+    geometry = TierGeometry.sized((2, 2, 2, BS, 16), 4, TIER_GIB)
+    files = TierFiles(tmp_path, namespace, geometry)
+    entered, stuck, data = threading.Event(), threading.Event(), files.data
+
+    class SlowData:
+        def __setitem__(self, slot, row):
+            entered.set()
+            stuck.wait(timeout=10)
+            data[slot] = row
+
+        def __getitem__(self, slot):
+            return data[slot]
+
+        def flush(self):
+            data.flush()
+
+    files.data = SlowData()
+    disk = DiskTier(files, kv, queue_blocks=1)
+    stores = [TierStore(b, b, bytes([b]) * 16, ROOT, (b,) * BS, b) for b in range(3)]
+    disk.execute(TierTransfers(stores[:1], []))
+    assert entered.wait(timeout=10)
+    disk.execute(TierTransfers(stores[1:], []))  # returns at once: one queued, one dropped
+    dropped = disk.writes.get(timeout=1)
+    assert dropped.checksum is None and dropped.slot == 2
+    stuck.set()
+    disk.drain()
+    written = [disk.writes.get(timeout=1) for _ in range(2)]
+    assert [w.slot for w in written] == [0, 1] and all(w.checksum is not None for w in written)
+    assert torch.equal(torch.from_numpy(np.array(data[1])).view(torch.float32).view(2, 2, 2, BS, 16), kv[:, :, :, 1])
 
 
 # ---------------------------------------------------------------------- the index alone

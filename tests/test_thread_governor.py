@@ -310,7 +310,7 @@ def test_the_metrics_say_how_long_the_forward_ran_at_each_thread_count_and_how_o
     machine.run(governor, 2, stalled=0.01)
     machine.run_until(governor, 1, stalled=0.9, limit_s=5)
     machine.run(governor, 0.5, stalled=0.9)
-    stats = PoolStats(**{**{f.name: 0 for f in fields(PoolStats) if f.name != "groups"}, "num_blocks": 1})
+    stats = PoolStats(**{**{f.name: 0 for f in fields(PoolStats) if f.name not in ("groups", "tier")}, "num_blocks": 1})
     engine = SimpleNamespace(stats=lambda: stats, loaded=SimpleNamespace(model_id="m"),
                              forward_threads=lambda: governor.threads, thread_governor=governor)  # fmt: skip
     text = generate_latest(engine_registry(engine, BlockResidency())).decode()

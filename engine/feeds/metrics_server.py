@@ -10,6 +10,8 @@
     prefix_console:forward_threads gauge      threads the forward runs on now (engine/runner/thread_governor.py)
     prefix_console:forward_seconds counter    seconds of stepping at each thread count (label `threads`)
     prefix_console:forward_thread_changes counter  times the governor moved the thread count
+    prefix_console:kv_tier_*       counters   the disk tier's hit tokens, stores, loads, bytes, drops and
+                                              corrupt loads, and the gauge of its fill (only with a tier)
     vllm:kv_block_lifetime_seconds           histogram  allocation -> eviction, per evicted block
     vllm:kv_block_idle_before_evict_seconds  histogram  last allocation, hit or release -> eviction
     vllm:kv_block_reuse_gap_seconds          histogram  between consecutive prefix hits of a block
@@ -27,12 +29,13 @@ import threading
 from bisect import bisect_left
 from collections import deque
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, Callable
 
 from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 
 from engine.core.events import Event, EventKind
+from engine.core.kv_tier import TierStats
 
 BIND_ADDRESS = "127.0.0.1"
 LABELS = ("model_name", "engine")
@@ -162,7 +165,22 @@ class _EngineCollector:
             yield seconds
             yield counter("prefix_console:forward_thread_changes", "Times the thread governor moved the count.",
                           governor.changes)  # fmt: skip
+        if stats.tier is not None:
+            yield from _tier_families(stats.tier, counter, gauge)
         yield from self._residency.families(labels)
+
+
+def _tier_families(tier: TierStats, counter: Callable[..., Metric], gauge: Callable[..., Metric]) -> Iterator[Metric]:
+    """The disk tier's counters (engine/core/kv_tier.py's TierStats), under prefix_console:kv_tier_*."""
+    yield counter("prefix_console:kv_tier_hit_tokens", "Prompt tokens promoted from the disk tier.", tier.hit_tokens)
+    yield counter("prefix_console:kv_tier_stores", "Evicted blocks written to the disk tier.", tier.stores)
+    yield counter("prefix_console:kv_tier_loads", "Blocks promoted from the disk tier into the pool.", tier.loads)
+    yield counter("prefix_console:kv_tier_bytes_written", "Bytes written to the disk tier.", tier.bytes_written)
+    yield counter("prefix_console:kv_tier_bytes_read", "Bytes read from the disk tier.", tier.bytes_read)
+    yield counter("prefix_console:kv_tier_drops", "Evicted blocks the disk tier could not take.", tier.drops)
+    yield counter("prefix_console:kv_tier_corrupt", "Disk tier loads that failed their checksum.", tier.corrupt)
+    usage = tier.ready_blocks / tier.num_slots
+    yield gauge("prefix_console:kv_tier_usage_perc", "Disk tier slots holding blocks, 0..1.", usage)
 
 
 def engine_registry(engine: Any, residency: BlockResidency) -> CollectorRegistry:
