@@ -412,8 +412,11 @@ class KVCoordinator:
         return sum(d for d, _ in results), sum(k for _, k in results)
 
     def check_invariants(self) -> None:
-        """Raise InvariantError if a group's invariants are broken or a request has tables in some groups only."""
+        """Raise InvariantError if a group's or the disk tier's invariants are broken, or a request has tables
+        in some groups only."""
         for manager in self.managers:
             manager.check_invariants()
         tables = [set(m.tables()) for m in self.managers]
         require(all(t == tables[0] for t in tables), "a request has tables in some groups only")
+        if self.tier is not None:
+            self.tier.check_invariants()
