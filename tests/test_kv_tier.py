@@ -267,7 +267,7 @@ class TierIndexMachine(RuleBasedStateMachine):
 
     @rule()
     def take(self):
-        self.in_flight += self.index.take_transfers().stores
+        self.in_flight += list(self.index.take_transfers().stores)
 
     @rule(ok=st.booleans())
     def writer_reports(self, ok):
@@ -283,7 +283,7 @@ class TierIndexMachine(RuleBasedStateMachine):
         if found:
             self.index.plan_loads("r", found, [0])
             loads = self.index.take_transfers()
-            self.in_flight += loads.stores
+            self.in_flight += list(loads.stores)
             if corrupt:
                 self.index.discard(loads.loads[0])
                 assert not self.index.find(keys, [i, i], 0, 1)

@@ -39,7 +39,7 @@ from typing import NamedTuple, Sequence
 
 from engine.core.block import Block
 from engine.core.chain_keys import ChainKeys
-from engine.core.errors import require
+from engine.core.errors import InvariantError, require
 
 
 @dataclass(slots=True)
@@ -86,11 +86,11 @@ class TierWrite(NamedTuple):
 class TierTransfers(NamedTuple):
     """One step's tier work, executed before its forward: stores first, then loads."""
 
-    stores: list[TierStore]
-    loads: list[TierLoad]
+    stores: Sequence[TierStore]
+    loads: Sequence[TierLoad]
 
 
-NO_TRANSFERS = TierTransfers([], [])
+NO_TRANSFERS = TierTransfers((), ())
 
 
 @dataclass(frozen=True, slots=True)
@@ -247,15 +247,15 @@ class TierIndex:
     def complete(self, write: TierWrite) -> None:
         """One store is on disk (ready from now on) or was dropped (its slot is free again)."""
         entry = self._entries.get(write.key)
-        planned = entry is not None and entry.slot == write.slot and entry.checksum is None
-        require(planned, "a tier write nobody planned")
+        if entry is None or entry.slot != write.slot or entry.checksum is not None:
+            raise InvariantError(f"a tier write nobody planned (slot {write.slot})")
         if write.checksum is None:
             del self._entries[write.key]
             self._free.append(write.slot)
             self.drops += 1
             return
-        entry.checksum = write.checksum  # type: ignore[union-attr]
-        self._lru[write.key] = entry  # type: ignore[assignment]
+        entry.checksum = write.checksum
+        self._lru[write.key] = entry
         self.stores += 1
 
     def discard(self, load: TierLoad) -> None:
