@@ -31,17 +31,17 @@ from engine.runner.kv_tier_files import TierFiles
 
 logger = logging.getLogger(__name__)
 
-WRITE_QUEUE_BLOCKS = 256  # stores the writer may have waiting; more are dropped, never waited for
+WRITE_QUEUE_BYTES = 64 << 20  # bytes of stores the writer may have waiting; more are dropped, never waited for
 
 
 class DiskTier:
     """The torch side of one engine's disk tier, over the full-attention group's block memory."""
 
-    def __init__(self, files: TierFiles, kv: torch.Tensor, *, queue_blocks: int = WRITE_QUEUE_BLOCKS) -> None:
+    def __init__(self, files: TierFiles, kv: torch.Tensor, *, queue_blocks: int | None = None) -> None:
         """Args:
             files: the opened tier.
             kv: the full-attention group's block memory, [layer, K|V, kv_head, block, slot, head_dim].
-            queue_blocks: the writer queue's bound, in blocks.
+            queue_blocks: the writer queue's bound, in blocks (default: as many as `WRITE_QUEUE_BYTES` hold, >= 1).
         """
         shape = (kv.shape[0], kv.shape[1], kv.shape[2], kv.shape[4], kv.shape[5])
         if tuple(files.geometry.block_shape) != shape or files.geometry.itemsize != kv.element_size():
@@ -49,7 +49,10 @@ class DiskTier:
         self.files = files
         self.kv = kv
         self.writes: queue.SimpleQueue[TierWrite] = queue.SimpleQueue()  # reports, drained by the index
-        self._queue: queue.Queue[tuple[TierStore, np.ndarray]] = queue.Queue(maxsize=queue_blocks)
+        bound = queue_blocks if queue_blocks is not None else max(1, WRITE_QUEUE_BYTES // files.geometry.slot_bytes)
+        if bound < 1:
+            raise ValueError(f"the writer queue holds at least one block, got {bound}")  # 0 would be unbounded
+        self._queue: queue.Queue[tuple[TierStore, np.ndarray]] = queue.Queue(maxsize=bound)
         self._thread = threading.Thread(target=self._write_loop, name="kv-tier-writer", daemon=True)
         self._thread.start()
 
