@@ -109,6 +109,7 @@ class RequestUpdate(NamedTuple):
     cached_tokens: int  # hit position at first schedule
     num_prompt_tokens: int
     new_logprobs: tuple[Any, ...] = ()  # per new token, when the request asked for logprobs
+    disk_cached_tokens: int = 0  # of `cached_tokens`, those read from the disk tier
 
 
 class PublishedStats(NamedTuple):
@@ -167,7 +168,7 @@ class UpdateTracker:
             out.append(
                 RequestUpdate(rid, str(getattr(view.status, "value", view.status)), tuple(outputs[sent:]),
                               view.finish_reason, view.cached_tokens, view.num_prompt_tokens,
-                              tuple(logprobs[sent:]))  # fmt: skip
+                              tuple(logprobs[sent:]), view.disk_cached_tokens)  # fmt: skip
             )
         return out
 

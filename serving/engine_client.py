@@ -70,8 +70,10 @@ class EngineCommandError(ValueError):
 class EngineClient:
     """One running engine process and the parent's view of it (see the module docstring)."""
 
-    def __init__(self, config: EngineConfig, info: EngineInfo, process: Any, sockets: tuple[Any, Any, Any], tmpdir: str):
+    def __init__(self, config: EngineConfig, info: EngineInfo, process: Any, sockets: tuple[Any, Any, Any], tmpdir: str,
+                 tokenizer: Any):  # fmt: skip
         self.config = config
+        self.tokenizer = tokenizer  # the model's, loaded by `start` (None for token-id-only models)
         self.info = info
         self._process = process
         self._context, self._inbox, self._outbox = sockets
@@ -89,19 +91,22 @@ class EngineClient:
         self.published: PublishedStats | None = None  # the newest counters (and writer progress) published
         self._closed = False
         self.boot_id = f"{info.pid}-{info.started_at:.6f}"  # changes with every engine start
-        self._tokenizer: Any = None
-        self._tokenizer_loaded = False
         self._receiver = threading.Thread(target=self._receive, name="engine-client", daemon=True)
         self._receiver.start()
 
     # ------------------------------------------------------------------ start and stop
     @classmethod
     def start(cls, config: EngineConfig, *, db_url: str | None = None, timeout_s: float = START_TIMEOUT_S) -> EngineClient:
-        """Spawn the engine process and return once it is loaded and warmed up.
+        """Spawn the engine process and return once it is loaded and warmed up, with the model's tokenizer
+        loaded here meanwhile (importing transformers and torch takes seconds: a first request that paid for
+        it waited 8-9 s, and the event loop with it).
 
         Raises:
-            EngineGone: it could not start (the message is the engine's error) or did not within `timeout_s`.
+            EngineGone: it could not start (the message is the engine's error), did not within `timeout_s`,
+                or its tokenizer could not load here.
         """
+        from engine.runner.model_loading import load_tokenizer  # torch and transformers: only once an engine starts
+
         tmpdir = tempfile.mkdtemp(prefix="prefix-engine-")
         context = zmq.Context()
         inbox = context.socket(zmq.PUSH)
@@ -116,7 +121,14 @@ class EngineClient:
                                                                name="prefix-engine")  # fmt: skip
         process.start()
         try:
-            info = cls._await_ready(outbox, process, timeout_s)
+            tokenizer, problem = None, None
+            try:
+                tokenizer = load_tokenizer(config)  # on this core while the engine process loads on the other
+            except (ValueError, OSError) as error:
+                problem = error
+            info = cls._await_ready(outbox, process, timeout_s)  # the engine's own error, when it has one, first
+            if problem is not None:
+                raise EngineGone(f"the model's tokenizer could not load: {problem}")
         except BaseException:
             process.kill()
             process.join(5)
@@ -125,7 +137,7 @@ class EngineClient:
             context.term()
             shutil.rmtree(tmpdir, ignore_errors=True)
             raise
-        return cls(config, info, process, (context, inbox, outbox), tmpdir)
+        return cls(config, info, process, (context, inbox, outbox), tmpdir, tokenizer)
 
     @staticmethod
     def _await_ready(outbox: Any, process: Any, timeout_s: float) -> EngineInfo:
@@ -231,16 +243,6 @@ class EngineClient:
                 if not self._snapshot_arrived.wait(timeout=max(0.0, asked + timeout_s - time.monotonic())):
                     raise EngineGone(f"no snapshot from the engine within {timeout_s:.0f} s")
             return self._snapshot[1]
-
-    @property
-    def tokenizer(self) -> Any:
-        """The model's tokenizer, loaded in this process on first use (None for token-id-only models)."""
-        if not self._tokenizer_loaded:
-            from engine.runner.model_loading import load_tokenizer
-
-            self._tokenizer = load_tokenizer(self.config)
-            self._tokenizer_loaded = True
-        return self._tokenizer
 
     @property
     def max_model_len(self) -> int:

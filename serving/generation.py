@@ -187,13 +187,15 @@ class Generation:
 
     def usage(self) -> dict[str, Any]:
         """OpenAI's usage object: the prompt counted once, every choice's output, and the prompt tokens
-        the engine served from the prefix cache for choice 0 (`prompt_tokens_details.cached_tokens`)."""
+        the engine served from the prefix cache for choice 0 (`prompt_tokens_details.cached_tokens`, both
+        tiers; `cached_tokens_by_tier` splits them into the pool's memory and the disk tier)."""
         completion = sum(text.num_tokens for text in self.texts)
         first = self.last_updates.get(0)
         cached = first.cached_tokens if first is not None else 0
+        disk = first.disk_cached_tokens if first is not None else 0
         return {
             "prompt_tokens": self.prompt_tokens,
             "completion_tokens": completion,
             "total_tokens": self.prompt_tokens + completion,
-            "prompt_tokens_details": {"cached_tokens": cached},
+            "prompt_tokens_details": {"cached_tokens": cached, "cached_tokens_by_tier": {"memory": cached - disk, "disk": disk}},
         }

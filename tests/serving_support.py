@@ -35,9 +35,10 @@ class Served:
 
 def serve(
     data_dir: Path, limits: ApiLimits | None = None, *, num_blocks: int = NUM_BLOCKS, model: str = MODEL,
-    db_url: str | None = None,
+    db_url: str | None = None, **config_fields: object,
 ) -> Served:
-    config = EngineConfig(model=model, device="cpu", block_size=BLOCK_SIZE, num_blocks=num_blocks, data_dir=data_dir)
+    config = EngineConfig(model=model, device="cpu", block_size=BLOCK_SIZE, num_blocks=num_blocks, data_dir=data_dir,
+                          **config_fields)  # type: ignore[arg-type]  # fmt: skip
     server = ApiServer(EngineHolder(EngineClient.start(config, db_url=db_url), db_url), port=free_port(),
                        limits=limits)  # fmt: skip
     client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=60)

@@ -297,3 +297,27 @@ class TierIndexMachine(RuleBasedStateMachine):
 
 TestTierIndex = TierIndexMachine.TestCase
 TestTierIndex.settings = settings(max_examples=60, stateful_step_count=30, deadline=None)
+
+
+def test_the_api_reports_cached_tokens_by_tier(tmp_path, test_data_dir):
+    """`usage.prompt_tokens_details.cached_tokens` counts both tiers; `cached_tokens_by_tier` splits them."""
+    import time
+
+    from tests.serving_support import MODEL, serve, shut
+
+    served = serve(test_data_dir, num_blocks=9, offload_dir=tmp_path / "tier", offload_gib=TIER_GIB)
+    try:
+        def complete(prompt: list[int]):
+            return served.client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, extra_body={"ignore_eos": True})
+
+        first, other = tokens(100, 1), tokens(100, 2)  # 7 of the 9 blocks each: the second evicts the first's
+        cold = complete(first).usage.prompt_tokens_details
+        assert cold.cached_tokens == 0 and cold.cached_tokens_by_tier == {"memory": 0, "disk": 0}
+        complete(other)
+        time.sleep(0.5)  # the tier's writer stores the evicted blocks off the step
+        complete(tokens(3, 3))  # a step that takes the writer's finished stores in
+        again = complete(first).usage.prompt_tokens_details
+        by_tier = again.cached_tokens_by_tier
+        assert by_tier["disk"] > 0 and by_tier["memory"] + by_tier["disk"] == again.cached_tokens
+    finally:
+        shut(served)

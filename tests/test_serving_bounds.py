@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from engine.core.request_table import RECENT_ENDED
-from tests.serving_support import Served, serve, shut
+from tests.serving_support import MODEL, Served, serve, shut
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -97,3 +97,21 @@ def test_response_ids_are_random_so_no_two_runs_share_one() -> None:
     ids = {new_request_id("cmpl", None) for _ in range(1000)} | {new_request_id("chatcmpl", "bob") for _ in range(1000)}
     assert len(ids) == 2000
     assert all(re.fullmatch(r"(cmpl|chatcmpl-bob)-[0-9a-f]{24}", rid) for rid in ids)
+
+
+def test_the_first_request_finds_the_tokenizer_loaded(test_data_dir, monkeypatch) -> None:
+    """Regression: the API process loaded the tokenizer (importing transformers and torch) on its first text
+    request, on the event loop: that request waited 8-9 s (benchmarks/serving_peer.py's 1x16 p99) and every
+    other stream with it. It loads while the engine process starts now; the request path never loads it."""
+    import engine.runner.model_loading
+
+    served = serve(test_data_dir)
+    try:
+        def refuse(_config):
+            raise AssertionError("a request loaded the tokenizer")
+
+        monkeypatch.setattr(engine.runner.model_loading, "load_tokenizer", refuse)
+        answer = served.client.chat.completions.create(model=MODEL, max_tokens=2, messages=[{"role": "user", "content": "hello"}])
+        assert answer.choices[0].message.content is not None
+    finally:
+        shut(served)

@@ -146,7 +146,7 @@ def load_tokenizer(config: EngineConfig) -> PreTrainedTokenizerBase | None:
     """
     name, data_dir = config.model, config.resolved_data_dir
     if name == SMOLLM2:
-        return _directory_tokenizer(ensure_smollm2_converted(data_dir))
+        return smollm2_tokenizer(data_dir)  # the converted model's, or the same one alone: never converts weights
     if name in TINY_PRESETS:
         return smollm2_tokenizer(data_dir) if name == "tiny-chat" else None
     path = Path(name)
