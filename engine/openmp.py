@@ -13,7 +13,7 @@ machine; but a spinning thread stops looking like a sleeper to the kernel's sche
 another task wants a core the step waits whole time slices (2.5x slower). One thread has no barrier to
 wait at and beats both under contention. So the engine's workers spin briefly (`set_openmp_defaults`,
 where the kernel reports CPU pressure) and the runner's thread governor (engine/runner/thread_governor.py)
-drops threads while tasks wait for a CPU (`cpu_stall_us`). Where the kernel does not report pressure,
+drops threads while its own threads wait for a CPU (`threads_waited_us`). Where the kernel does not report pressure,
 the workers sleep (PASSIVE), as before.
 
 Two native caches keep one entry per distinct shape, and a server sees a new shape at nearly every prefill
@@ -38,6 +38,7 @@ from collections.abc import MutableMapping
 from pathlib import Path
 
 CPU_PRESSURE = Path("/proc/pressure/cpu")  # Linux pressure stall information (kernel 4.20+, CONFIG_PSI)
+OWN_TASKS = Path("/proc/self/task")  # this process's threads, each with its scheduler statistics
 OPENMP_SETTINGS = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")  # what an operator (or a benchmark) sets itself
 SPIN_COUNT = 10_000  # libgomp spins before sleeping: about 0.1 ms (its documentation: ~100,000 spins a ms)
 NATIVE_CACHES = ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY")  # oneDNN's primitives, ideep's computations
@@ -58,6 +59,23 @@ def cpu_stall_us(path: Path = CPU_PRESSURE) -> int | None:
                 if name == "total" and value.isdigit():
                     return int(value)
     return None
+
+
+def threads_waited_us(tasks: Path = OWN_TASKS) -> int | None:
+    """Microseconds this process's threads have spent runnable but waiting for a CPU, summed over its
+    threads (the second field of each `/proc/self/task/<tid>/schedstat`), or None where the kernel does
+    not keep it (CONFIG_SCHED_INFO). A thread that ended takes its share with it: compare two readings
+    over an interval in which the threads stay."""
+    total_ns = 0
+    try:
+        for task in tasks.iterdir():
+            try:
+                total_ns += int((task / "schedstat").read_text().split()[1])
+            except (OSError, IndexError, ValueError):
+                continue  # the thread ended between the listing and the read
+    except OSError:
+        return None
+    return total_ns // 1000 if total_ns else None
 
 
 def set_openmp_defaults(environ: MutableMapping[str, str] = os.environ, path: Path = CPU_PRESSURE) -> str:

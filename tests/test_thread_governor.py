@@ -16,10 +16,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.openmp import NATIVE_CACHE_CAPACITY, NATIVE_CACHES, SPIN_COUNT, cpu_stall_us, set_openmp_defaults
-from engine.runner.thread_governor import IDLE_RESET_S, MAX_HOLD_S, MIN_HOLD_S, WINDOW_S, ThreadGovernor
+from engine.openmp import NATIVE_CACHE_CAPACITY, NATIVE_CACHES, SPIN_COUNT, cpu_stall_us, set_openmp_defaults, threads_waited_us
+from engine.runner.thread_governor import DOWN_WINDOWS, IDLE_RESET_S, MAX_HOLD_S, MIN_HOLD_S, WINDOW_S, ThreadGovernor
 
 ROOT = Path(__file__).resolve().parent.parent
+DROP_S = DOWN_WINDOWS * (WINDOW_S + 0.05)  # contention long enough for a drop (windows close on 0.05 s steps)
 
 
 class Machine:
@@ -83,10 +84,22 @@ def test_a_rare_noisy_window_on_a_quiet_machine_moves_nothing():
     assert governor.threads == 2 and machine.set_calls == []
 
 
-def test_contention_drops_a_thread_within_two_windows_and_quiet_brings_it_back_after_the_hold():
+def test_a_servers_own_bursts_one_window_at_a_time_move_nothing():
+    """Regression (issue 43): serving 32 clients, the API process's and the clients' bursts put single
+    windows above the threshold (3 of 90 measured, never two in a row); each cost a drop to one thread
+    for at least a hold, and a whole prefill step with it."""
     machine = Machine()
     governor = machine.governor()
-    machine.run(governor, 2 * WINDOW_S + 0.05, stalled=0.9)
+    for _ in range(40):
+        machine.run(governor, WINDOW_S + 0.05, stalled=0.6)
+        machine.run(governor, 2 * (WINDOW_S + 0.05), stalled=0.1)
+    assert governor.threads == 2 and machine.set_calls == []
+
+
+def test_contention_drops_a_thread_after_two_windows_and_quiet_brings_it_back_after_the_hold():
+    machine = Machine()
+    governor = machine.governor()
+    machine.run(governor, DROP_S, stalled=0.9)
     assert governor.threads == 1 and machine.set_calls == [1]
     machine.run(governor, MIN_HOLD_S + 2 * WINDOW_S, stalled=0.0)  # the other task ended
     assert governor.threads == 2 and machine.set_calls == [1, 2]
@@ -99,7 +112,7 @@ def test_a_try_that_meets_contention_doubles_the_hold_up_to_its_cap():
     governor = machine.governor()
     holds, waits = [], []
     for _ in range(10):
-        machine.run_until(governor, 1, stalled=0.9, limit_s=2 * WINDOW_S + 0.05)  # at two threads: contention
+        machine.run_until(governor, 1, stalled=0.9, limit_s=DROP_S)  # at two threads: contention
         holds.append(governor.hold_s)
         # at one thread: no pressure, until the hold is over and a try goes back to two
         waits.append(machine.run_until(governor, 2, stalled=0.0, limit_s=governor.hold_s + WINDOW_S + 0.05))
@@ -111,11 +124,11 @@ def test_a_try_that_survives_resets_the_hold():
     machine = Machine()
     governor = machine.governor()
     for _ in range(3):  # hold grows to 4 s
-        machine.run_until(governor, 1, stalled=0.9, limit_s=2 * WINDOW_S + 0.05)
+        machine.run_until(governor, 1, stalled=0.9, limit_s=DROP_S)
         machine.run_until(governor, 2, stalled=0.0, limit_s=governor.hold_s + WINDOW_S + 0.05)
     assert governor.hold_s == 4 and governor.threads == 2
     machine.run(governor, 5 * WINDOW_S, stalled=0.0)  # the try survives
-    machine.run(governor, 2 * WINDOW_S + 0.05, stalled=0.9)  # new contention, later
+    machine.run(governor, DROP_S, stalled=0.9)  # new contention, later
     assert governor.threads == 1 and governor.hold_s == MIN_HOLD_S
 
 
@@ -125,9 +138,9 @@ def test_the_first_step_after_an_idle_gap_runs_on_every_thread_and_judging_start
     machine = Machine()
     governor = machine.governor()
     for _ in range(3):  # contention, and tries that meet it: the hold grows to 4 s
-        machine.run_until(governor, 1, stalled=0.9, limit_s=2 * WINDOW_S + 0.05)
+        machine.run_until(governor, 1, stalled=0.9, limit_s=DROP_S)
         machine.run_until(governor, 2, stalled=0.0, limit_s=governor.hold_s + WINDOW_S + 0.05)
-    machine.run_until(governor, 1, stalled=0.9, limit_s=2 * WINDOW_S + 0.05)
+    machine.run_until(governor, 1, stalled=0.9, limit_s=DROP_S)
     assert governor.hold_s == 8 and machine.set_calls[-1] == 1
     machine.idle(5.0, stalled=0.0)  # the neighbour is gone; the engine waits for a request
     threads_seen = []
@@ -137,7 +150,7 @@ def test_the_first_step_after_an_idle_gap_runs_on_every_thread_and_judging_start
     assert threads_seen == [2] and machine.set_calls[-1] == 2
     assert governor.hold_s == MIN_HOLD_S
     # The contention comes back: the judgement is the fresh one's, and a drop holds MIN_HOLD_S, not 16 s.
-    machine.run_until(governor, 1, stalled=0.9, limit_s=2 * WINDOW_S + 0.05)
+    machine.run_until(governor, 1, stalled=0.9, limit_s=DROP_S)
     assert governor.hold_s == MIN_HOLD_S
 
 
@@ -153,7 +166,7 @@ def test_a_window_open_before_an_idle_gap_is_dropped():
 def test_a_gap_shorter_than_the_idle_reset_keeps_the_judgement():
     machine = Machine()
     governor = machine.governor()
-    machine.run_until(governor, 1, stalled=0.9, limit_s=2 * WINDOW_S + 0.05)
+    machine.run_until(governor, 1, stalled=0.9, limit_s=DROP_S)
     for _ in range(3):
         machine.idle(IDLE_RESET_S / 2, stalled=0.0)
         machine.run(governor, 0.05, stalled=0.0)
@@ -319,3 +332,20 @@ def test_the_metrics_say_how_long_the_forward_ran_at_each_thread_count_and_how_o
     assert seconds == pytest.approx({str(k): v for k, v in governor.time_at_threads().items()})
     assert seconds["1"] > 0 and seconds["2"] > 0
     assert families["prefix_console:forward_thread_changes"].samples[0].value == governor.changes == 1
+
+
+def test_the_governor_reads_its_own_threads_waits_not_the_machines_pressure(tmp_path):
+    """Regression (issue 43): judged by the machine's pressure, the server's own API process and clients
+    waiting for the engine's cores made the governor give one up (19.5 of 74 s of 32-client serving on one
+    thread; TTFT p50 4.1 s against 2.3-3.0 s at two). The signal is this process's threads' run delay."""
+    from engine.runner import thread_governor
+
+    tasks = tmp_path / "task"
+    for tid, delay_ns in ((101, 2_000_000), (102, 3_500_000), (103, 0)):
+        (tasks / str(tid)).mkdir(parents=True)
+        (tasks / str(tid) / "schedstat").write_text(f"123456 {delay_ns} 7\n")
+    (tasks / "104").mkdir()  # a thread that ended between the listing and the read
+    assert threads_waited_us(tasks) == 5_500
+    assert threads_waited_us(tmp_path / "absent") is None
+    assert threads_waited_us() is not None  # this kernel keeps it: the governor is on here
+    assert ThreadGovernor.__init__.__kwdefaults__["read_stall_us"] is thread_governor.waited_per_thread_us

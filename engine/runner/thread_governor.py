@@ -2,25 +2,34 @@
 
 With OpenMP workers that spin briefly (engine/openmp.py), a forward on every core is fastest while the
 machine is quiet and 2.5x slower than on one thread as soon as another task wants a core. The governor
-reads the kernel's CPU pressure (time during which some runnable task waited for a CPU) while the
-engine steps, never while it idles (another engine or a compile running then says nothing about the
-forward), and moves the thread count one at a time once it has `WINDOW_S` of stepping to judge by:
+reads how long the engine's own threads waited for a CPU while it steps (`waited_per_thread_us`: the
+scheduler's run delay of this process's threads, per forward thread), never while it idles, and moves
+the thread count one at a time once it has `WINDOW_S` of stepping to judge by:
 
-    down    pressure above `PRESSURE` with more than one thread: one thread fewer.
+    down    pressure above `PRESSURE` in `DOWN_WINDOWS` windows in a row, with more than one thread:
+            one thread fewer.
     up      `hold_s` after the last move down, a window without pressure: one thread more (a try).
 
-Measured on 2 cores (SmolLM2 steps, 0.25 s windows): 0.01-0.06 quiet, a rare window at 0.2; 0.40-0.47
-beside one busy task at two threads; 0.01 at one thread. At fewer threads the pressure cannot say
-whether more would fit (one thread and one busy task share two cores without waiting), so going up is
-a try: a try that meets pressure within its first two windows doubles the hold (1 s up to 32 s), and
-a drop after a try that survived starts again from 1 s. Under steady contention the engine spends at
-most one window in 32 s at the count that does not fit.
+Its own threads, not the machine's pressure (Linux PSI "some": any task waiting), because a server's
+own API process and its clients wait for the engine's cores too, and that is no reason to give one up.
+Measured on 2 cores serving SmolLM2 to 32 openai clients (the API process and the clients beside it),
+1 s windows at a fixed two threads: the engine's threads waited 0.08 of the time per thread at the
+median (p90 0.22), and 0.45 (p10 0.40) with a process busy on one core beside them; the machine's PSI
+read 0.10 (p90 0.29) and 0.48. Judged by PSI, the governor spent 19.5 of 74 s of that serving on one
+thread and the 32-client TTFT p50 was 4.1 s, against 2.3-3.0 s at a fixed two threads (vLLM's CPU
+build: 2.7-3.2 s). In 0.25 s windows the serving alone put 3 of 90 windows above 0.40 and never two in a
+row; beside the busy process 85 of 89 were, 81 times two in a row: hence two windows in a row above 0.40.
+
+At fewer threads the wait cannot say whether more would fit (one thread and one busy task share two
+cores without waiting), so going up is a try: a try given up within its first three windows doubles
+the hold (1 s up to 32 s), and a drop after a try that survived starts again from 1 s. Under steady
+contention the engine spends at most two windows in 32 s at the count that does not fit.
 
 A judgement made before the engine idled is stale: the task it yielded to may be gone. The first step
 after at least `IDLE_RESET_S` without one runs on `max_threads`, with the hold back at `MIN_HOLD_S` and
 an empty window, and judging starts afresh (issue 43: a request after a pause, what an operator's click
 and most API traffic are, ran 0.63 s at the one thread a neighbour's earlier burst had left, 0.22 s on
-two). Under steady contention that costs the first window after each pause at the count that does not fit.
+two). Under steady contention that costs the first two windows after each pause at the count that does not fit.
 
 Every change of count is logged at INFO (from, to, and the pressure or the idle gap that moved it), and
 counted: `changes`, and `time_at_threads()`, the seconds of stepping at each count (exported on
@@ -44,12 +53,21 @@ from contextlib import contextmanager
 
 import torch
 
-from engine.openmp import cpu_stall_us
+from engine.openmp import threads_waited_us
 
 logger = logging.getLogger(__name__)
 
 WINDOW_S = 0.25  # seconds of stepping before any judgement
-PRESSURE = 0.30  # share of the stepping time during which some task waited for a CPU
+PRESSURE = 0.40  # share of the stepping time during which the engine's threads waited for a CPU, per thread
+DOWN_WINDOWS = 2  # windows in a row above PRESSURE before a thread is given up (a client's burst is one)
+
+
+def waited_per_thread_us() -> int | None:
+    """Microseconds this process's threads have waited for a CPU (engine/openmp.py's `threads_waited_us`)
+    divided by the forward's thread count: comparable across counts, since the count only changes between
+    two windows. None where the kernel does not keep it."""
+    waited = threads_waited_us()
+    return None if waited is None else waited // torch.get_num_threads()
 MIN_HOLD_S = 1.0
 MAX_HOLD_S = 32.0
 IDLE_RESET_S = 1.0  # a gap between steps at least this long makes the next step start afresh on max_threads
@@ -62,7 +80,7 @@ class ThreadGovernor:
         self,
         max_threads: int,
         *,
-        read_stall_us: Callable[[], int | None] = cpu_stall_us,
+        read_stall_us: Callable[[], int | None] = waited_per_thread_us,
         set_threads: Callable[[int], None] = torch.set_num_threads,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
@@ -77,13 +95,14 @@ class ThreadGovernor:
         self._stalled_us = 0  # pressure counted during it
         self._lowered_at = clock()
         self._try_windows: int | None = None  # windows closed since the last try, while it can still fail
+        self._windows_over = 0  # windows in a row above PRESSURE at the current count
         self._last_step_end: float | None = None  # None before the first step
         self._time_at = {n: 0.0 for n in range(1, max_threads + 1)}  # stepping seconds at each count
 
     @classmethod
     def for_device(cls, device: torch.device) -> ThreadGovernor | None:
-        """A governor for a CPU forward on several threads where the kernel reports CPU pressure; else None."""
-        if device.type != "cpu" or cpu_stall_us() is None or torch.get_num_threads() < 2:
+        """A governor for a CPU forward on several threads where the kernel reports its threads' waits; else None."""
+        if device.type != "cpu" or threads_waited_us() is None or torch.get_num_threads() < 2:
             return None
         return cls(torch.get_num_threads())
 
@@ -117,12 +136,13 @@ class ThreadGovernor:
     def _start_afresh(self, idle_s: float) -> None:
         """Forget what was judged before an idle gap: every thread, the shortest hold, an empty window."""
         self.hold_s, self._try_windows = MIN_HOLD_S, None
-        self._stepping_s, self._stalled_us = 0.0, 0
+        self._stepping_s, self._stalled_us, self._windows_over = 0.0, 0, 0
         if self.threads != self.max_threads:
             self._move(self.max_threads, f"idle {idle_s:.1f} s")
 
     def _judge(self, pressure: float, now: float) -> None:
-        if pressure > PRESSURE and self.threads > 1:
+        self._windows_over = self._windows_over + 1 if pressure > PRESSURE else 0
+        if self._windows_over >= DOWN_WINDOWS and self.threads > 1:
             failed_try = self._try_windows is not None
             self.hold_s = min(self.hold_s * 2, MAX_HOLD_S) if failed_try else MIN_HOLD_S
             self._move(self.threads - 1, f"pressure {pressure:.2f}")
@@ -132,11 +152,11 @@ class ThreadGovernor:
             self._try_windows = 0
         elif self._try_windows is not None:
             self._try_windows += 1
-            if self._try_windows >= 2:
-                self._try_windows = None  # the try survived two windows
+            if self._try_windows > DOWN_WINDOWS:
+                self._try_windows = None  # the try survived: contention now is news, not the same
 
     def _move(self, threads: int, why: str) -> None:
         logger.info("forward threads %d -> %d (%s)", self.threads, threads, why)
-        self.threads = threads
+        self.threads, self._windows_over = threads, 0
         self.changes += 1
         self._set_threads(threads)
