@@ -21,7 +21,7 @@ from engine.runner.attention_plan import ALWAYS_CASCADE
 from engine.runner.decoder_forward import DecoderForward, FusedLinear, unsupported_reason
 from engine.runner.model_loading import _describe, load_model
 from engine.runner.model_runner import GroupSlots, ModelRunner, SeqChunk
-from engine.runner.packed_linear import PANEL_ROWS, packs_linears
+from engine.runner.packed_linear import linear_kernels
 from tests.engine_support import RUNNER_BLOCK_SIZE as BLOCK_SIZE
 from tests.engine_support import RUNNER_NUM_BLOCKS as NUM_BLOCKS
 from tests.engine_support import tokens
@@ -62,8 +62,8 @@ def test_the_decoder_forward_computes_what_transformers_modules_compute(tmp_path
                     NUM_BLOCKS, BLOCK_SIZE, cascade=ALWAYS_CASCADE, decoder_forward=decoder)
         for decoder in (True, False)
     ]
-    kernels = f"panels up to {PANEL_ROWS} rows, oneDNN above" if packs_linears(torch.device("cpu"), getattr(torch, dtype)) \
-        else "F.linear"  # bf16 on a CPU without oneDNN's bf16 matmul
+    kernels = linear_kernels(torch.device("cpu"), getattr(torch, dtype))
+    assert kernels.startswith("panels up to ") and ", oneDNN above" in kernels
     assert runners[0].forward_path == f"decoder, fused CPU ops, linears: {kernels}"
     assert runners[0].decoder is not None
     assert runners[1].forward_path.startswith("transformers") and runners[1].decoder is None
@@ -111,8 +111,6 @@ def test_unsupported_layouts_are_named():
 @pytest.mark.parametrize("packed", [True, False])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fused_linears_return_each_groups_outputs_side_by_side(packed, dtype):
-    if packed and not packs_linears(torch.device("cpu"), dtype):
-        pytest.skip("this CPU has no oneDNN bf16 matmul: bf16 linears are never packed here")
     torch.manual_seed(1)
     linears = [nn.Linear(24, out, bias=bias).to(dtype) for out, bias in ((16, True), (8, False), (40, True))]
     fused = FusedLinear([linears[:2], linears[2:]], packed=packed)

@@ -31,6 +31,11 @@ does not depend on the rows beside it. Fusing a gated MLP's gate and up projecti
 measured no faster (oneDNN, fp32 or bf16); the decoder forward (engine/runner/decoder_forward.py) fuses
 them for its fused elementwise step.
 
+Where oneDNN has no bf16 matmul (no AVX-512 BW/VL/DQ nor AVX-NE-CONVERT: an AVX2 machine), a bf16
+weight's oneDNN copy is widened to float32 and the calls above the panels' rows widen their input and
+round their output back: the same products (exact in float32) summed in another order. Its cost is
+memory: that copy is twice the bf16 weight's size.
+
 The original weights stay in place (state dicts, tied embeddings, the reference forward and other devices
 are unchanged); each packed layout costs as much memory again as the packed layers' weights (SmolLM2
 fp32: 425 MB of decoder linears, 113 MB of LM head; the panels only where the engine's library is loaded
@@ -61,7 +66,8 @@ WIDENED_BF16_ROWS = 4  # the same for bf16 panels without the CPU's bf16 dot pro
 class PackedWeight:
     """A linear layer's [N, K] weight packed once: oneDNN's layout, and column panels where they serve."""
 
-    onednn: torch.Tensor
+    onednn: torch.Tensor  # float32 for a bf16 weight where oneDNN has no bf16 matmul (`widened`)
+    widened: bool  # the oneDNN copy is the bf16 weight widened to float32: calls widen their input
     panels: torch.Tensor | None  # `pack_panels`' layout; None without a passing panel probe or when 32 does not divide N
     panel_rows: int  # calls of at most this many rows run on the panels
 
@@ -86,6 +92,9 @@ def packed_linear(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | No
     in_features = x.shape[-1]
     rows = x.numel() // max(1, in_features)
     if packed.panels is None or rows > packed.panel_rows or rows == 0:
+        if packed.widened:  # bf16 products are exact in float32: only the summation order differs
+            wide_bias = None if bias is None else bias.float()
+            return torch.ops.mkldnn._linear_pointwise(x.float(), packed.onednn, wide_bias, "none", [], "").to(x.dtype)
         return torch.ops.mkldnn._linear_pointwise(x, packed.onednn, bias, "none", [], "")
     flat = x.reshape(rows, in_features)
     if flat.stride(1) != 1:
@@ -101,12 +110,20 @@ def pack_weight(weight: torch.Tensor) -> PackedWeight:
         StaleKernelLibraryError: the kernel library is stale (engine/runner/native_kernels.py).
     """
     weight = weight.detach()
-    onednn = torch.ops.mkldnn._reorder_linear_weight(weight, BATCH_HINT)
+    widened = weight.dtype == torch.bfloat16 and not onednn_has_bf16_matmul()
+    onednn = torch.ops.mkldnn._reorder_linear_weight(weight.float() if widened else weight, BATCH_HINT)
     panel = probe("panel_linear", ProbeCase.tiny(weight.dtype))
     if not panel.passed or weight.shape[0] % PANEL_WIDTH != 0:
-        return PackedWeight(onednn, None, 0)
+        return PackedWeight(onednn, widened, None, 0)
     panels = on_huge_pages(panel.ops.pack_panels(weight))  # streamed whole by every decode step
-    return PackedWeight(onednn, panels, panel_rows(panels))
+    return PackedWeight(onednn, widened, panels, panel_rows(panels))
+
+
+def onednn_has_bf16_matmul() -> bool:
+    """Whether oneDNN multiplies bf16 on this CPU (AVX-512 BW/VL/DQ or AVX-NE-CONVERT); without, its
+    reorder of a bf16 weight raises and `F.linear` in bf16 crawls (a served 8-client cell took 4.3x its
+    float32 time), so bf16 linears multiply on float32 copies of their weights instead."""
+    return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
 def panel_rows(panels: torch.Tensor) -> int:
@@ -115,11 +132,8 @@ def panel_rows(panels: torch.Tensor) -> int:
 
 
 def packs_linears(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether linears on this device and dtype run on packed weights (the CPU with oneDNN, fp32 or bf16;
-    bf16 only where oneDNN's bf16 matmul runs: AVX-512 BW/VL/DQ or AVX-NE-CONVERT, else `F.linear`)."""
-    if device.type != "cpu" or dtype not in PACKED_DTYPES or not torch.backends.mkldnn.is_available():
-        return False
-    return dtype != torch.bfloat16 or bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    """Whether linears on this device and dtype run on packed weights (the CPU with oneDNN, fp32 or bf16)."""
+    return device.type == "cpu" and dtype in PACKED_DTYPES and torch.backends.mkldnn.is_available()
 
 
 def linear_kernels(device: torch.device, dtype: torch.dtype) -> str:
@@ -130,7 +144,8 @@ def linear_kernels(device: torch.device, dtype: torch.dtype) -> str:
     if not panel.passed:
         return f"oneDNN (no panel kernel: {panel.note})"
     rows = panel_rows(panel.ops.pack_panels(torch.zeros(PANEL_WIDTH, 2, dtype=dtype)))
-    return f"panels up to {rows} rows, oneDNN above"
+    widened = dtype == torch.bfloat16 and not onednn_has_bf16_matmul()
+    return f"panels up to {rows} rows, oneDNN above" + (" (on float32 copies: no bf16 matmul here)" if widened else "")
 
 
 def pack_linears(model: nn.Module, device: torch.device, dtype: torch.dtype) -> int:
