@@ -78,7 +78,7 @@ endif
 OPTIMIZED_TESTS := tests/test_kv_cache_manager.py tests/test_kv_cache_manager_properties.py \
 	tests/test_block_pool_properties.py tests/test_block_pool_batched_eviction.py tests/test_block_pool_chain.py \
 	tests/test_kv_coordinator_properties.py tests/test_request.py \
-	tests/test_engine.py tests/test_sliding_window.py tests/test_eviction.py
+	tests/test_engine.py tests/test_sliding_window.py tests/test_eviction.py tests/test_kv_tier.py
 
 test: install system-deps
 	$(PY) -m pytest -q -p no:cacheprovider tests
