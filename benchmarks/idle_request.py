@@ -2,7 +2,9 @@
 
 The SmolLM2 engine runs in this process on the calling thread (as `cli serve`'s engine thread steps it).
 One request shape: a cached 1,024-token prefix, a fresh 16-token suffix, 8 new tokens. Each repeat
-sleeps `--idle` seconds (5), times one request (idle), then at once a second (after another). Timed
+sleeps `--idle` seconds (5) plus a random fraction of a second (a whole number of seconds would start
+every idle request at the same phase of the 1 s neighbour's cycle), times one request (idle), then at
+once a second (after another). Timed
 under four neighbours, one at a time:
 
     quiet       nothing else started by this script
@@ -148,7 +150,7 @@ def main() -> None:
                                 timed_request()
                         finally:
                             stop(burst)
-                    time.sleep(args.idle)
+                    time.sleep(args.idle + rng.random())  # a random phase against a periodic neighbour's bursts
                     idle, share = timed_request()
                     after, _ = timed_request()
                     r = results[label]
