@@ -86,7 +86,11 @@ def latency_ms(url: str, times: int = 50) -> float:
 def measure(base: str, pid: int) -> dict[str, float]:
     sizes = tree_rss_mb(pid)
     print("  RSS MB per process: " + ", ".join(f"{p}: {mb:.0f}" for p, mb in sorted(sizes.items())), flush=True)
+    with urllib.request.urlopen(f"{base}/metrics", timeout=60) as response:
+        tier = {line.split("{")[0].removeprefix("prefix_console:kv_tier_"): float(line.split()[-1])
+                for line in response.read().decode().splitlines() if line.startswith("prefix_console:kv_tier_")}
     return {
+        "tier": tier,
         "rss_mb": sum(sizes.values()),
         "metrics_ms": latency_ms(f"{base}/metrics"),
         "snapshot_ms": latency_ms(f"{base}/engine/snapshot"),
@@ -189,6 +193,7 @@ def main() -> int:
     parser.add_argument("--checkpoint", type=int, default=2_000)
     parser.add_argument("--clients", type=int, default=16)
     parser.add_argument("--model", default="tiny-chat")
+    parser.add_argument("--tier-gib", type=float, default=0.0, help="with a disk KV tier of this size (0: none)")
     args = parser.parse_args()
     if not 0 < args.checkpoint < args.requests:
         parser.error("--checkpoint must be between 0 and --requests")
@@ -196,6 +201,8 @@ def main() -> int:
     db_url = f"sqlite:///{work / 'history.sqlite'}"
     argv = [sys.executable, "-m", "cli", "serve", "--model", args.model, "--device", "cpu", "--num-blocks", "512",
             "--port", str(free_port()), "--db", db_url, "--max-in-flight", "256"]  # fmt: skip
+    if args.tier_gib:  # evicted blocks go to disk and come back: the tier's index and queues must stay bounded too
+        argv += ["--offload-dir", str(work / "tier"), "--offload-gib", str(args.tier_gib)]
     server = start_server("the engine server", argv, dict(os.environ), work / "server.log")
     base = server.url
     try:
@@ -213,6 +220,8 @@ def main() -> int:
         print(f"| {key} | {first[key]:.1f} | {last[key]:.1f} | "
               f"{last[key] - first[key]:+.1f} ({last[key] / max(first[key], 1e-9):.2f}x) |")  # fmt: skip
     print(f"history: {len(finished) - missing:,}/{len(finished):,} finished requests stored")
+    if args.tier_gib:
+        print("disk tier: " + ", ".join(f"{name} {value:,.0f}" for name, value in last["tier"].items()))
     failures = []
     if growth > RSS_GROWTH_LIMIT_MB:
         failures.append(f"RSS grew by {growth:.0f} MB")
