@@ -56,7 +56,7 @@ def build_parts(config: EngineConfig, loaded: LoadedModel) -> EngineParts:
         block_size=config.block_size,
         attention_spec=loaded.attention_spec,
     )
-    disk, index = open_disk_tier(config, runner, namespace)
+    disk, index = open_disk_tier(config, runner, namespace, log)
     core = build_core(config, runner.groups, namespace, log, num_blocks, eos_token_ids=loaded.eos_token_ids, tier=index)
     verifier = ReplayVerifier(runner, log) if config.verify_replay else None
     limits = ModelLimits(int(loaded.model.config.vocab_size), int(loaded.max_position_embeddings))
@@ -66,7 +66,7 @@ def build_parts(config: EngineConfig, loaded: LoadedModel) -> EngineParts:
 
 
 def open_disk_tier(
-    config: EngineConfig, runner: ModelRunner, namespace: CacheNamespace
+    config: EngineConfig, runner: ModelRunner, namespace: CacheNamespace, log: EventLog
 ) -> tuple[DiskTier | None, TierIndex | None]:
     """The disk tier `config.offload_dir` names (its byte copies and its index, warm with what the directory
     holds), behind the full-attention group's pool; (None, None) without one.
@@ -85,6 +85,6 @@ def open_disk_tier(
     block_shape = (kv.shape[0], kv.shape[1], kv.shape[2], kv.shape[4], kv.shape[5])
     geometry = TierGeometry.sized(block_shape, kv.element_size(), config.offload_gib)
     disk = DiskTier(TierFiles(config.offload_dir, namespace, geometry), kv)
-    index = TierIndex(geometry.num_slots, config.block_size, geometry.slot_bytes, disk.writes)
+    index = TierIndex(geometry.num_slots, config.block_size, geometry.slot_bytes, disk.writes, log)
     index.restore(disk.files.restored)
     return disk, index

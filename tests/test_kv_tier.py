@@ -24,6 +24,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 from engine.core.block import Block
 from engine.core.chain_keys import ChainKeys, chain_key
 from engine.core.config import EngineConfig
+from engine.core.events import EventKind, EventLog, TierReason
 from engine.core.kv_tier import TierIndex, TierStore, TierTransfers, TierWrite
 from engine.core.namespace import CacheNamespace
 from cli.__main__ import main
@@ -257,8 +258,11 @@ class TierIndexMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
         self.writes: queue.SimpleQueue[TierWrite] = queue.SimpleQueue()
-        self.index = TierIndex(3, 2, 64, self.writes)
+        self.log = EventLog()
+        self.index = TierIndex(3, 2, 64, self.writes, self.log)
         self.in_flight: list = []
+        self.events: list = []
+        self.planned_stores = 0
 
     @rule(i=st.integers(0, len(KEYS) - 1))
     def offer(self, i):
@@ -267,7 +271,9 @@ class TierIndexMachine(RuleBasedStateMachine):
 
     @rule()
     def take(self):
-        self.in_flight += list(self.index.take_transfers().stores)
+        stores = list(self.index.take_transfers().stores)
+        self.in_flight += stores
+        self.planned_stores += len(stores)
 
     @rule(ok=st.booleans())
     def writer_reports(self, ok):
@@ -284,6 +290,7 @@ class TierIndexMachine(RuleBasedStateMachine):
             self.index.plan_loads("r", found, [0])
             loads = self.index.take_transfers()
             self.in_flight += list(loads.stores)
+            self.planned_stores += len(loads.stores)
             if corrupt:
                 self.index.discard(loads.loads[0])
                 assert not self.index.find(keys, [i, i], 0, 1)
@@ -293,6 +300,21 @@ class TierIndexMachine(RuleBasedStateMachine):
         self.index.check_invariants()
         stats = self.index.stats()
         assert stats.ready_blocks + stats.writing_blocks <= stats.num_slots
+
+    @invariant()
+    def every_counted_change_is_an_event(self):
+        """The history sees what the counters count: a DEMOTE per planned store, a TIER_DROP per drop, a
+        TIER_EVICT per LRU eviction and per corrupt load of a held block, PROMOTE tokens = hit tokens."""
+        self.events += self.log.take()
+        stats = self.index.stats()
+        count = lambda kind, reason=None: sum(  # noqa: E731
+            1 for e in self.events if e.kind is kind and (reason is None or e.detail["reason"] == reason)
+        )
+        assert count(EventKind.DEMOTE) == self.planned_stores
+        assert count(EventKind.TIER_DROP) == stats.drops
+        assert count(EventKind.TIER_EVICT, TierReason.LRU) == stats.evictions
+        assert count(EventKind.TIER_EVICT, TierReason.CORRUPT) <= stats.corrupt
+        assert sum(e.tokens for e in self.events if e.kind is EventKind.PROMOTE) == stats.hit_tokens
 
 
 TestTierIndex = TierIndexMachine.TestCase

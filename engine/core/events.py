@@ -29,6 +29,10 @@ class EventKind(enum.StrEnum):
     FINISH = "finish"  # a request finished (detail: reason, output length)
     REPLAY = "replay"  # sliding-window state was recomputed on a hit (detail: h, s, e, r, mode)
     WINDOW_RELEASE = "window_release"  # sliding-layer blocks outside the window were released
+    DEMOTE = "demote"  # an evicted cached block's K/V go to the disk tier (its store is planned)
+    PROMOTE = "promote"  # disk-tier blocks are read into a request's fresh pool blocks (a hit from disk)
+    TIER_EVICT = "tier_evict"  # the disk tier gave up a block it held (reason in detail)
+    TIER_DROP = "tier_drop"  # an evicted block the disk tier did not take (reason in detail): plain eviction
 
 
 class EvictReason(enum.StrEnum):
@@ -41,6 +45,15 @@ class EvictReason(enum.StrEnum):
     RESET = "reset"  # an operator reset the prefix cache
     PARENT_EVICTED = "parent_evicted"  # its chain parent left the index, so its key can never match
     WINDOW = "window"  # sliding-layer state dropped outside the retained window
+
+
+class TierReason(enum.StrEnum):
+    """Why the disk tier gave up a block (TIER_EVICT) or did not take one (TIER_DROP)."""
+
+    LRU = "lru"  # TIER_EVICT: the least recently used block made room for a newer store
+    CORRUPT = "corrupt"  # TIER_EVICT: its bytes failed their checksum on a load (recomputed, never served)
+    FULL = "full"  # TIER_DROP: every slot was being written or pinned by a planned load
+    WRITER = "writer"  # TIER_DROP: the writer's queue was full or the write failed
 
 
 class Event(NamedTuple):
@@ -86,6 +99,14 @@ class Event(NamedTuple):
 #   REPLAY: h, s, e, r, mode (ReplayMode value), replayed_tokens; a verification adds verified and the
 #           Divergence fields (engine/runner/verify.py).
 #   WINDOW_RELEASE: num_blocks, block_ids, group.
+#   DEMOTE: key (hex), parent_key (hex), slot (the tier slot); block_id is the pool block it leaves,
+#           tokens the block size.
+#   PROMOTE: block_ids (the request's fresh pool blocks, in table order), keys (hex, one per block), slots;
+#           request_id is the request, tokens the promoted tokens. (The blocks' ALLOCATE counted them.)
+#   TIER_EVICT: key (hex), slot, reason (TierReason: lru | corrupt) (the block's DEMOTE under the same key
+#           says when it was stored).
+#   TIER_DROP: key (hex), reason (TierReason: full | writer); block_id the pool block (full) or None.
+#   SCHEDULE also carries disk_cached_tokens: of cached_tokens, those promoted from the disk tier.
 #
 # Every change of a block's reference count is named by exactly one event's block_ids: ALLOCATE sets it
 # to 1, HIT and FORK add one, RELEASE drops one (a COW is the ALLOCATE of its copy and the RELEASE of

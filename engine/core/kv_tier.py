@@ -40,6 +40,7 @@ from typing import NamedTuple, Sequence
 from engine.core.block import Block
 from engine.core.chain_keys import ChainKeys
 from engine.core.errors import InvariantError, require
+from engine.core.events import EventKind, EventLog, TierReason
 
 
 @dataclass(slots=True)
@@ -113,12 +114,21 @@ class TierStats:
 class TierIndex:
     """The disk tier's bookkeeping: entries by key, free slots, the LRU order, pending stores and loads."""
 
-    def __init__(self, num_slots: int, block_size: int, slot_bytes: int, writes: queue.SimpleQueue[TierWrite]) -> None:
+    def __init__(
+        self,
+        num_slots: int,
+        block_size: int,
+        slot_bytes: int,
+        writes: queue.SimpleQueue[TierWrite],
+        log: EventLog | None = None,
+    ) -> None:
         """Args:
             num_slots: blocks the tier's files hold (>= 1).
             block_size: tokens per block.
             slot_bytes: bytes of one block's K/V in the tier (for the byte counters).
             writes: where the writer thread reports each store (`settle` drains it).
+            log: where the tier's DEMOTE, PROMOTE, TIER_EVICT and TIER_DROP events go (engine/core/events.py);
+                None: a log that keeps nothing.
         """
         if num_slots < 1 or block_size < 1 or slot_bytes < 1:
             raise ValueError("a tier needs at least one slot, a block size and a slot size")
@@ -126,6 +136,7 @@ class TierIndex:
         self.block_size = block_size
         self.slot_bytes = slot_bytes
         self._writes = writes
+        self._log = log if log is not None else EventLog(recording=False)
         self._entries: dict[bytes, TierEntry] = {}  # key -> entry, writing or ready
         self._lru: OrderedDict[bytes, TierEntry] = OrderedDict()  # the ready entries, least recently used first
         self._free: list[int] = list(range(num_slots - 1, -1, -1))  # free slots, popped from the end
@@ -201,6 +212,14 @@ class TierIndex:
             self._loads.append(TierLoad(request_id, entry.slot, block_id, entry.key, entry.checksum or 0))
         self.loads += len(entries)
         self.hit_tokens += len(entries) * self.block_size
+        if entries:
+            detail = {
+                "block_ids": list(block_ids),
+                "keys": [entry.key.hex() for entry in entries],
+                "slots": [entry.slot for entry in entries],
+            }
+            tokens = len(entries) * self.block_size
+            self._log.emit(EventKind.PROMOTE, detail, request_id=request_id, block_id=block_ids[0], tokens=tokens)
 
     def take_transfers(self) -> TierTransfers:
         """The step's stores (a slot for each block offered since the last call, or a drop) and its planned
@@ -212,11 +231,14 @@ class TierIndex:
             slot = self._free_slot()
             if slot is None:
                 self.drops += 1
+                self._log.emit(EventKind.TIER_DROP, {"key": key.hex(), "reason": TierReason.FULL.value}, block_id=block_id)
                 continue
             entry = TierEntry(key, parent_key, token_ids, slot, None, self._stamp)
             self._entries[key] = entry
             stores.append(TierStore(block_id, slot, key, parent_key, token_ids, self._stamp))
             self._stamp += 1
+            detail = {"key": key.hex(), "parent_key": parent_key.hex(), "slot": slot}
+            self._log.emit(EventKind.DEMOTE, detail, block_id=block_id, tokens=self.block_size)
         self._pending = []
         loads, self._loads = self._loads, []
         self._pinned.clear()
@@ -231,6 +253,8 @@ class TierIndex:
                 del self._lru[key]
                 del self._entries[key]
                 self.evictions += 1
+                detail = {"key": key.hex(), "slot": entry.slot, "reason": TierReason.LRU.value}
+                self._log.emit(EventKind.TIER_EVICT, detail, tokens=self.block_size)
                 return entry.slot
         return None
 
@@ -253,6 +277,7 @@ class TierIndex:
             del self._entries[write.key]
             self._free.append(write.slot)
             self.drops += 1
+            self._log.emit(EventKind.TIER_DROP, {"key": write.key.hex(), "reason": TierReason.WRITER.value})
             return
         entry.checksum = write.checksum
         self._lru[write.key] = entry
@@ -266,6 +291,8 @@ class TierIndex:
             del self._lru[load.key]
             del self._entries[load.key]
             self._free.append(load.slot)
+            detail = {"key": load.key.hex(), "slot": load.slot, "reason": TierReason.CORRUPT.value}
+            self._log.emit(EventKind.TIER_EVICT, detail, request_id=load.request_id, tokens=self.block_size)
 
     # ------------------------------------------------------------------ inspection
     def stats(self) -> TierStats:

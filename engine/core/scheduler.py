@@ -267,6 +267,7 @@ class Scheduler:
         if first_time:
             detail = {
                 "cached_tokens": request.cached_tokens,
+                "disk_cached_tokens": request.disk_cached_tokens,
                 "computed_tokens": request.num_prompt_tokens - start,
                 "hit_source": request.hit_source.value,
             }
