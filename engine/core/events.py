@@ -99,7 +99,7 @@ class Event(NamedTuple):
 #   REPLAY: h, s, e, r, mode (ReplayMode value), replayed_tokens; a verification adds verified and the
 #           Divergence fields (engine/runner/verify.py).
 #   WINDOW_RELEASE: num_blocks, block_ids, group.
-#   DEMOTE: key (hex), parent_key (hex), slot (the tier slot); block_id is the pool block it leaves,
+#   DEMOTE: key (hex), parent_key (hex), slot (the tier slot), token_ids (the block's); block_id is the pool block it leaves,
 #           tokens the block size.
 #   PROMOTE: block_ids (the request's fresh pool blocks, in table order), keys (hex, one per block), slots;
 #           request_id is the request, tokens the promoted tokens. (The blocks' ALLOCATE counted them.)

@@ -237,7 +237,7 @@ class TierIndex:
             self._entries[key] = entry
             stores.append(TierStore(block_id, slot, key, parent_key, token_ids, self._stamp))
             self._stamp += 1
-            detail = {"key": key.hex(), "parent_key": parent_key.hex(), "slot": slot}
+            detail = {"key": key.hex(), "parent_key": parent_key.hex(), "slot": slot, "token_ids": list(token_ids)}
             self._log.emit(EventKind.DEMOTE, detail, block_id=block_id, tokens=self.block_size)
         self._pending = []
         loads, self._loads = self._loads, []
