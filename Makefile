@@ -12,7 +12,7 @@ MODEL    ?= smollm2
 DB       ?= sqlite:///$(CURDIR)/data/history.sqlite
 ENGINE   ?=
 
-.PHONY: install native system-deps run test bench live-vllm peer-vllm serving-peer soak
+.PHONY: install native system-deps run test bench live-vllm peer-vllm kv-tiers serving-peer soak
 
 $(STAMP): requirements.txt requirements-interop.txt
 	python3 -m venv $(VENV)
@@ -110,6 +110,12 @@ live-vllm: install $(VLLM_STAMP)
 # on 2 quiet cores, vLLM's first start compiles for several; not part of `make test`). PEER_ARGS=--quick: small cells.
 peer-vllm: install $(VLLM_STAMP)
 	$(PY) benchmarks/peer_vllm.py $(PEER_ARGS)
+
+# The disk KV tier's bar: 32 1,024-token prefixes cycled through a pool for 8, with and without the tier,
+# interleaved, same outputs; then the first request after a restart (benchmarks/kv_tiers.py: about 15 minutes
+# on 2 quiet cores; not part of `make test`). TIER_ARGS=--quick: 8 prefixes, a pool for 2.
+kv-tiers: install
+	$(PY) benchmarks/kv_tiers.py $(TIER_ARGS)
 
 # This engine's server against vLLM's OpenAI server (CPU build) through the openai SDK, the four cells of
 # benchmarks/serving_peer.py, interleaved, fp32 then bf16 (tens of minutes; not part of `make test`).
