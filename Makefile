@@ -117,6 +117,41 @@ peer-vllm: install $(VLLM_STAMP)
 kv-tiers: install
 	$(PY) benchmarks/kv_tiers.py $(TIER_ARGS)
 
+# llama.cpp and OpenVINO GenAI, each in its own virtual environment (never .venv), for benchmarks/peer_cpu.py.
+# llama-server is built from the llama.cpp source that the llama-cpp-python sdist vendors, natively for this
+# CPU and static (about 15 minutes on 2 cores); its converter's gguf-py comes from the same tree.
+LLAMACPP_VENV  := .venv-llamacpp
+LLAMACPP_STAMP := $(LLAMACPP_VENV)/.installed
+LLAMACPP_SRC   := $(LLAMACPP_VENV)/src/llama_cpp_python-0.3.36/vendor/llama.cpp
+OPENVINO_VENV  := .venv-openvino
+OPENVINO_STAMP := $(OPENVINO_VENV)/.installed
+
+$(LLAMACPP_STAMP): requirements-peer-llamacpp.txt
+	python3 -m venv $(LLAMACPP_VENV)
+	$(LLAMACPP_VENV)/bin/pip install -q --only-binary :all: -r requirements-peer-llamacpp.txt
+	rm -rf $(LLAMACPP_VENV)/src $(LLAMACPP_VENV)/build && mkdir -p $(LLAMACPP_VENV)/src
+	$(LLAMACPP_VENV)/bin/pip download -q --no-deps --no-binary llama-cpp-python -d $(LLAMACPP_VENV)/src llama-cpp-python==0.3.36
+	tar xzf $(LLAMACPP_VENV)/src/llama_cpp_python-0.3.36.tar.gz -C $(LLAMACPP_VENV)/src
+	$(LLAMACPP_VENV)/bin/pip install -q $(LLAMACPP_SRC)/gguf-py
+	cmake -S $(LLAMACPP_SRC) -B $(LLAMACPP_VENV)/build -G Ninja -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=OFF \
+	  -DGGML_NATIVE=ON -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
+	  -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF > $(LLAMACPP_VENV)/cmake.log
+	nice -n 10 cmake --build $(LLAMACPP_VENV)/build --target llama-server -j 2 > $(LLAMACPP_VENV)/build.log
+	cp $(LLAMACPP_VENV)/build/bin/llama-server $(LLAMACPP_VENV)/bin/
+	touch $(LLAMACPP_STAMP)
+
+$(OPENVINO_STAMP): requirements-peer-openvino.txt
+	python3 -m venv $(OPENVINO_VENV)
+	$(OPENVINO_VENV)/bin/pip install -q --only-binary :all: -r requirements-peer-openvino.txt
+	touch $(OPENVINO_STAMP)
+
+# This engine against vLLM's CPU build, llama.cpp's server and OpenVINO GenAI, quiet and beside a neighbour
+# (benchmarks/peer_cpu.py; the peers' models converted once into data/peer-cpu; not part of `make test`).
+# PEER_ARGS=--quick: the small cells, one repeat; PEER_ARGS="--engine llamacpp": a subset of peers.
+peer-cpu: install $(VLLM_STAMP) $(LLAMACPP_STAMP) $(OPENVINO_STAMP)
+	$(PY) benchmarks/peer_cpu_models.py
+	$(PY) benchmarks/peer_cpu.py $(PEER_ARGS)
+
 # This engine's server against vLLM's OpenAI server (CPU build) through the openai SDK, the four cells of
 # benchmarks/serving_peer.py, interleaved, fp32 then bf16 (tens of minutes; not part of `make test`).
 serving-peer: install $(VLLM_STAMP)
