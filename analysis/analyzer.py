@@ -10,7 +10,9 @@
     blocks only) at the same pool size as the reference its `pinned` misses are measured against.
 
 Each point carries its miss breakdown, its hits per request type, its top prefixes and what its hits
-save in prefill time. `analysis.report.to_json` turns the result into the CLI's JSON.
+save in prefill time. With `AnalysisConfig.tiers` (sequential mode) each capacity also gets a disk tier of
+each size behind an LRU pool of that capacity, read off the same curve (`analysis.tier_plan`) and, if
+asked, simulated under this engine's tier rule (`analysis.tiers`). `analysis.report.to_json` turns the result into the CLI's JSON.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from __future__ import annotations
 import enum
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -36,6 +38,8 @@ from analysis.policies import Policy
 from analysis.pool_replay import prefix_keys
 from analysis.sequential import PolicyRun, simulate
 from analysis.stack_distance import LruCurve, lru_curve
+from analysis.tier_plan import TierConfig, TierPoint, TierSize, tier_point, trace_hours
+from analysis.tiers import TierRule, simulate_tiers
 from analysis.timed import ServiceModel, TimedRun, run_timed
 from analysis.trace import Trace
 from engine.core.eviction import make_eviction_policy
@@ -75,6 +79,7 @@ class AnalysisConfig:
     mode: Mode = Mode.SEQUENTIAL  # how requests meet the cache
     service: ServiceModel = field(default_factory=ServiceModel)  # step times (timed mode; and the savings)
     cost_per_hour: float | None = None  # what an hour of the engine costs (any currency): savings in money
+    tiers: TierConfig | None = None  # sequential mode: a disk tier of each size behind each capacity (LRU)
 
     def __post_init__(self) -> None:
         if not self.capacities_tokens or not self.policies:
@@ -94,6 +99,11 @@ class AnalysisConfig:
             raise ValueError(f"the timed mode runs the engine's scheduler and pool: its policies only ({engine})")
         if self.cost_per_hour is not None and not 0 <= self.cost_per_hour <= MAX_COST_PER_HOUR:
             raise ValueError(f"cost_per_hour must be a number in [0, {MAX_COST_PER_HOUR:g}]")
+        if self.tiers is not None:
+            if self.mode is Mode.TIMED:
+                raise ValueError("the disk tier is modelled in the sequential mode only")
+            if len(self.capacities_tokens) * len(self.tiers.sizes_gib) > MAX_POINTS:
+                raise ValueError(f"at most {MAX_POINTS} (capacity, disk tier) points per analysis")
 
 
 @dataclass(frozen=True)
@@ -147,6 +157,7 @@ class Analysis:
     max_top_prefixes: tuple[PrefixSavings, ...]  # the prefixes that save the most in an infinite cache
     curve: tuple[CurvePoint, ...]  # one point per (policy, capacity), policies outer, in config order
     seconds: float  # wall time of the analysis
+    tiers: tuple[TierPoint, ...] = ()  # per (capacity, disk tier), capacities outer, in config order
 
 
 def log_spaced_capacities(max_blocks: int, count: int) -> tuple[int, ...]:
@@ -171,18 +182,23 @@ def analyze(trace: Trace, config: AnalysisConfig, progress: ProgressCallback | N
     if config.mode is Mode.TIMED:
         return _analyze_timed(trace, config, progress, started)
     simulated = [p for p in config.policies if p is not Policy.LRU]
-    passes = 1 + (Policy.LRU in config.policies) + len(simulated) * len(config.capacities_tokens)
+    tiers = config.tiers
+    needs_curve = Policy.LRU in config.policies or tiers is not None
+    tier_passes = len(config.capacities_tokens) * len(tiers.sizes_gib) if tiers is not None and tiers.simulate else 0
+    passes = 1 + needs_curve + len(simulated) * len(config.capacities_tokens) + tier_passes
     meter = _Meter(progress, len(trace), passes)
 
     meter.start("infinite cache")
     bounds = hit_bounds(trace)
     meter.advance(len(trace))
     keys = prefix_keys(trace) if any(p.in_block_pool is not None for p in simulated) else None
+    curve = None
+    if needs_curve:
+        meter.start("LRU at every capacity (stack distances)")
+        curve = lru_curve(trace, meter.advance)
     runs: dict[tuple[Policy, int], PolicyRun] = {}
     for policy in config.policies:
-        if policy is Policy.LRU:
-            meter.start("LRU at every capacity (stack distances)")
-            curve = lru_curve(trace, meter.advance)
+        if curve is not None and policy is Policy.LRU:
             for capacity in config.capacities_tokens:
                 runs[policy, capacity] = curve.run(capacity // trace.block_size)
             continue
@@ -195,7 +211,22 @@ def analyze(trace: Trace, config: AnalysisConfig, progress: ProgressCallback | N
         for policy in config.policies
         for capacity in config.capacities_tokens
     ]
-    return _analysis(trace, config, bounds, tuple(points), started)
+    tier_rows = () if tiers is None or curve is None else _tier_points(curve, config, tiers, meter)
+    return replace(_analysis(trace, config, bounds, tuple(points), started), tiers=tier_rows)
+
+
+def _tier_points(curve: LruCurve, config: AnalysisConfig, tiers: TierConfig, meter: _Meter) -> tuple[TierPoint, ...]:
+    """Every (capacity, disk tier) point off the curve, each also simulated directly if asked."""
+    trace, rows = curve.trace, []
+    for capacity in config.capacities_tokens:
+        for gib in tiers.sizes_gib:
+            point = tier_point(curve, TierSize(capacity, gib), tiers.disk, config.service)
+            if tiers.simulate:
+                meter.start(f"disk tier of {gib:g} GiB behind {capacity:,} tokens (this engine's rule)")
+                run = simulate_tiers(trace, point.pool_blocks, point.tier_blocks, TierRule.INCLUSIVE, meter.advance)
+                point = replace(point, simulated_hit_tokens=int(trace.hit_tokens(run.hit_blocks).sum()))
+            rows.append(point)
+    return tuple(rows)
 
 
 @dataclass(frozen=True, slots=True)
@@ -266,8 +297,8 @@ def savings(trace: Trace, hit_tokens: int, config: AnalysisConfig) -> Savings:
     """What `hit_tokens` saved over `trace`: prefill seconds at the service model's rate, per hour of the
     trace's time span (none for a trace whose requests all arrive at once), priced if a cost is set."""
     seconds = hit_tokens / config.service.prefill_tokens_per_s
-    span_h = float(trace.arrival_s[-1] - trace.arrival_s[0]) / SECONDS_PER_HOUR
-    per_hour = seconds / span_h if span_h > 0 else None
+    span_h = trace_hours(trace)
+    per_hour = seconds / span_h if span_h is not None else None
     cost = None
     if per_hour is not None and config.cost_per_hour is not None:
         cost = per_hour / SECONDS_PER_HOUR * config.cost_per_hour

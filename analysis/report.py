@@ -10,12 +10,22 @@
      "misses": {"compulsory", "partial", "namespace"},   # tokens every cache misses, whatever its size
      "by_type": [{"type", "requests", "input_tokens", "hit_tokens", "hit_ratio"}, ...],  # infinite cache
      "top_prefixes": [{"first_block", "last_block", "depth", "requests", "tokens_saved"}, ...],  # infinite
+     "tiers": [{"pool_tokens", "pool_blocks", "tier_gib", "tier_blocks", "pool_hit_ratio", "hit_ratio",
+                "floor_hit_ratio", "simulated_hit_ratio", "tier_hit_tokens", "loaded_blocks", "prefill_s_saved",
+                "load_s", "net_prefill_s", "net_prefill_s_per_trace_hour", "pool_alone_tokens",
+                "pool_alone_kv_gib", "answer"}, ...],   # empty unless disk tiers were asked for
+     "disk": null | {"kv_bytes_per_token", "disk_gbps"},
      "seconds"}
 
 Each point's "misses" has every reason ("compulsory", "capacity", "partial", "pinned", "namespace"),
 summing to `input_tokens - hit_tokens`. "by_type" lists are empty for traces without request types.
 "savings" prices the hit tokens with the service model's prefill rate; its per-hour values are null
 for a trace without a time span, the cost null unless a cost per engine hour was given.
+"tiers" (analysis/tier_plan.py): per (capacity, disk tier size), the pool alone's hit ratio, the pool and
+tier's (one LRU of pool + tier blocks), the floor this engine's tier never goes below (one LRU of the
+larger of the two), its direct simulation under this engine's rule ("simulated_hit_ratio", null unless
+asked), the tier's hit tokens and loads, the prefill seconds they save net of the loads, and the pool
+that would hit as much alone.
 """
 
 from __future__ import annotations
@@ -25,6 +35,7 @@ from typing import Any
 
 from analysis.analyzer import Analysis
 from analysis.breakdown import TypeHits
+from analysis.tier_plan import TierPoint, answer
 
 
 def to_json(analysis: Analysis) -> dict[str, Any]:
@@ -63,7 +74,32 @@ def to_json(analysis: Analysis) -> dict[str, Any]:
         },
         "by_type": [_type_hits(hits) for hits in analysis.max_by_type],
         "top_prefixes": [asdict(prefix) for prefix in analysis.max_top_prefixes],
+        "tiers": [_tier_point(point) for point in analysis.tiers],
+        "disk": None if not analysis.tiers else asdict(analysis.tiers[0].disk),
         "seconds": analysis.seconds,
+    }
+
+
+def _tier_point(point: TierPoint) -> dict[str, Any]:
+    simulated = point.simulated_hit_tokens
+    return {
+        "pool_tokens": point.size.pool_tokens,
+        "pool_blocks": point.pool_blocks,
+        "tier_gib": point.size.tier_gib,
+        "tier_blocks": point.tier_blocks,
+        "pool_hit_ratio": point.ratio(point.pool_hit_tokens),
+        "hit_ratio": point.ratio(point.hit_tokens),
+        "floor_hit_ratio": point.ratio(point.floor_hit_tokens),
+        "simulated_hit_ratio": None if simulated is None else point.ratio(simulated),
+        "tier_hit_tokens": point.tier_hit_tokens,
+        "loaded_blocks": point.loaded_blocks,
+        "prefill_s_saved": point.prefill_s_saved,
+        "load_s": point.load_s,
+        "net_prefill_s": point.net_prefill_s,
+        "net_prefill_s_per_trace_hour": point.net_prefill_s_per_trace_hour,
+        "pool_alone_tokens": point.pool_alone_tokens,
+        "pool_alone_kv_gib": point.pool_alone_kv_gib,
+        "answer": answer(point),
     }
 
 

@@ -78,6 +78,11 @@ class LruCurve:
         capacities = np.asarray(list(capacities_blocks), dtype=np.int64)
         return self._cumulative_tokens[np.searchsorted(self._sorted_depths, capacities, side="left")]
 
+    def hit_references_at(self, capacities_blocks: Iterable[int]) -> np.ndarray:
+        """int64: at each capacity, how many block references hit (each is one block found in the cache)."""
+        capacities = np.asarray(list(capacities_blocks), dtype=np.int64)
+        return np.searchsorted(self._sorted_depths, capacities, side="left").astype(np.int64)
+
     @property
     def max_hit_tokens(self) -> int:
         """Prompt tokens hit by an infinite cache."""

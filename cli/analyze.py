@@ -2,13 +2,17 @@
 
     python -m cli analyze TRACE [--format mooncake|bailian|run-trace|history] [--block-size N]
         [--capacity-tokens C1,C2,...] [--policies lru,reuse-lru,fifo,lfu,opt] [--mode sequential|timed]
-        [--json] ...
+        [--json] [--tier-gib G1,G2 [--disk-gbps B] [--kv-bytes-per-token N] [--tier-simulate]] ...
 
 TRACE is a trace file (JSON lines; the format is detected from the first line unless named), a
 `run-trace` workload file (`--format run-trace`: tokenized with `--model`'s tokenizer and keyed under
 its namespace, so `--model` loads that model), or a history database (`--format history`: a SQLAlchemy
 URL, or the path of a SQLite file; `--runs` picks runs). Capacities accept k/M/G suffixes (1M = 1,000,000
 tokens); without `--capacity-tokens`, ten log-spaced capacities up to the workload's unique blocks.
+
+`--tier-gib` adds a disk tier of each size behind an LRU pool of each capacity (analysis/tier_plan.py): the
+hit ratio with the tier, the prefill seconds its loads save net of their read time, and the pool that
+would hit as much alone.
 
 With `--json` it prints one JSON object (analysis/report.py documents its keys); otherwise a table.
 A progress bar goes to stderr when it is a terminal. Exit status: 0; 2 for a bad trace (a malformed
@@ -53,6 +57,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--prefill-tokens-per-s", type=float, default=None, help="service model (default: measured)")
     parser.add_argument("--decode-tokens-per-s", type=float, default=None, help="service model (default: measured)")
     parser.add_argument("--cost-per-hour", type=float, default=None, help="what an engine hour costs: savings in money")
+    parser.add_argument("--tier-gib", default=None, help="comma-separated disk tier sizes in GiB (8,32): each "
+                        "behind an LRU pool of each capacity (sequential mode)")  # fmt: skip
+    parser.add_argument("--disk-gbps", type=float, default=None, help="the disk tier's read bandwidth in GB/s (default 2)")
+    parser.add_argument("--kv-bytes-per-token", type=int, default=None,
+                        help="KV bytes of one token, for the tier's blocks (default 46080: SmolLM2-135M in float32)")  # fmt: skip
+    parser.add_argument("--tier-simulate", action="store_true",
+                        help="also simulate this engine's tier rule at each tier point (one pure-Python pass each)")  # fmt: skip
     parser.set_defaults(run=run)
 
 
@@ -181,7 +192,26 @@ def analysis_config(args: argparse.Namespace, trace):
         capacities = tuple(block * trace.block_size for block in blocks)
     rates = {"prefill_tokens_per_s": args.prefill_tokens_per_s, "decode_tokens_per_s": args.decode_tokens_per_s}
     service = ServiceModel(**{name: rate for name, rate in rates.items() if rate is not None})
-    return AnalysisConfig(capacities, policies, args.top_prefixes, mode, service, args.cost_per_hour)
+    return AnalysisConfig(capacities, policies, args.top_prefixes, mode, service, args.cost_per_hour, tier_config(args))
+
+
+def tier_config(args: argparse.Namespace):
+    """The TierConfig `--tier-gib` and its companions describe, or None without `--tier-gib`."""
+    from analysis.tier_plan import DEFAULT_DISK_GBPS, ENGINE_KV_BYTES_PER_TOKEN, DiskModel, TierConfig
+
+    if args.tier_gib is None:
+        if args.disk_gbps is not None or args.kv_bytes_per_token is not None or args.tier_simulate:
+            raise UsageError("--disk-gbps, --kv-bytes-per-token and --tier-simulate go with --tier-gib")
+        return None
+    sizes = []
+    for entry in args.tier_gib.split(","):
+        try:
+            sizes.append(float(entry))
+        except ValueError:
+            raise UsageError(f"--tier-gib: {entry.strip()!r} is not a number of GiB") from None
+    kv_bytes = ENGINE_KV_BYTES_PER_TOKEN if args.kv_bytes_per_token is None else args.kv_bytes_per_token
+    disk = DiskModel(kv_bytes, DEFAULT_DISK_GBPS if args.disk_gbps is None else args.disk_gbps)
+    return TierConfig(tuple(sizes), disk, args.tier_simulate)
 
 
 def analyse(trace, config) -> dict[str, Any]:
@@ -250,5 +280,28 @@ def table(report: dict[str, Any], seconds: float) -> str:
                 f"peak {timed['peak_blocks_in_use']:,} blocks in use"
             )
         lines.append(line)
+    if report["tiers"]:
+        lines += ["", *tier_table(report)]
     lines.append(f"\n{seconds:.1f} s")
     return "\n".join(lines)
+
+
+def tier_table(report: dict[str, Any]) -> list[str]:
+    """The two-tier rows: an LRU pool of each capacity with a disk tier of each size behind it."""
+    disk = report["disk"]
+    lines = [
+        f"disk tier behind an LRU pool ({disk['kv_bytes_per_token']:,} KV bytes a token, read at "
+        f"{disk['disk_gbps']:g} GB/s); with tier: one LRU of pool + tier, this engine's tier at least the floor",
+        f"{'pool':>14}{'tier GiB':>10}{'pool alone':>12}{'with tier':>11}{'floor':>8}{'simulated':>11}"
+        f"{'net prefill s saved':>21}   pool alone for the same: tokens (KV GiB)",
+    ]
+    for row in report["tiers"]:
+        simulated = "-" if row["simulated_hit_ratio"] is None else f"{row['simulated_hit_ratio']:.4f}"
+        per_hour = row["net_prefill_s_per_trace_hour"]
+        saved = f"{row['net_prefill_s']:,.0f}" if per_hour is None else f"{per_hour:,.0f} /h"
+        lines.append(
+            f"{row['pool_tokens']:>14,}{row['tier_gib']:>10g}{row['pool_hit_ratio']:>12.4f}{row['hit_ratio']:>11.4f}"
+            f"{row['floor_hit_ratio']:>8.4f}{simulated:>11}{saved:>21}   {row['pool_alone_tokens']:,} "
+            f"({row['pool_alone_kv_gib']:,.2f})"
+        )
+    return lines
