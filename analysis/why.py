@@ -13,6 +13,8 @@ cache, `position` (= the request's cached tokens):
     evicted    an earlier request of the same namespace held the block at `position` (its chain was
                cached) and the block was evicted before this request looked it up; `eviction` is the
                latest such eviction from the history (time, reason, block).
+    both_tiers evicted as above, and then evicted from the disk tier too (or dropped by it) before the
+               lookup: a miss a larger tier would have saved; `tier` says when and why (analysis/why_tiers.py).
     window     sliding-window state was not ready: the chain was there but the window's blocks were not
                (evicted with reason "window", or the request replayed from its boundary `r`).
     namespace  the same tokens through `position`'s block were cached under another namespace (another
@@ -45,11 +47,12 @@ size holds the tokens).
 from __future__ import annotations
 
 import enum
-import functools
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from analysis.why_decoder import Decoder
+from analysis.why_tiers import TierLookups, served_from_disk, still_on_disk_note, tier_after_eviction
 from engine.core.arith import common_prefix
 
 WINDOW_BEFORE = 16  # tokens of shared context shown before a divergence
@@ -66,12 +69,13 @@ class Cause(enum.StrEnum):
     EXTENDED = "extended"
     DIVERGED = "diverged"
     EVICTED = "evicted"
+    BOTH_TIERS = "both_tiers"
     NAMESPACE = "namespace"
     WINDOW = "window"
 
 
 ANALYZER_REASONS = {Cause.NEW: "compulsory", Cause.DIVERGED: "compulsory", Cause.EXTENDED: "compulsory",
-                    Cause.EVICTED: "capacity", Cause.NAMESPACE: "namespace"}  # fmt: skip
+                    Cause.EVICTED: "capacity", Cause.BOTH_TIERS: "capacity", Cause.NAMESPACE: "namespace"}  # fmt: skip
 FORK_SOURCE = "fork"  # HitSource.FORK's value: the request's table was shared from its parent
 
 
@@ -92,6 +96,7 @@ class HistoryRequest(Protocol):
     parent_id: str | None  # a fork child's parent
     salt: str | None
     cached_tokens: int
+    disk_cached_tokens: int  # of cached_tokens, those promoted from the disk tier
     prompt_tokens: int
     hit_source: str  # HitSource value: "fork" for a fork child
     block_keys: bytes | None  # chain keys of its prompt's full blocks, 16 bytes each, once finished
@@ -133,6 +138,8 @@ class Diagnosis:
     namespace: dict[str, Any] | None = None  # what differs: {"salt": [ours, theirs], "model": [...], ...}
     wait: dict[str, Any] | None = None  # seconds, request_id (the request it waited for)
     window: dict[str, Any] | None = None  # replay boundary r
+    disk: dict[str, Any] | None = None  # tokens served from disk (analysis/why_tiers.py's served_from_disk)
+    tier: dict[str, Any] | None = None  # the missed block in the disk tier (why_tiers.tier_after_eviction)
     notes: list[str] = field(default_factory=list)
 
     def as_json(self) -> dict[str, Any]:
@@ -142,42 +149,8 @@ class Diagnosis:
             "analyzer_reason": ANALYZER_REASONS.get(self.cause), "position": self.position,
             "missed_tokens": self.missed_tokens, "never_served_tokens": self.never_served_tokens, "match": self.match, "divergence": self.divergence,
             "eviction": self.eviction, "namespace": self.namespace, "wait": self.wait, "window": self.window,
-            "notes": list(self.notes),
+            "disk": self.disk, "tier": self.tier, "notes": list(self.notes),
         }  # fmt: skip
-
-
-@dataclass(frozen=True)
-class Decoder:
-    """How token ids become text for the windows shown (the model's tokenizer, or the ids as text)."""
-
-    decode: Callable[[Sequence[int]], str]  # ids -> text, special tokens kept
-    visible: Callable[[Sequence[int]], str]  # ids -> text without special tokens
-    specials: Callable[[], frozenset[int]]  # the template's special tokens (asked only to show a divergence)
-
-    @property
-    def special_ids(self) -> frozenset[int]:
-        return self.specials()
-
-    @staticmethod
-    def of(tokenizer: Any) -> Decoder:
-        """The model's tokenizer as a decoder; without one, ids are shown as numbers."""
-        if tokenizer is None:
-            as_text = lambda ids: " ".join(map(str, ids))  # noqa: E731
-            return Decoder(as_text, as_text, frozenset)
-        special_ids = frozenset(getattr(tokenizer, "all_special_ids", ()))
-        return Decoder(
-            lambda ids: tokenizer.decode(list(ids), skip_special_tokens=False),
-            lambda ids: tokenizer.decode(list(ids), skip_special_tokens=True),
-            lambda: special_ids,
-        )
-
-    @staticmethod
-    def deferred(load: Callable[[], Decoder]) -> Decoder:
-        """A decoder that calls `load` (once) the first time it decodes: most causes decode nothing, and
-        loading a tokenizer costs a command line more than the rest of its answer."""
-        loaded = functools.cache(load)
-        return Decoder(lambda ids: loaded().decode(ids), lambda ids: loaded().visible(ids),
-                       lambda: loaded().special_ids)  # fmt: skip
 
 
 EvictionLookup = Callable[[str, str, float], EvictionFact | None]  # (run_id, key hex, before) -> latest eviction
@@ -203,7 +176,7 @@ def shared_context(ours: tuple[int, ...], earlier: HistoryRequest) -> int:
 
 
 def diagnose(request: HistoryRequest, earlier: Iterable[HistoryRequest], evictions: EvictionLookup,
-             decoder: Decoder) -> Diagnosis:  # fmt: skip
+             decoder: Decoder, tiers: TierLookups | None = None) -> Diagnosis:  # fmt: skip
     """One request's cause (see the module docstring).
 
     Args:
@@ -211,6 +184,7 @@ def diagnose(request: HistoryRequest, earlier: Iterable[HistoryRequest], evictio
         earlier: requests that arrived before it, in any run (other runs are other namespaces, or the same).
         evictions: the latest eviction of a chain key in a run before a time.
         decoder: for the divergence windows.
+        tiers: the disk tier's history (None: explained as without a tier).
 
     Raises:
         WhyError: the request's prompt tokens are not in the history.
@@ -234,7 +208,8 @@ def diagnose(request: HistoryRequest, earlier: Iterable[HistoryRequest], evictio
     reusable = max(min(cap, best_shared // bs * bs), cached)
     base = dict(request_id=request.request_id, run_id=request.run_id, prompt_tokens=request.prompt_tokens,
                 cached_tokens=cached, reusable_tokens=reusable, position=position,
-                missed_tokens=_missed(request), never_served_tokens=_never_served(request))  # fmt: skip
+                missed_tokens=_missed(request), never_served_tokens=_never_served(request),
+                disk=served_from_disk(request, tiers))  # fmt: skip
     if request.hit_source == FORK_SOURCE and request.parent_id is not None:
         parent = {"request_id": request.parent_id, "run_id": request.run_id, "shared_tokens": cached}
         return Diagnosis(cause=Cause.FORK, match=parent, **base)
@@ -244,7 +219,7 @@ def diagnose(request: HistoryRequest, earlier: Iterable[HistoryRequest], evictio
     holders = [(shared, c) for shared, c in same if shared >= next_end]
     if holders:
         shared, holder = max(holders, key=lambda pair: pair[1].arrival_time)  # the latest to have computed it
-        return _evicted(request, holder, shared, evictions, base)
+        return _evicted(request, holder, shared, (evictions, tiers), base)
     strangers = [(shared, c) for shared, c in other if shared >= next_end and c.block_size == bs]
     if strangers:
         shared, stranger = max(strangers, key=lambda pair: (pair[0], pair[1].arrival_time))
@@ -300,9 +275,11 @@ def _wait(request: HistoryRequest, same: list[tuple[int, HistoryRequest]], bs: i
     return {"seconds": scheduled - request.arrival_time, "request_id": other.request_id, "shared_tokens": shared}
 
 
-def _evicted(request: HistoryRequest, holder: HistoryRequest, shared: int, evictions: EvictionLookup,
-             base: dict[str, Any]) -> Diagnosis:  # fmt: skip
-    """The block at `position` was held by `holder`: find its eviction (or the window that was not ready)."""
+def _evicted(request: HistoryRequest, holder: HistoryRequest, shared: int,
+             lookups: tuple[EvictionLookup, TierLookups | None], base: dict[str, Any]) -> Diagnosis:  # fmt: skip
+    """The block at `position` was held by `holder`: find its eviction (or the window that was not ready),
+    and what the disk tier did with it after."""
+    evictions, tiers = lookups
     index = base["position"] // request.block_size
     # Our own keys first: shared blocks of one namespace have the same chain keys, and ours cover every
     # full prompt block, where the holder's cover its prompt only (not the reply a later turn shares).
@@ -316,7 +293,11 @@ def _evicted(request: HistoryRequest, holder: HistoryRequest, shared: int, evict
     if fact is not None:
         eviction = {"at": fact.at, "reason": fact.reason, "block": fact.block, "key": fact.key_hex, "group": fact.group}
         cause = Cause.WINDOW if fact.reason == "window" else Cause.EVICTED
-        return Diagnosis(cause=cause, match=match, eviction=eviction, window=window, **base)
+        tier = tier_after_eviction(tiers, holder.run_id, fact.key_hex, fact.at, before)
+        if tier is not None and tier["lost"] and cause is Cause.EVICTED:
+            cause = Cause.BOTH_TIERS
+        notes = [still_on_disk_note(tier)] if tier is not None and not tier["lost"] else []
+        return Diagnosis(cause=cause, match=match, eviction=eviction, window=window, tier=tier, notes=notes, **base)
     if window is not None:
         return Diagnosis(cause=Cause.WINDOW, match=match, window=window, **base)
     note = ("no eviction of this block is in the history: retention may have pruned it, or "
@@ -398,6 +379,7 @@ class RunSummary:
     requests: int
     prompt_tokens: int
     cached_tokens: int
+    disk_cached_tokens: int  # of cached_tokens, those served from the disk tier
     missed_tokens: int  # over every request, explained or not: cached + missed + never served = prompt tokens
     never_served_tokens: int
     by_cause: dict[str, dict[str, int]]  # cause -> {"requests", "missed_tokens"}
@@ -405,18 +387,21 @@ class RunSummary:
 
     def as_json(self) -> dict[str, Any]:
         return {"run_id": self.run_id, "requests": self.requests, "prompt_tokens": self.prompt_tokens,
-                "cached_tokens": self.cached_tokens, "missed_tokens": self.missed_tokens,
+                "cached_tokens": self.cached_tokens, "disk_cached_tokens": self.disk_cached_tokens,
+                "missed_tokens": self.missed_tokens,
                 "never_served_tokens": self.never_served_tokens, "by_cause": self.by_cause,
                 "unexplained": self.unexplained}  # fmt: skip
 
 
 def summarize(run_id: str, requests: Sequence[HistoryRequest], before: Sequence[HistoryRequest],
-              evictions: EvictionLookup, decoder: Decoder) -> tuple[RunSummary, list[Diagnosis]]:  # fmt: skip
+              evictions: EvictionLookup, decoder: Decoder,
+              tiers: TierLookups | None = None) -> tuple[RunSummary, list[Diagnosis]]:  # fmt: skip
     """Every request of a run diagnosed (in arrival order), and the tokens missed by cause.
 
     Args:
         requests: the run's requests.
         before: requests of other runs that arrived before the run's last request.
+        tiers: the disk tier's history, as `diagnose` takes it.
     """
     ordered = sorted(requests, key=lambda r: r.arrival_time)
     pool = sorted(before, key=lambda r: r.arrival_time)
@@ -429,7 +414,7 @@ def summarize(run_id: str, requests: Sequence[HistoryRequest], before: Sequence[
             seen.append(pending)
             pending = next(others, None)
         try:
-            diagnosis = diagnose(request, seen, evictions, decoder)
+            diagnosis = diagnose(request, seen, evictions, decoder, tiers)
         except WhyError:
             unexplained += 1
         else:
@@ -438,6 +423,7 @@ def summarize(run_id: str, requests: Sequence[HistoryRequest], before: Sequence[
             by_cause[diagnosis.cause.value]["missed_tokens"] += diagnosis.missed_tokens
         seen.append(request)
     summary = RunSummary(run_id, len(ordered), sum(r.prompt_tokens for r in ordered),
-                         sum(min(r.cached_tokens, r.prompt_tokens) for r in ordered), sum(map(_missed, ordered)),
+                         sum(min(r.cached_tokens, r.prompt_tokens) for r in ordered),
+                         sum(getattr(r, "disk_cached_tokens", 0) or 0 for r in ordered), sum(map(_missed, ordered)),
                          sum(map(_never_served, ordered)), by_cause, unexplained)  # fmt: skip
     return summary, diagnoses

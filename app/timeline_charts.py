@@ -19,6 +19,9 @@ EVENT_COLOURS = {  # the events of a block's history (storage.read.block_history
     "window_release": "#16a34a",
     "cache": "#60a5fa",
     "evict": "#6b7280",
+    "promote": "#d97706",  # a life that began with the disk tier's copy read into the block
+    "demote": "#92400e",  # a life that ended with the block's K/V stored on disk (or copied there, still cached)
+    "tier_drop": "#9ca3af",  # evicted, and the disk tier did not take it
 }
 TIMELINE_ROW_PX = 170  # height of one block's row in stacked timelines
 MARKER_ROOM_SHARE = 0.3  # of a timeline's step axis, kept right of the last event for its marker's words

@@ -68,6 +68,14 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _tiers(db: Any) -> Any:
+    """The disk tier's history as a diagnosis reads it (analysis/why_tiers.py)."""
+    from analysis.why_tiers import TierLookups
+    from storage.read.tier_history import request_promotions, tier_fate
+
+    return TierLookups(lambda *request: request_promotions(db, *request), lambda *key: tier_fate(db, *key))
+
+
 def _one(db: Any, args: argparse.Namespace) -> Any:
     from analysis.why import diagnose
     from storage.read.why import find_request, latest_eviction, requests_before
@@ -77,7 +85,8 @@ def _one(db: Any, args: argparse.Namespace) -> Any:
         where = f" in run {args.run_id}" if args.run_id else ""
         raise LookupError(f"no request {args.request!r}{where} in the history")
     earlier = requests_before(db, request.arrival_time)
-    return diagnose(request, earlier, lambda *key: latest_eviction(db, *key), _decoder(request.model, args.data_dir))
+    return diagnose(request, earlier, lambda *key: latest_eviction(db, *key), _decoder(request.model, args.data_dir),
+                    _tiers(db))  # fmt: skip
 
 
 def _summary(db: Any, args: argparse.Namespace) -> Any:
@@ -89,7 +98,7 @@ def _summary(db: Any, args: argparse.Namespace) -> Any:
         raise LookupError(f"no requests of run {args.run_id!r} in the history")
     others = [r for r in requests_before(db, requests[-1].arrival_time) if r.run_id != args.run_id]
     summary, _ = summarize(args.run_id, requests, others, lambda *key: latest_eviction(db, *key),
-                           _decoder(requests[0].model, args.data_dir))  # fmt: skip
+                           _decoder(requests[0].model, args.data_dir), _tiers(db))  # fmt: skip
     return summary
 
 
@@ -141,9 +150,12 @@ def file_decoder(directory: Path) -> Any:
 
 def render(result: dict[str, Any]) -> str:
     """A diagnosis or a run summary as text."""
+    from analysis.why_tiers import tier_words
+
     if "by_cause" in result:
+        disk = f" ({result['disk_cached_tokens']} from disk)" if result.get("disk_cached_tokens") else ""
         lines = [f"run {result['run_id']}: {result['requests']} requests, {result['prompt_tokens']} prompt tokens: "
-                 f"{result['cached_tokens']} served from the cache, {result['missed_tokens']} missed, "
+                 f"{result['cached_tokens']} served from the cache{disk}, {result['missed_tokens']} missed, "
                  f"{result['never_served_tokens']} never served (each prompt's last token and partial block)"]  # fmt: skip
         for cause, counts in result["by_cause"].items():
             if counts["requests"]:
@@ -174,9 +186,16 @@ def render(result: dict[str, Any]) -> str:
             lines += [f"  diverged at token {d['position']} after {d['before']!r}", f"    ours:   {d['ours']!r}",
                       f"    theirs: {d['theirs']!r}"]  # fmt: skip
         lines += [f"  {note}" for note in d["notes"]]
+    if result.get("disk"):
+        d = result["disk"]
+        lines.append(f"  served from disk: {d['tokens']} tokens (tokens {d['start']}-{d['end'] - 1}, read into pool "
+                     f"blocks {d['blocks']} from tier slots {d['slots']}); {d['memory_tokens']} from memory")  # fmt: skip
     if result["eviction"]:
         e = result["eviction"]
         lines.append(f"  evicted at {e['at']:.3f} ({e['reason']}), block {e['block']}")
+    tier = result.get("tier")
+    if tier and tier["lost"]:
+        lines.append(f"  {tier_words(tier)}: the pool at {tier['pool_evicted_at']:.3f}, the tier at {tier['at']:.3f}")
     if result["namespace"]:
         lines += [f"  {name}: ours {pair[0]!r}, theirs {pair[1]!r}" for name, pair in result["namespace"].items()]
     if result["wait"]:

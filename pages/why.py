@@ -14,10 +14,12 @@ import pandas as pd
 import streamlit as st
 
 from analysis.why import Decoder, WhyError, diagnose, summarize
+from analysis.why_tiers import TierLookups, tier_words
 from app.hosting import get_host
 from app.ui import fmt_time, kept, read_history, wait_for_history
 from engine.core.snapshot import newest_first
 from serving.prompts import load_tokenizer
+from storage.read.tier_history import request_promotions, tier_fate
 from storage.read.why import find_request, latest_eviction, requests_before, run_requests
 
 RECHECK_S = 2.0  # how often the page looks for a request the history does not hold yet
@@ -30,6 +32,9 @@ CAUSES = {
                 "chat's next turn does): all of it was served; the tokens after it were never computed.",
     "diverged": "An earlier request shared the first tokens, then the prompt differed.",
     "evicted": "An earlier request's blocks held these tokens, and they were evicted before this request came.",
+    "both_tiers": "Evicted from both tiers: an earlier request's blocks held these tokens, the pool evicted them and "
+                  "then the disk tier did too (or did not take them) before this request came. A larger disk tier "
+                  "would have served them.",
     "namespace": "The same tokens are cached under another namespace (tenant salt, model, weights, dtype).",
     "window": "Sliding-window state was not ready: the request replayed from the window's boundary.",
 }
@@ -66,6 +71,9 @@ c[2].button("Refresh", key="why_refresh")
 request_id = typed.strip() or (picked if picked != TYPE_ONE else None)
 
 
+TIERS = TierLookups(lambda *request: request_promotions(host.db, *request), lambda *key: tier_fate(host.db, *key))
+
+
 def decoder_for(model: str) -> Decoder:
     if model == str(console.engine.loaded.model_id):
         return Decoder.of(console.tokenizer)
@@ -84,6 +92,10 @@ def show(answer: dict) -> None:
                        "(cached + missed + never served = the prompt)")  # fmt: skip
     top[5].metric("Reusable", answer["reusable_tokens"], help="what a cache that never evicted would have served")
     st.info(CAUSES[answer["cause"]])
+    if answer.get("disk"):
+        d = answer["disk"]
+        st.markdown(f"**Served from disk: {d['tokens']} tokens** (tokens {d['start']}–{d['end'] - 1}, read from tier "
+                    f"slots {d['slots']} into pool blocks {d['blocks']}); {d['memory_tokens']} from memory.")  # fmt: skip
     if answer["match"]:
         m = answer["match"]
         shared = m["shared_tokens"]
@@ -111,6 +123,10 @@ def show(answer: dict) -> None:
     if answer["eviction"]:
         e = answer["eviction"]
         st.markdown(f"Evicted at **{fmt_time(e['at'])}** ({e['reason']}), block {e['block']} of group {e['group']}.")
+    tier = answer.get("tier")
+    if tier and tier["lost"]:
+        st.markdown(f"**{tier_words(tier)}**: the pool at {fmt_time(tier['pool_evicted_at'])}, the disk tier at "
+                    f"{fmt_time(tier['at'])}.")  # fmt: skip
     if answer["namespace"]:
         differs = [{"field": k, "this request": v[0], "the other": v[1]} for k, v in answer["namespace"].items()]
         st.table(pd.DataFrame(differs))
@@ -133,7 +149,7 @@ def explain(request_id: str) -> bool:
     earlier = read_history(requests_before, host.db, request.arrival_time) or []
     try:
         evictions = lambda *key: latest_eviction(host.db, *key)  # noqa: E731
-        diagnosis = diagnose(request, earlier, evictions, decoder_for(request.model))
+        diagnosis = diagnose(request, earlier, evictions, decoder_for(request.model), TIERS)
     except WhyError as exc:
         st.warning(str(exc))
     else:
@@ -180,10 +196,11 @@ with st.expander("This run's misses by cause"):
         before = read_history(requests_before, host.db, requests[-1].arrival_time) or []
         others = [r for r in before if r.run_id != console.run_id]
         summary, _ = summarize(console.run_id, requests, others, lambda *key: latest_eviction(host.db, *key),
-                               decoder_for(requests[0].model))  # fmt: skip
+                               decoder_for(requests[0].model), TIERS)  # fmt: skip
         rows = [{"cause": cause, "requests": counts["requests"], "missed tokens": counts["missed_tokens"]}
                 for cause, counts in summary.by_cause.items() if counts["requests"]]  # fmt: skip
         st.dataframe(pd.DataFrame(rows), hide_index=True)
+        disk = f" ({summary.disk_cached_tokens} from disk)" if summary.disk_cached_tokens else ""
         st.caption(f"{summary.requests} requests, {summary.prompt_tokens} prompt tokens: {summary.cached_tokens} "
-                   f"served from the cache, {summary.missed_tokens} missed, {summary.never_served_tokens} never "
+                   f"served from the cache{disk}, {summary.missed_tokens} missed, {summary.never_served_tokens} never "
                    "served (each prompt's last token and partial block).")  # fmt: skip

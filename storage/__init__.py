@@ -4,8 +4,8 @@ Imports no Streamlit and no torch, and from the engine only the types it persist
 `engine.core.snapshot`, `engine.core.errors`; tests/test_layering.py checks it). Modules, one job each:
     db          `db_engine(url)`: the one engine factory (SQLite pragmas, PostgreSQL lock timeout),
                 `default_db_url(data_dir)`, `open_session(engine)`, `encode_json`.
-    schema      the schema at head (runs, requests, events, evictions, prunes, eviction_rollups, the
-                fleet tables), its Core tables (EVENTS, EVICTIONS, ...) and the column orders of the
+    schema      the schema at head (runs, requests, events, evictions, tier_moves, prunes, eviction_rollups,
+                the fleet tables), its Core tables (EVENTS, EVICTIONS, ...) and the column orders of the
                 writer's rows.
     migrate     `upgrade(url_or_engine, revision="head")`, `current_revision(...)` (Alembic, in code).
     buckets     `bucket_index`: floor(time / seconds) on every backend.
@@ -40,6 +40,9 @@ Imports no Streamlit and no torch, and from the engine only the types it persist
         hit_rates   prefix-cache reuse over time.
         block_timelines  blocks' reference-count timelines, the blocks requests held, fork families.
         block_history    a block's reference-count history replayed from its stored events (pure).
+        tier_history     the disk KV tier: a run's tier counts, a block key's moves, a request's promotions,
+                    a missed block's fate in the tier.
+        why         what the miss diagnosis (analysis/why.py) reads.
         access      `Readable` (Engine, Connection or Session), `connect`, `frame`.
         fleet_queries    the fleet tables, for the Fleet pages and `cli fleet state`.
 

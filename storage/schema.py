@@ -16,6 +16,9 @@ Tables:
     writer_progress  per writer process: the rows it has committed so far, updated in every one of its
                transactions, so a writer started after a crash knows exactly what its predecessor wrote
                (the fleet's rows too, revision 0008).
+    tier_moves the disk KV tier's log (revision 0010): one row per block a DEMOTE, PROMOTE, TIER_EVICT or
+               TIER_DROP event moved, denormalised for the tier's counts and a block key's moves; requests
+               gain `disk_cached_tokens` (of `cached_tokens`, those promoted from the disk tier).
 
 Invariants:
     * Times are float seconds since the epoch, so bucketing is plain arithmetic on every backend.
@@ -30,6 +33,9 @@ Invariants:
       request records and other producers' rows (the fleet's) it has committed (storage.write.progress).
     * ``requests.block_keys`` and ``content_keys`` are NULL or hold ``prompt_tokens // runs.block_size``
       keys of 16 bytes each, set together when the request finished.
+    * ``tier_moves`` holds exactly one row per block named by each stored DEMOTE, TIER_EVICT and TIER_DROP
+      event and per entry of each PROMOTE event's block lists, written in the transaction of that event's
+      row (events stored before revision 0010 have none); ``key_hex`` is lowercase hex.
     * After every commit, each ``eviction_rollups`` row equals the aggregate of the ``evictions`` rows
       with its (run_id, minute = floor(time / 60), reason), and no rollup row has zero evictions.
 """
@@ -124,6 +130,9 @@ class RequestRecord(Base):
     # chain keys the engine used, and the namespace-free content keys (engine/core/request.py's PromptKeys).
     block_keys: Mapped[bytes | None] = mapped_column(LargeBinary)
     content_keys: Mapped[bytes | None] = mapped_column(LargeBinary)
+    # Of cached_tokens, those promoted from the disk tier (revision 0010; 0 in older rows): the rest came
+    # from the pool's memory.
+    disk_cached_tokens: Mapped[int] = mapped_column(Integer, server_default="0")
 
     __table_args__ = (
         Index("ix_requests_arrival_time", "arrival_time"),  # recent requests, retention
@@ -181,6 +190,32 @@ class Eviction(Base):
     )
 
 
+class TierMove(Base):
+    """One block moved by the disk KV tier (revision 0010), from the engine's tier events
+    (engine/core/events.py): demoted into the tier, promoted back into the pool, evicted from the tier, or
+    dropped (an evicted block the tier did not take)."""
+
+    __tablename__ = "tier_moves"
+
+    id: Mapped[int] = mapped_column(RowId, primary_key=True, autoincrement=True)
+    run_id: Mapped[str] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"))
+    step: Mapped[int] = mapped_column(Integer)
+    time: Mapped[float] = mapped_column(Double)
+    kind: Mapped[str] = mapped_column(String)  # EventKind value: demote, promote, tier_evict, tier_drop
+    key_hex: Mapped[str | None] = mapped_column(String)  # the block's chain key
+    block_id: Mapped[int | None] = mapped_column(Integer)  # the pool block: demote's source, promote's target, drop's
+    request_id: Mapped[str | None] = mapped_column(String)  # promote: the request served; a corrupt eviction's
+    slot: Mapped[int | None] = mapped_column(Integer)  # the tier slot (none for a drop)
+    reason: Mapped[str | None] = mapped_column(String)  # TierReason value of a tier_evict or tier_drop
+    tokens: Mapped[int] = mapped_column(Integer)  # the block's tokens
+
+    __table_args__ = (
+        Index("ix_tier_moves_time", "time"),  # retention
+        Index("ix_tier_moves_run_kind", "run_id", "kind"),  # a run's counts
+        Index("ix_tier_moves_key", "key_hex"),  # a block key's moves
+    )
+
+
 class Prune(Base):
     """One retention deletion (revision 0002)."""
 
@@ -232,6 +267,7 @@ EVICTIONS = Eviction.__table__
 PRUNES = Prune.__table__
 ROLLUPS = EvictionRollup.__table__
 PROGRESS = WriterProgress.__table__
+TIER_MOVES = TierMove.__table__
 
 # The `runs` columns, in the order of the writer's row tuples (storage.write.writer._insert_runs).
 RUN_COLUMNS = tuple(RUNS.c.keys())
@@ -244,6 +280,8 @@ EVICTION_COLUMNS = (
     "age_s", "hit_count", "last_used", "group", "request_id",
 )  # fmt: skip
 EVICTION_ROW_COLUMNS = EVICTION_COLUMNS[1:]
+# The tier log's columns the writer fills, in the order of its row tuples (storage.write.rows.tier_move_values).
+TIER_MOVE_COLUMNS = ("run_id", "step", "time", "kind", "key_hex", "block_id", "request_id", "slot", "reason", "tokens")
 # The primary key of `requests`: a request record is upserted by it.
 REQUEST_KEY = ("run_id", "request_id")
 

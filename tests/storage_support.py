@@ -34,7 +34,7 @@ from storage.write.writer_process import WriterProcess
 
 REPO = Path(__file__).resolve().parents[1]
 PG_URL_ENV = "PREFIX_CONSOLE_TEST_PG_URL"
-LATEST_REVISION = "0009"  # the newest migration: a database upgraded to head is at this revision
+LATEST_REVISION = "0010"  # the newest migration: a database upgraded to head is at this revision
 SCHEMA_LOCK_WAIT_S = 60  # how long a test's fresh schema waits for an earlier test's locks
 OTHER_SESSIONS = text(
     "SELECT pid, application_name, state, xact_start, left(query, 200) FROM pg_stat_activity"

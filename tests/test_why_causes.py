@@ -107,7 +107,8 @@ def test_a_runs_summary_counts_missed_tokens_by_cause() -> None:
 
 def test_causes_that_mean_an_analyzer_reason_carry_its_name() -> None:
     assert ANALYZER_REASONS == {Cause.NEW: "compulsory", Cause.DIVERGED: "compulsory", Cause.EXTENDED: "compulsory",
-                                Cause.EVICTED: "capacity", Cause.NAMESPACE: "namespace"}  # fmt: skip
+                                Cause.EVICTED: "capacity", Cause.BOTH_TIERS: "capacity",
+                                Cause.NAMESPACE: "namespace"}  # fmt: skip
 
 
 def test_a_next_turn_that_holds_the_previous_turns_reply_is_compared_with_that_reply() -> None:

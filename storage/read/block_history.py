@@ -12,9 +12,17 @@ engine's events carry everything a block's count depends on (engine/core/events.
     WINDOW_RELEASE block_ids   names the RELEASE just before it: the block left a sliding window
     CACHE      block_ids       the block entered the prefix index (at count 0 it will be evictable)
     EVICT      block_id        the block left the index (at count 0 it is free)
+    PROMOTE    block_ids       names the ALLOCATE just before it: the block's new life began with the disk
+                               tier's copy read into it ("promoted from disk"); it changes no count
+    DEMOTE     block_id        names the EVICT of the same key (its life ended "demoted to disk"); without
+                               one (an engine stopping writes its cached blocks back) a row of its own
+    TIER_DROP  block_id        names the EVICT of the same key: the tier did not take the block
 
-A copy-on-write and its RELEASE (source) or ALLOCATE (destination), and a window release and its
-RELEASE, are one row: the row of the change, named by the event that explains it. Every other event
+The disk tier's events come after the changes they name (a DEMOTE is planned at the end of the step whose
+allocation evicted the block, so it may follow the block's next ALLOCATE), and never change a count.
+
+A copy-on-write and its RELEASE (source) or ALLOCATE (destination), a window release and its RELEASE, a
+promotion and its ALLOCATE, and a demotion or a tier drop and its EVICT are one row: the row of the change, named by the event that explains it. Every other event
 that touches the block is a row of its own.
 
 Invariants of a history built from a complete, ordered event stream (the property tests in
@@ -41,8 +49,11 @@ REFERENCED, EVICTABLE, FREE = "referenced", "evictable", "free"  # engine.core.b
 # Event kinds (engine.core.events.EventKind values) that can touch a block.
 ALLOCATE, HIT, FORK, RELEASE, COW = "allocate", "hit", "fork", "release", "cow"
 CACHE, EVICT, WINDOW_RELEASE = "cache", "evict", "window_release"
-BLOCK_KINDS = (ALLOCATE, HIT, FORK, RELEASE, COW, CACHE, EVICT, WINDOW_RELEASE)
-_LISTED = frozenset({ALLOCATE, HIT, FORK, RELEASE, CACHE, WINDOW_RELEASE})  # name their blocks in block_ids
+DEMOTE, PROMOTE, TIER_DROP = "demote", "promote", "tier_drop"  # the disk tier's (full group only, no `group`)
+TIER_KINDS = (DEMOTE, PROMOTE, TIER_DROP)
+BLOCK_KINDS = (ALLOCATE, HIT, FORK, RELEASE, COW, CACHE, EVICT, WINDOW_RELEASE, *TIER_KINDS)
+_LISTED = frozenset({ALLOCATE, HIT, FORK, RELEASE, CACHE, WINDOW_RELEASE, PROMOTE})  # name their blocks in block_ids
+_NAMED = frozenset({EVICT, DEMOTE, TIER_DROP})  # name their block as block_id
 
 # The columns of a history frame, in order.
 HISTORY_COLUMNS = (
@@ -67,7 +78,7 @@ class StoredEvent(NamedTuple):
             return block_id in (self.detail.get("block_ids") or ())
         if self.kind == COW:
             return block_id in (self.detail.get("src_block"), self.detail.get("dst_block"))
-        return self.kind == EVICT and self.block_id == block_id
+        return self.kind in _NAMED and self.block_id is not None and self.block_id == block_id
 
 
 @dataclass
@@ -110,6 +121,8 @@ class _Replay:
         self.started = False  # an ALLOCATE has been seen: the count is known from here on
         self.complete = True
         self.life = -1
+        # The last EVICT's row, key and reason, until a DEMOTE or TIER_DROP of that key names it.
+        self.evicted: tuple[BlockChange, str | None, str | None] | None = None
 
     def apply(self, event: StoredEvent) -> None:
         kind, rid, detail = event.kind, event.request_id, event.detail
@@ -149,6 +162,38 @@ class _Replay:
             self.cached = False
             reason = detail.get("reason")
             self._row(event, f"evicted ({reason}): left the prefix index")
+            self.evicted = (self.rows[-1], detail.get("key"), reason)
+        elif kind == PROMOTE:
+            self._promotion(event)
+        elif kind in (DEMOTE, TIER_DROP):
+            self._tier_store(event)
+
+    def _promotion(self, event: StoredEvent) -> None:
+        """Name the allocation the promotion read the disk tier's copy into (a row of its own without one)."""
+        detail, rid = event.detail, event.request_id
+        slots = dict(zip(detail.get("block_ids") or (), detail.get("slots") or ()))
+        change = f"promoted from disk for {rid} (tier slot {slots.get(self.block_id)})"
+        last = self.rows[-1] if self.rows else None
+        if last is not None and last.event == ALLOCATE and last.request_id == rid:
+            last.event, last.change = PROMOTE, f"allocated to {rid}: {change}"
+        else:
+            self._row(event, change)
+
+    def _tier_store(self, event: StoredEvent) -> None:
+        """Name the eviction the tier stored (DEMOTE) or did not (TIER_DROP); a DEMOTE of a block still
+        cached (written back by a stopping engine) is a row of its own."""
+        detail, kind = event.detail, event.kind
+        evicted = self.evicted
+        if evicted is not None and evicted[1] is not None and evicted[1] == detail.get("key"):
+            (row, _, reason), self.evicted = evicted, None
+            if kind == DEMOTE:
+                row.event = DEMOTE
+                row.change = f"evicted ({reason}): demoted to disk at step {event.step} (tier slot {detail.get('slot')})"
+            else:
+                row.event = TIER_DROP
+                row.change = f"evicted ({reason}): left the prefix index, not stored on disk ({detail.get('reason')})"
+        elif kind == DEMOTE:
+            self._row(event, f"copied to disk (tier slot {detail.get('slot')}): still cached in the pool")
 
     def _copy_on_write(self, event: StoredEvent) -> None:
         """Name the release (source) or allocation (destination) the copy made just before this event."""

@@ -1,5 +1,6 @@
 """Block lives read back: blocks' reference-count timelines replayed from a run's stored events
-(storage.read.block_history does the replay), the blocks requests held, a request's fork family."""
+(storage.read.block_history does the replay; the full group's include the disk tier's demotions and
+promotions), the blocks requests held, a request's fork family."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from storage.schema import EVENTS, REQUESTS
 
 MAX_TIMELINE_BLOCKS = 256  # blocks one timeline query may ask about (a request's, a fork family's)
 MAX_FAMILY = 256  # requests one fork family may list
+FULL_GROUP = "full"  # the KV group the disk tier serves; its events carry no `group` (engine/core/events.py)
 
 
 @dataclass(frozen=True)
@@ -62,12 +64,15 @@ def block_timelines(
         return {}
     with connect(db) as connection:
         touching = _touches_blocks(connection.dialect, ids)
+        in_group = EVENTS.c.detail["group"].as_string() == group
+        if group == FULL_GROUP:
+            in_group = or_(in_group, EVENTS.c.kind.in_(block_history.TIER_KINDS))
         statement = (
             select(EVENTS.c.id, EVENTS.c.step, EVENTS.c.time, EVENTS.c.kind, EVENTS.c.request_id, EVENTS.c.block_id, EVENTS.c.detail)
             .where(
                 EVENTS.c.run_id == run_id,
                 EVENTS.c.kind.in_(block_history.BLOCK_KINDS),
-                EVENTS.c.detail["group"].as_string() == group,
+                in_group,
                 touching,
             )
             .order_by(EVENTS.c.id)

@@ -27,7 +27,8 @@ def hit_rate_over_time(
     Returns:
         Columns bucket_start, requests, prompt_tokens, cached_tokens (hit positions h, forks included),
         computed_tokens, prefix_query_tokens and prefix_hit_tokens (requests that looked their prompt up
-        in the prefix index, and the tokens it served), fork_query_tokens and fork_shared_tokens (fork
+        in the prefix index, and the tokens it served), disk_hit_tokens (of those, the tokens promoted from
+        the disk tier; the rest came from the pool's memory), fork_query_tokens and fork_shared_tokens (fork
         children, and the tokens they shared), hit_rate = prefix_hit_tokens / prefix_query_tokens
         (vLLM's prefix-cache hit rate) and fork_share = fork_shared_tokens / fork_query_tokens (NaN
         where the denominator is 0). Requests not scheduled yet, or not recorded yet, are not counted.
@@ -51,6 +52,7 @@ def hit_rate_over_time(
                 REQUESTS.c.computed_tokens,
                 case((is_fork, 0), else_=REQUESTS.c.prompt_tokens).label("prefix_query_tokens"),
                 case((is_fork, 0), else_=reused).label("prefix_hit_tokens"),
+                case((is_fork, 0), else_=REQUESTS.c.disk_cached_tokens).label("disk_hit_tokens"),
                 case((is_fork, REQUESTS.c.prompt_tokens), else_=0).label("fork_query_tokens"),
                 case((is_fork, reused), else_=0).label("fork_shared_tokens"),
             )
@@ -59,7 +61,7 @@ def hit_rate_over_time(
         )
         token_columns = (
             "prompt_tokens", "cached_tokens", "computed_tokens", "prefix_query_tokens", "prefix_hit_tokens",
-            "fork_query_tokens", "fork_shared_tokens",
+            "disk_hit_tokens", "fork_query_tokens", "fork_shared_tokens",
         )  # fmt: skip
         statement = (
             select(

@@ -9,6 +9,7 @@ PostgreSQL. The functions live in one module per job; this module only gathers t
                      prompt keys, the next run's first request number
     hit_rates        prefix-cache reuse over time
     block_timelines  blocks' reference-count timelines, the blocks requests held, fork families
+    tier_history     the disk KV tier: a run's tier counts, a block key's moves, a request's promotions
 """
 
 from storage.read.access import Readable
@@ -44,6 +45,7 @@ from storage.read.runs import (
     request_timeline,
     runs,
 )
+from storage.read.tier_history import TierCounts, key_moves, request_promotions, tier_counts
 from storage.schema import EVICTION_COLUMNS  # the eviction log's columns, as its pages and its CSV show them
 
 __all__ = [
@@ -52,5 +54,6 @@ __all__ = [
     "eviction_log", "evictions_over_time", "export_evictions_csv", "fork_family", "has_run", "hit_rate_over_time",
     "interrupted_runs",
     "hits_before_eviction_histogram", "latest_run_id", "next_request_number", "prompt_chains", "prune_log",
-    "recent_requests", "request_blocks", "request_timeline", "runs",
+    "recent_requests", "request_blocks", "request_timeline", "runs", "TierCounts", "key_moves", "request_promotions",
+    "tier_counts",
 ]  # fmt: skip

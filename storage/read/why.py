@@ -1,4 +1,5 @@
-"""What the miss diagnosis (analysis/why.py) reads: requests with their prompts and runs, and evictions.
+"""What the miss diagnosis (analysis/why.py) reads: requests with their prompts and runs, and evictions (the
+disk tier's moves it reads from storage/read/tier_history.py).
 
 A request's prompt token ids and tenant salt come from its SUBMIT event's detail (engine/core/events.py);
 its output token ids, parent, counts, times and prompt keys from `requests`; its namespace, block size, model and dtype from its
@@ -42,6 +43,7 @@ class WhyRequest(NamedTuple):
     model: str
     dtype: str
     weights_revision: str | None
+    disk_cached_tokens: int = 0  # of cached_tokens, those promoted from the disk tier
 
 
 class WhyEviction(NamedTuple):
@@ -60,6 +62,7 @@ _COLUMNS = (
     REQUESTS.c.parent_id, REQUESTS.c.cached_tokens,
     REQUESTS.c.prompt_tokens, REQUESTS.c.hit_source, REQUESTS.c.block_keys, REQUESTS.c.replay_mode, REQUESTS.c.r,
     RUNS.c.namespace, RUNS.c.block_size, RUNS.c.model, RUNS.c.dtype, RUNS.c.weights_revision,
+    REQUESTS.c.disk_cached_tokens,
 )  # fmt: skip
 
 
@@ -74,13 +77,13 @@ def _statement():
 
 def _request(row: Any) -> WhyRequest:
     (run_id, request_id, status, arrival, scheduled, first_token, detail, output, parent_id, cached, prompt_tokens,
-     hit_source, keys, replay_mode, r, namespace, block_size, model, dtype, revision) = row  # fmt: skip
+     hit_source, keys, replay_mode, r, namespace, block_size, model, dtype, revision, disk_cached) = row  # fmt: skip
     detail = detail or {}
     prompt = detail.get("prompt_token_ids")
     return WhyRequest(run_id, request_id, status, arrival, scheduled, first_token,
                       None if prompt is None else tuple(prompt), tuple(output or ()), parent_id, detail.get("salt"),
                       cached, prompt_tokens, hit_source, keys, replay_mode, r, namespace, block_size, model, dtype,
-                      revision)  # fmt: skip
+                      revision, disk_cached or 0)  # fmt: skip
 
 
 def find_request(db: Engine, request_id: str, run_id: str | None = None) -> WhyRequest | None:

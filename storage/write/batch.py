@@ -17,10 +17,11 @@ from sqlalchemy.exc import DBAPIError, OperationalError
 
 from engine.core.snapshot import RequestView
 from storage.schema import (
-    EVICTION_ROW_COLUMNS, EVICTIONS, INTERRUPTED_STATUS, OPEN_STATUSES, REQUESTS, RUN_COLUMNS, RUNS, RunEnd,
+    EVICTION_ROW_COLUMNS, EVICTIONS, INTERRUPTED_STATUS, OPEN_STATUSES, REQUESTS, RUN_COLUMNS, RUNS,
+    TIER_MOVE_COLUMNS, TIER_MOVES, RunEnd,
 )  # fmt: skip
 from storage.write import bulk, rollups, run_liveness
-from storage.write.rows import EncodedEvents, eviction_values
+from storage.write.rows import EncodedEvents, eviction_values, tier_move_values
 from storage.write.writer_types import RowWriter
 
 # (run_id, time, reason, age_s, hit_count) of an eviction row, as rollups.eviction_deltas takes them.
@@ -82,8 +83,8 @@ def _insert_runs(connection: Connection, runs: dict[str, dict[str, Any]], now: f
 
 
 def _insert_rows(connection: Connection, items: list[Item]) -> None:
-    """The rows of a batch: each run's events and evictions (with their rollups), then the latest view of
-    every request."""
+    """The rows of a batch: each run's events, evictions (with their rollups) and tier moves, then the latest
+    view of every request."""
     parts_by_run: dict[str, list[EncodedEvents]] = {}  # each run's events, in item order
     for item in items:
         if item.events is not None:
@@ -94,6 +95,9 @@ def _insert_rows(connection: Connection, items: list[Item]) -> None:
         if evictions:
             bulk.insert_rows(connection, EVICTIONS, EVICTION_ROW_COLUMNS, evictions)
             rollups.add_evictions(connection, rollups.eviction_deltas(map(_ROLLUP_FIELDS, evictions)))
+        moves = [row for part in parts for event in part.tier_moves for row in tier_move_values(run_id, event)]
+        if moves:
+            bulk.insert_rows(connection, TIER_MOVES, TIER_MOVE_COLUMNS, moves)
     latest = {(item.run_id, view.request_id): view for item in items for view in item.requests}
     views_by_run: dict[str, list[RequestView]] = {}
     for (run_id, _), view in latest.items():

@@ -33,6 +33,7 @@ from storage.schema import (
     PROGRESS,
     PRUNES,
     REQUESTS,
+    TIER_MOVES,
 )
 
 SECONDS_PER_DAY = 86_400.0
@@ -42,9 +43,10 @@ SECONDS_PER_DAY = 86_400.0
 class RetentionPolicy:
     """How much history to keep. None disables a bound."""
 
-    max_age_days: float | None = 30.0  # events, evictions, requests, prune logs, idle writers' progress
+    max_age_days: float | None = 30.0  # events, evictions, tier moves, requests, prune logs, idle writers' progress
     max_events: int | None = 5_000_000  # newest events rows kept
     max_evictions: int | None = 1_000_000  # newest evictions rows kept
+    max_tier_moves: int | None = 1_000_000  # newest tier_moves rows kept
     max_fleet_events: int | None = 5_000_000  # newest fleet_events rows kept (max_age_days applies too)
     max_fleet_evictions: int | None = 5_000_000  # newest fleet_evictions rows kept
     max_fleet_metrics: int | None = 1_000_000  # newest fleet_metrics rows kept (a row per pod per scrape)
@@ -70,6 +72,7 @@ def prune(engine: Engine, policy: RetentionPolicy, now: float) -> list[PruneResu
         aged = (
             (EVENTS, EVENTS.c.time),
             (EVICTIONS, EVICTIONS.c.time),
+            (TIER_MOVES, TIER_MOVES.c.time),
             (REQUESTS, REQUESTS.c.arrival_time),
             (PRUNES, PRUNES.c.time),
             (PROGRESS, PROGRESS.c.updated_at),
@@ -80,6 +83,7 @@ def prune(engine: Engine, policy: RetentionPolicy, now: float) -> list[PruneResu
     bounded = (
         (EVENTS, policy.max_events),
         (EVICTIONS, policy.max_evictions),
+        (TIER_MOVES, policy.max_tier_moves),
         (FLEET_EVENTS, policy.max_fleet_events),
         (FLEET_EVICTIONS, policy.max_fleet_evictions),
         (FLEET_METRICS, policy.max_fleet_metrics),

@@ -4,7 +4,8 @@ The writers accept these two types only, checked when they are handed over (`che
 `checked_views`), so bad input fails at the call and never inside the writer thread. Event and eviction
 rows are tuples of driver-ready values (JSON already encoded) in the column orders of storage.schema;
 request rows are dicts for SQLAlchemy's upsert. `encode_events` is the events' wire and SQLite form: one
-JSON array, built in C.
+JSON array, built in C; the events that also get rows of their own (EVICT: `evictions`; the disk tier's:
+`tier_moves`) stay objects beside it.
 
 The storage layer depends on the engine only through `engine.core.events` (the Event type and the detail
 field names per kind) and `engine.core.snapshot.RequestView` (field names, plain-string values).
@@ -38,6 +39,7 @@ REQUEST_FIELDS = (
     "first_scheduled_time",
     "first_token_time",
     "finish_time",
+    "disk_cached_tokens",
 )
 # Sliding-window replay fields (RequestView's h, s, e, r are properties named as in the REPLAY event).
 WINDOW_FIELDS = ("h", "s", "e", "r", "replay_mode", "replayed_tokens")
@@ -58,6 +60,10 @@ _READ_REQUIRED = operator.itemgetter(*(RequestView._fields.index(name) for name 
 _PROMPT_FIELD = RequestView._fields.index("prompt_token_ids")
 # Enum `.value` is a slow descriptor; event rows are the hot path of the writer.
 _KIND_VALUES = {kind: kind.value for kind in EventKind}
+# The events with rows of their own besides `events` (a tuple: `in` compares in C, where a set would hash
+# each kind through Enum.__hash__, in Python).
+_TIER_KINDS = (EventKind.DEMOTE, EventKind.PROMOTE, EventKind.TIER_EVICT, EventKind.TIER_DROP)
+_LOGGED_KINDS = (EventKind.EVICT, *_TIER_KINDS)
 _EVENT_TYPE = frozenset({Event})
 
 
@@ -134,21 +140,53 @@ def eviction_values(run_id: str, event: Event) -> tuple[Any, ...]:
     )
 
 
+def tier_move_values(run_id: str, event: Event) -> list[tuple[Any, ...]]:
+    """The `tier_moves` rows of a DEMOTE, PROMOTE, TIER_EVICT or TIER_DROP event, in TIER_MOVE_COLUMNS order:
+    one per block it moved (a PROMOTE's `block_ids`, `keys` and `slots` side by side, its tokens shared out
+    evenly). Detail names: engine.core.events.
+
+    Raises:
+        ValueError: another kind of event, or a PROMOTE whose lists differ in length.
+    """
+    kind = _KIND_VALUES.get(event.kind, event.kind)
+    if kind not in _TIER_KINDS:
+        raise ValueError(f"not a tier event: {event.kind}")
+    detail = event.detail
+    if kind != EventKind.PROMOTE:
+        key = detail.get("key")
+        key_hex = key.lower() if isinstance(key, str) else None
+        row = (run_id, event.step, event.time, kind, key_hex, event.block_id, event.request_id, detail.get("slot"),
+               detail.get("reason"), event.tokens)  # fmt: skip
+        return [row]
+    block_ids, keys, slots = detail.get("block_ids") or [], detail.get("keys") or [], detail.get("slots") or []
+    if not len(block_ids) == len(keys) == len(slots):
+        raise ValueError(f"a PROMOTE of {event.request_id} lists {len(block_ids)} blocks, {len(keys)} keys, {len(slots)} slots")
+    each = event.tokens // len(block_ids) if block_ids else 0
+    return [
+        (run_id, event.step, event.time, kind, key.lower(), block_id, event.request_id, slot, None, each)
+        for block_id, key, slot in zip(block_ids, keys, slots)
+    ]
+
+
 class EncodedEvents(NamedTuple):
     """Events in the form the writer stores them (`encode_events`)."""
 
     json: str  # a JSON array with one array per event, the Event fields in order (kind as its value)
     count: int  # events in it
     evictions: tuple[Event, ...]  # its EVICT events, for the eviction log and its rollups
+    tier_moves: tuple[Event, ...] = ()  # its disk-tier events, for the tier's log
 
 
 def encode_events(events: Sequence[Event]) -> EncodedEvents:
-    """Encode events as the writer stores them (one orjson call, in C); only EVICT events stay objects.
+    """Encode events as the writer stores them (one orjson call, in C); only EVICT and the tier's events stay
+    objects.
 
-    A WriterProcess sends events this way: its child neither rebuilds nor re-encodes the non-EVICT ones.
+    A WriterProcess sends events this way: its child neither rebuilds nor re-encodes the others.
     """
-    evictions = tuple(event for event in events if event.kind is EventKind.EVICT)
-    return EncodedEvents(encode_json(list(map(tuple, events))), len(events), evictions)
+    logged = [event for event in events if event.kind in _LOGGED_KINDS]
+    evictions = tuple(event for event in logged if event.kind is EventKind.EVICT)
+    tier_moves = tuple(event for event in logged if event.kind is not EventKind.EVICT)
+    return EncodedEvents(encode_json(list(map(tuple, events))), len(events), evictions, tier_moves)
 
 
 def join_encoded(parts: Sequence[EncodedEvents]) -> EncodedEvents:
@@ -156,8 +194,9 @@ def join_encoded(parts: Sequence[EncodedEvents]) -> EncodedEvents:
     if len(parts) == 1:
         return parts[0]
     evictions = tuple(event for part in parts for event in part.evictions)
+    tier_moves = tuple(event for part in parts for event in part.tier_moves)
     json = "[" + ",".join(part.json[1:-1] for part in parts if part.count) + "]"
-    return EncodedEvents(json, sum(part.count for part in parts), evictions)
+    return EncodedEvents(json, sum(part.count for part in parts), evictions, tier_moves)
 
 
 def decode_events(encoded: EncodedEvents) -> list[Event]:

@@ -123,7 +123,8 @@ class EventWriter:
         self._enqueue(lambda seq: Item(seq))
 
     def submit(self, events: Sequence[Event]) -> None:
-        """Queue events of the current run; EVICT events also become eviction-log rows.
+        """Queue events of the current run; EVICT events also become eviction-log rows, the disk tier's events
+        tier_moves rows.
 
         Raises:
             RuntimeError: no run was started.

@@ -6,8 +6,9 @@ Messages in, in order, each `(number, kind, *arguments)`; numbered from 1 by the
     (0, "open", url, options, writer_id)     first; the writer's progress key is writer_id (storage.write.progress)
     (0, "runs", {run_id: (info, stopped_at)})  a replacement child: every run its parent started
     (n, "run", run_id, info)                 a new run
-    (n, "events", json, count, evictions)    one chunk of encoded events (storage.write.rows.encode_events),
-                                             its EVICT events as plain tuples
+    (n, "events", json, count, evictions, tier_moves)    one chunk of encoded events
+                                             (storage.write.rows.encode_events), its EVICT events and its
+                                             disk-tier events as plain tuples
     (n, "views", views)                      request views as plain tuples, without their prompts
     (n, "rows", rows, num_rows, write)       another producer's row set and its bulk function
     (n, "hurry")                             write what has arrived without waiting for more
@@ -105,8 +106,9 @@ def serve(inbox: Connection, outbox: Connection) -> None:
         except EOFError:  # the parent died without closing: write what we have
             number, kind, *arguments = PARENT_GONE
         if kind == "events":
-            json, count, evictions = arguments
-            writer.submit_encoded(EncodedEvents(json, count, tuple(map(Event._make, evictions))))
+            json, count, evictions, tier_moves = arguments
+            objects = tuple(map(Event._make, evictions)), tuple(map(Event._make, tier_moves))
+            writer.submit_encoded(EncodedEvents(json, count, *objects))
         elif kind == "views":
             writer.record_requests(map(RequestView._make, arguments[0]))
         elif kind == "rows":

@@ -181,7 +181,8 @@ class WriterProcess:
         for start in range(0, len(events), size):  # each chunk one atomic item, as EventWriter.submit does
             encoded = encode_events(events[start : start + size])
             # Plain tuples: the pickle module handles them in C, NamedTuples and enums in Python.
-            body = ("events", encoded.json, encoded.count, list(map(tuple, encoded.evictions)))
+            logged = list(map(tuple, encoded.evictions)), list(map(tuple, encoded.tier_moves))
+            body = ("events", encoded.json, encoded.count, *logged)
             with self._changed:
                 self._hand_over(body, encoded.count)
 
