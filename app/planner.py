@@ -13,7 +13,8 @@ reading it happens on the job's thread too.
 The curve: LRU at `DENSE_POINTS` log-spaced capacities (free: the one-pass curve), every chosen policy at
 `POLICY_POINTS` of them plus the running engine's pool size, the capacity LRU needs for 50, 80, 90 and
 95 % of the maximum, each point's miss breakdown and hot prefixes; `purchase_frame` says what those
-capacities take to buy (analysis/purchase.py), weights and KV in the served dtype (`SERVED_DTYPE` to start with).
+capacities take to buy (analysis/purchase.py), weights and KV in the served dtype (`SERVED_DTYPE` to start with);
+`tier_frame` and `engine_tier_point` put a disk tier behind the pool (analysis/tier_plan.py), off the same curve.
 """
 
 from __future__ import annotations
@@ -33,7 +34,9 @@ from analysis.errors import TraceError
 from analysis.policies import Policy
 from analysis.purchase import Accelerator, ModelShape, purchase
 from analysis.readers import detect_format, load_trace, numbered_lines
-from analysis.stack_distance import lru_curve
+from analysis.stack_distance import LruCurve, lru_curve
+from analysis.tier_plan import DiskModel, TierPoint, TierSize, tier_point
+from analysis.timed import ServiceModel
 from analysis.trace import Trace, TraceFormat
 
 MAX_UPLOAD_BYTES = 16 * 2**20  # the largest trace an operator may upload (both Mooncake traces fit)
@@ -77,6 +80,7 @@ class PlannerResult:
     lru: pd.DataFrame  # capacity_tokens, hit_ratio, miss_ratio: the dense LRU curve
     needed: pd.DataFrame  # share_of_max, hit_ratio, capacity_tokens: what LRU needs for each share
     engine_capacity_tokens: int  # where the running engine's pool sits on the curve
+    curve: LruCurve  # the one-pass LRU curve: every capacity, and every pool + disk tier (`tier_frame`)
 
 
 @dataclass(frozen=True)
@@ -138,7 +142,34 @@ def plan(trace: Trace, request: PlannerRequest, progress: Callable[[Progress], N
         target = math.ceil(share * curve.max_hit_tokens)
         rows.append((share, target / trace.input_tokens, curve.min_capacity_for(target) * trace.block_size))
     needed = pd.DataFrame(rows, columns=["share_of_max", "hit_ratio", "capacity_tokens"])
-    return PlannerResult(analysis, lru, needed, request.engine_capacity_tokens)
+    return PlannerResult(analysis, lru, needed, request.engine_capacity_tokens, curve)
+
+
+def tier_frame(result: PlannerResult, tier_gib: float, disk: DiskModel) -> pd.DataFrame:
+    """The two-tier curve at the dense LRU curve's pool sizes, a disk tier of `tier_gib` behind each.
+
+    Returns:
+        Columns capacity_tokens (the pool), pool_alone, with_tier (one LRU of pool + tier blocks) and floor
+        (one LRU of the larger of the two: this engine's tier, which keeps what it promotes, hits at least
+        that), as hit ratios (analysis/tier_plan.py).
+    """
+    trace = result.curve.trace
+    pools = result.lru["capacity_tokens"].to_numpy() // trace.block_size
+    tier = disk.tier_blocks(tier_gib, trace.block_size)
+    frame = pd.DataFrame({"capacity_tokens": result.lru["capacity_tokens"], "pool_alone": result.lru["hit_ratio"]})
+    frame["with_tier"] = result.curve.hit_tokens_at(pools + tier) / trace.input_tokens
+    frame["floor"] = result.curve.hit_tokens_at(pools.clip(min=tier)) / trace.input_tokens
+    return frame
+
+
+def engine_tier_point(result: PlannerResult, tier_gib: float, disk: DiskModel, prefill_tokens_per_s: float) -> TierPoint:
+    """A disk tier of `tier_gib` behind the running engine's pool: the planner's answer (`tier_plan.answer`).
+
+    Raises:
+        ValueError: a size, bandwidth or rate out of bounds.
+    """
+    service = ServiceModel(prefill_tokens_per_s=prefill_tokens_per_s)
+    return tier_point(result.curve, TierSize(result.engine_capacity_tokens, tier_gib), disk, service)
 
 
 def curve_frame(result: PlannerResult) -> pd.DataFrame:

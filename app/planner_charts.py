@@ -1,4 +1,5 @@
-"""The Capacity planner's figure: hit ratio against cache size, on a log axis (plotly, no Streamlit)."""
+"""The Capacity planner's figures: hit ratio against cache size, and against pool size with a disk tier
+behind it, on a log axis (plotly, no Streamlit)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import plotly.graph_objects as go
 POLICY_COLOURS = {"lru": "#2563eb", "reuse-lru": "#16a34a", "fifo": "#9ca3af", "lfu": "#a855f7", "opt": "#dc2626"}
 POLICY_LABELS = {"opt": "opt (the offline optimum)"}
 ENGINE_COLOUR = "#f59e0b"
+TIER_COLOUR = "#0d9488"  # the disk tier's curves
 TICK_STEPS = (1, 2, 5)  # log-axis ticks at 1, 2 and 5 times each power of ten
 
 
@@ -74,5 +76,39 @@ def hit_ratio_curves(lru: pd.DataFrame, points: pd.DataFrame, max_hit_ratio: flo
         legend={"orientation": "h", "y": -0.2},
         margin={"l": 10, "r": 10, "t": 30, "b": 10},
         height=460,
+    )  # fmt: skip
+    return figure
+
+
+def tier_curves(tiers: pd.DataFrame, tier_gib: float, max_hit_ratio: float, engine_tokens: int) -> go.Figure:
+    """Hit ratio by pool size, alone and with a disk tier of `tier_gib` behind it, with this engine's floor.
+
+    Args:
+        tiers: capacity_tokens, pool_alone, with_tier, floor (`app.planner.tier_frame`).
+        tier_gib: the tier's size (for the legend).
+        max_hit_ratio: the infinite cache's hit ratio.
+        engine_tokens: the running engine's pool, in tokens.
+    """
+    figure = go.Figure()
+    lines = (
+        ("pool_alone", "pool alone (lru)", {"color": POLICY_COLOURS["lru"], "width": 2}),
+        ("with_tier", f"pool + {tier_gib:g} GiB disk tier", {"color": TIER_COLOUR, "width": 2}),
+        ("floor", "this engine's tier at least (it keeps what it promotes)", {"color": TIER_COLOUR, "dash": "dot"}),
+    )
+    for column, name, line in lines:
+        figure.add_trace(go.Scatter(x=tiers["capacity_tokens"], y=tiers[column], mode="lines", name=name, line=line))
+    figure.add_hline(y=max_hit_ratio, line={"dash": "dash", "color": "#111827"},
+                     annotation_text=f"maximum: hit ratio {max_hit_ratio:.1%} (infinite cache)",
+                     annotation_position="top left")  # fmt: skip
+    figure.add_vline(x=engine_tokens, line={"dash": "dot", "color": ENGINE_COLOUR, "width": 2})
+    low, high = max(min(tiers["capacity_tokens"].min(), engine_tokens), 1), max(tiers["capacity_tokens"].max(), engine_tokens, 1)
+    ticks = log_ticks(low, high)
+    figure.update_layout(
+        xaxis={"type": "log", "title": "pool capacity (tokens)", "tickvals": ticks,
+               "ticktext": [token_label(t) for t in ticks]},
+        yaxis={"title": "hit ratio (tokens)", "range": [0, 1.05], "tickformat": ".0%"},
+        legend={"orientation": "h", "y": -0.2},
+        margin={"l": 10, "r": 10, "t": 30, "b": 10},
+        height=420,
     )  # fmt: skip
     return figure

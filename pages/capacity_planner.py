@@ -8,17 +8,20 @@ import streamlit as st
 
 from analysis.own_workloads import history_trace
 from analysis.policies import Policy
-from analysis.purchase import Accelerator
+from analysis.purchase import Accelerator, purchase
 from analysis.readers import load_trace
 from analysis.samples import SAMPLES
+from analysis.tier_plan import DEFAULT_DISK_GBPS, MAX_DISK_GBPS, MIN_DISK_GBPS, DiskModel, answer
+from analysis.timed import MAX_RATE_TOKENS_PER_S, MIN_RATE_TOKENS_PER_S, ServiceModel
 from analysis.trace import TraceFormat
 from app.hosting import get_host
 from app.planner import (
-    MAX_UPLOAD_BYTES, REASONS, SERVED_DTYPE, JobState, PlannerJob, PlannerRequest, curve_frame, purchase_frame,
-    read_upload, served_shape,
+    MAX_UPLOAD_BYTES, REASONS, SERVED_DTYPE, JobState, PlannerJob, PlannerRequest, curve_frame, engine_tier_point,
+    purchase_frame, read_upload, served_shape, tier_frame,
 )  # fmt: skip
-from app.planner_charts import hit_ratio_curves
+from app.planner_charts import hit_ratio_curves, tier_curves
 from app.ui import kept, read_history, wait_for_history
+from engine.core.config import MAX_OFFLOAD_GIB
 from engine.core.kv_memory import DTYPE_BYTES
 from storage.read import queries
 
@@ -225,10 +228,10 @@ price = c[3].number_input(
     help="Your own figure, in your own currency: the console knows no prices and assumes no currency; it "
     "multiplies this by the accelerators each capacity needs",
 )
+shape = served_shape(*shape_values, DTYPE_BYTES[dtype])  # bounded by the inputs above
+accelerator = Accelerator(float(memory_gib), float(usable), float(price))
 try:
-    shape = served_shape(*shape_values, DTYPE_BYTES[dtype])
-    bought = purchase_frame(result.needed, result.engine_capacity_tokens, shape,
-                            Accelerator(float(memory_gib), float(usable), float(price)))  # fmt: skip
+    bought = purchase_frame(result.needed, result.engine_capacity_tokens, shape, accelerator)
 except ValueError as error:
     st.error(f"Cannot price it: {error}")
 else:
@@ -246,6 +249,45 @@ else:
                 PRICE_COLUMN: [f"{p:,.2f}" for p in bought["price_per_hour"]],
             }
         ).set_index("target")
+    )
+
+# ---------------------------------------------------------------- a disk tier
+st.subheader("A disk tier behind the pool")
+st.caption(
+    "An LRU disk tier that takes the pool's evicted blocks and promotes them back on a hit (the engine's "
+    "`--offload-dir`/`--offload-gib`). A pool of P blocks with a tier of D that gives up what it promotes hits what "
+    "one pool of P + D hits; this engine's tier keeps a copy of what it promotes, so it hits at least what a pool "
+    "of the larger of the two hits (the dotted line). Each block the tier serves is read at the disk's bandwidth "
+    f"before the prefill; each token it serves is a prompt token not computed. Blocks weigh {shape.kv_bytes_per_token:,} "
+    f"bytes a token ({dtype}, the model above)."
+)
+c = st.columns(3)
+tier_gib = c[0].number_input("Disk tier (GiB)", 0.0, float(MAX_OFFLOAD_GIB), step=8.0, **kept("planner_tier_gib", 32.0))
+disk_gbps = c[1].number_input(
+    "Disk read bandwidth (GB/s)", MIN_DISK_GBPS, MAX_DISK_GBPS, step=0.5, **kept("planner_disk_gbps", DEFAULT_DISK_GBPS),
+    help=f"{DEFAULT_DISK_GBPS:g} GB/s to start with, a local NVMe SSD's read (a stated figure, not measured): your disk's",
+)  # fmt: skip
+prefill_rate = c[2].number_input(
+    "Prefill (tokens/s)", MIN_RATE_TOKENS_PER_S, MAX_RATE_TOKENS_PER_S, step=10.0,
+    **kept("planner_prefill_rate", ServiceModel().prefill_tokens_per_s),
+    help="What one second of prefill computes: measured on this engine (benchmarks/service_rates.py) to start with",
+)  # fmt: skip
+disk = DiskModel(shape.kv_bytes_per_token, float(disk_gbps))
+tier_point = engine_tier_point(result, float(tier_gib), disk, float(prefill_rate))
+st.plotly_chart(
+    tier_curves(tier_frame(result, float(tier_gib), disk), float(tier_gib), analysis.max_hit_ratio,
+                result.engine_capacity_tokens),
+    key="planner_tier_chart",
+)  # fmt: skip
+st.markdown(f"**This engine's pool:** {answer(tier_point)}.")
+try:
+    alone = purchase(tier_point.pool_alone_tokens, shape, accelerator)
+except ValueError:
+    alone = None  # the purchase section above says why it cannot price
+if alone is not None:
+    st.caption(
+        f"Without a tier, a pool of {alone.capacity_tokens:,} tokens hits as much: {alone.kv_gib:,.2f} GiB of KV, "
+        f"{alone.accelerators:,} accelerator(s), {alone.price_per_hour:,.2f} an hour at your price."
     )
 
 st.subheader("Why it misses")

@@ -8,7 +8,13 @@ import json
 import pytest
 
 from analysis.errors import TraceError
-from app.planner import MAX_UPLOAD_BYTES, JobState, PlannerJob, PlannerRequest, curve_frame, plan, read_upload
+from analysis.tier_plan import DiskModel, answer
+from analysis.timed import ServiceModel
+from app.planner import (
+    MAX_UPLOAD_BYTES, JobState, PlannerJob, PlannerRequest, curve_frame, engine_tier_point, plan, read_upload,
+    served_shape, tier_frame,
+)  # fmt: skip
+from engine.core.config import MAX_OFFLOAD_GIB
 from analysis.policies import Policy
 from analysis.readers import load_trace
 from engine.core.request import SamplingParams
@@ -44,7 +50,8 @@ def test_a_sample_is_analysed_in_the_background_and_every_panel_is_drawn(console
     assert metrics["Requests"] == "223" and metrics["Maximum hit ratio"] == "37.9%"
     assert metrics["LRU at this engine's size"].endswith("%")
     assert [s.value for s in at.subheader] == [
-        "Hit ratio by cache size", "Capacity LRU needs", "What to buy", "Why it misses", "Hot prefixes",
+        "Hit ratio by cache size", "Capacity LRU needs", "What to buy", "A disk tier behind the pool", "Why it misses",
+        "Hot prefixes",
     ]  # fmt: skip
     needed = at.table[0].value
     assert list(needed.index) == ["50%", "80%", "90%", "95%"]
@@ -170,3 +177,32 @@ def test_what_to_buy_prices_the_served_dtype_bfloat16_by_default_and_says_so(con
     at.selectbox(key="planner_dtype").select("float32").run()
     assert {m.label: m.value for m in at.metric}["KV per token"] == f"{2 * bf16_bytes:,} bytes"
     assert any(c.value.startswith("Priced in float32") for c in at.caption)
+
+
+def tier_answer(at) -> str:
+    return next(m.value for m in at.markdown if m.value.startswith("**This engine's pool:**"))
+
+
+def test_a_disk_tier_behind_this_engines_pool_is_answered_off_the_curve_and_bounded(console_env):
+    at = analysed(open_page("capacity_planner"))
+    result = at.session_state["planner_job"].snapshot().result
+    loaded = host().console.engine.loaded
+    shape = served_shape(loaded.num_layers, loaded.num_kv_heads, loaded.head_dim, loaded.num_parameters, 2)  # bfloat16
+    expected = engine_tier_point(result, 32.0, DiskModel(shape.kv_bytes_per_token, 2.0), ServiceModel().prefill_tokens_per_s)
+    assert tier_answer(at) == f"**This engine's pool:** {answer(expected)}."
+    assert "add 32 GiB of disk tier" in tier_answer(at)
+    assert expected.hit_tokens >= expected.pool_hit_tokens
+    assert len(at.get("plotly_chart")) == 2
+    at.number_input(key="planner_tier_gib").set_value(0.0).run()
+    none = engine_tier_point(result, 0.0, DiskModel(shape.kv_bytes_per_token, 2.0), ServiceModel().prefill_tokens_per_s)
+    assert none.hit_tokens == none.pool_hit_tokens and none.loaded_blocks == 0
+    assert f"hit ratio {none.ratio(none.pool_hit_tokens):.3f} -> {none.ratio(none.pool_hit_tokens):.3f}" in tier_answer(at)
+    assert at.number_input(key="planner_tier_gib").max == float(MAX_OFFLOAD_GIB)
+
+
+def test_the_tier_frame_lies_between_the_pool_alone_and_the_maximum():
+    result = plan(load_trace(CONVERSATION_SAMPLE), PlannerRequest(None, (), 16384))
+    frame = tier_frame(result, 1.0, DiskModel(46_080))
+    assert (frame["pool_alone"] <= frame["floor"]).all() and (frame["floor"] <= frame["with_tier"]).all()
+    assert (frame["with_tier"] <= result.analysis.max_hit_ratio + 1e-12).all()
+    assert frame["with_tier"].iloc[0] > frame["pool_alone"].iloc[0]  # a 1-block pool gains from a 1 GiB tier
