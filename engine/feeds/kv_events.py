@@ -4,19 +4,38 @@ vLLM, SGLang, llm-d's KV-cache indexer and NVIDIA Dynamo's KV router speak one f
 engine/feeds/kv_event_publisher.py for the sockets). This module makes its messages from the engine's own
 `Event`s, so the feed is a pure function of what the engine's listeners (and the history) receive:
 
-    CACHE  (blocks entered the prefix index)   -> BlockStored per run of chained blocks
+    CACHE  (blocks entered the prefix index)   -> BlockStored per run of chained blocks, the pool's medium
     EVICT  (a cached block lost its key)       -> BlockRemoved, one per block (as vLLM sends them)
-    RESET  of every KV group, none keeping a referenced block
+    RESET  of every KV group, none keeping a referenced block, and no disk tier
                                                -> AllBlocksCleared after the groups' BlockRemoved
+    DEMOTE (the disk tier took an evicted block) -> BlockStored, medium "DISK", one block
+    TIER_EVICT (the disk tier gave a block up), TIER_DROP of a demoted block (its write failed)
+                                               -> BlockRemoved, medium "DISK"
+    TIER_DROP of a block never demoted (the tier was full), PROMOTE -> nothing
+
+Two media, as the engine's two tiers hold blocks: the pool's ("CPU", or "GPU" on CUDA) and the disk
+tier's ("DISK"; vLLM 0.33 names its own file tier "STORAGE"). A consumer that applies BlockStored and
+BlockRemoved per medium holds exactly the pool's cached blocks under the one and the tier's blocks
+under the other: a demoted block stays under "DISK" until the tier gives it up, and a promoted one is
+read into fresh pool blocks that the pool caches again (their CACHE: a new BlockStored under the
+pool's medium), so it is then held in both. A DEMOTE is published when the tier plans the store
+(the tier's `writing` state, found by no lookup until the writer confirms it); a failed write is its
+TIER_DROP, published as the removal. A reset empties the pool only: its per-block BlockRemoved say so,
+and an engine with a disk tier never sends AllBlocksCleared (the event names no medium, and consumers
+drop every medium on it). Blocks a restarted engine finds in its tier's files are not announced
+(no event names them); their later TIER_EVICT is not published either.
 
 Field by field, as vLLM's BlockPool fills them:
     block_hashes       the low 64 bits of the engine's 128-bit chain key, an unsigned int
-                       (vLLM's `maybe_convert_block_hash`: int.from_bytes(key, "big") & (2**64 - 1))
+                       (vLLM's `maybe_convert_block_hash`: int.from_bytes(key, "big") & (2**64 - 1));
+                       a block has the same hash in both media
     parent_block_hash  the same of the block's chain parent; None under the namespace root
     token_ids          the blocks' tokens back to back (always block_size per block: only full blocks
                        are cached); block_size the engine's
-    medium             "GPU" when the KV lives on a CUDA device, else "CPU"
-    group_idx          the KV group's position in the model's groups (full attention first)
+    medium             the pool's: "GPU" when the KV lives on a CUDA device, else "CPU"; "DISK" for the
+                       disk tier
+    group_idx          the KV group's position in the model's groups (full attention first; the disk
+                       tier holds full-attention blocks only)
     kv_cache_spec_kind "full_attention" or "sliding_window", kv_cache_spec_sliding_window its window
                        (vLLM annotates every BlockStored with both)
     lora_id, lora_name None (no adapters); extra_keys None (the tenant salt is folded into the root)
@@ -41,6 +60,7 @@ from engine.core.events import Event, EventKind
 
 MEDIUM_GPU = "GPU"
 MEDIUM_CPU = "CPU"
+MEDIUM_DISK = "DISK"  # the engine's disk tier (engine/core/kv_tier.py)
 FULL_ATTENTION_KIND = "full_attention"  # vLLM's KVCacheSpecKind values
 SLIDING_WINDOW_KIND = "sliding_window"
 _LOW_64 = (1 << 64) - 1
@@ -66,7 +86,7 @@ class BlockStored(KVCacheEvent):
     token_ids: list[int]  # the blocks' tokens back to back
     block_size: int  # tokens per block
     lora_id: int | None  # deprecated by vLLM; None
-    medium: str | None  # "GPU" or "CPU"
+    medium: str | None  # "GPU" or "CPU" (the pool), "DISK" (the disk tier)
     lora_name: str | None  # None (no adapters)
     extra_keys: list[tuple[Any, ...] | None] | None = None  # None (the salt is part of the root key)
     group_idx: int | None = None  # the KV group
@@ -113,47 +133,98 @@ class GroupSpec:
 
 
 class KVEventTranslator:
-    """Engine events -> KV events, in order. Keeps only the progress of a reset across the groups.
+    """Engine events -> KV events, in order: a pure function of the event stream it is given.
+
+    Besides the progress of a reset across the groups it keeps what the disk tier's events need and do
+    not carry, bounded by the pool and the tier:
+      * which of the full group's cached keys hang from a namespace root (a DEMOTE names its parent's
+        key, the namespace root's for a context's first block, which is published as None). A key's
+        parent is fixed by the key, and a block's DEMOTE follows its EVICT in the same step (the scheduler
+        takes the tier's stores at the end of the schedule that evicted), so the keys evicted in one
+        `translate` call are kept until its end;
+      * the keys published under "DISK" and not removed since (a TIER_DROP removes a block only if its
+        DEMOTE was published; a TIER_EVICT of a block no event announced publishes nothing).
 
     Not thread-safe: one listener (the engine thread) calls it.
     """
 
-    def __init__(self, groups: Sequence[GroupSpec], block_size: int, medium: str) -> None:
+    def __init__(self, groups: Sequence[GroupSpec], block_size: int, medium: str, *, disk_tier: bool = False) -> None:
         """Args:
         groups: the engine's KV groups in order (their positions are the group_idx).
         block_size: tokens per block.
-        medium: MEDIUM_GPU or MEDIUM_CPU.
+        medium: MEDIUM_GPU or MEDIUM_CPU: where the pool's KV lives.
+        disk_tier: whether the engine has a disk tier (then a reset never publishes AllBlocksCleared:
+            the tier keeps its blocks, some of which a restarted engine found without announcing them).
         """
         if not groups:
             raise ValueError("an engine has at least one KV group")
         self.groups = tuple(groups)  # the engine's KV groups, full attention first
         self.block_size = block_size  # tokens per block
-        self.medium = medium  # where the KV lives
+        self.medium = medium  # where the pool's KV lives
+        self.disk_tier = disk_tier  # whether a disk tier keeps blocks across resets
         self._index = {group.name: index for index, group in enumerate(self.groups)}
+        # the full-attention group's position: the group whose evicted blocks the disk tier takes
+        self._full = next((i for i, group in enumerate(self.groups) if group.sliding_window is None), None)
         self._resetting: list[int] = []  # kept blocks of the groups reset so far in the current reset
+        self._pool_first: set[str] = set()  # the full group's cached keys that hang from a namespace root
+        self._on_disk: set[str] = set()  # keys published under DISK and not removed since
 
     def translate(self, events: Sequence[Event]) -> list[KVEvent]:
         """The KV events of `events` (engine events of other kinds translate to nothing)."""
         out: list[KVEvent] = []
+        evicted_first: set[str] = set()  # first blocks the pool evicted in this call (their DEMOTE may follow)
         for event in events:
             kind = event.kind
             if kind is EventKind.CACHE:
                 out.extend(self._stored(event.detail))
             elif kind is EventKind.EVICT:
-                group_idx = self._index[event.detail["group"]]
-                out.append(BlockRemoved([external_hash(event.detail["key"])], self.medium, group_idx))
+                key, group_idx = event.detail["key"], self._index[event.detail["group"]]
+                if group_idx == self._full and key in self._pool_first:
+                    self._pool_first.discard(key)
+                    evicted_first.add(key)
+                out.append(BlockRemoved([external_hash(key)], self.medium, group_idx))
             elif kind is EventKind.RESET:
                 self._resetting.append(event.detail["kept_blocks"])
                 if len(self._resetting) == len(self.groups):  # every group's pool was reset
-                    if not any(self._resetting):
+                    if not any(self._resetting) and not self.disk_tier:
                         out.append(AllBlocksCleared())
                     self._resetting.clear()
+            elif kind is EventKind.DEMOTE:
+                out.append(self._demoted(event.detail, evicted_first))
+            elif kind is EventKind.TIER_EVICT or kind is EventKind.TIER_DROP:
+                key = event.detail["key"]
+                if key in self._on_disk:
+                    self._on_disk.discard(key)
+                    out.append(BlockRemoved([external_hash(key)], MEDIUM_DISK, self._full))
         return out
+
+    def _demoted(self, detail: dict, evicted_first: set[str]) -> BlockStored:
+        """The BlockStored of one block the disk tier took (the full group's, from the pool or its write-back)."""
+        if self._full is None:
+            raise ValueError("a DEMOTE from an engine without a full-attention group")
+        key = detail["key"]
+        first = key in evicted_first or key in self._pool_first
+        self._on_disk.add(key)
+        group = self.groups[self._full]
+        return BlockStored(
+            block_hashes=[external_hash(key)],
+            parent_block_hash=None if first else external_hash(detail["parent_key"]),
+            token_ids=list(detail["token_ids"]),
+            block_size=self.block_size,
+            lora_id=None,
+            medium=MEDIUM_DISK,
+            lora_name=None,
+            group_idx=self._full,
+            kv_cache_spec_kind=group.kind,
+            kv_cache_spec_sliding_window=group.sliding_window,
+        )
 
     def _stored(self, detail: dict) -> list[BlockStored]:
         group_idx = self._index[detail["group"]]
         group = self.groups[group_idx]
         keys, parents, tokens = detail["keys"], detail["parent_keys"], detail["token_ids"]
+        if group_idx == self._full:
+            self._pool_first.update(key for key, parent in zip(keys, parents) if parent is None)
         size = self.block_size
         stored: list[BlockStored] = []
         start = 0

@@ -22,10 +22,10 @@ from engine.feeds.metrics_server import MetricsServer
 
 
 def translator_for(engine: Any) -> KVEventTranslator:
-    """The KV-event translation of `engine`'s groups, block size and device."""
+    """The KV-event translation of `engine`'s groups, block size, device and disk tier."""
     groups = [GroupSpec(group.name, group.window) for group in engine.runner.groups]
     medium = MEDIUM_GPU if str(engine.loaded.device).startswith("cuda") else MEDIUM_CPU
-    return KVEventTranslator(groups, engine.config.block_size, medium)
+    return KVEventTranslator(groups, engine.config.block_size, medium, disk_tier=engine.kv.tier is not None)
 
 
 @dataclass
