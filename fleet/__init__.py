@@ -23,7 +23,9 @@ Modules, one job each:
   * `held_blocks`  one pod's held blocks in one (medium, KV group), with copies, and the prompt walk.
   * `prefix_tree`  the cross-pod prefix tree, merged by token content.
   * `index`        `FleetIndex`, a sink: per pod the held blocks, its link and recent scrapes; `route`
-                   (each pod's longest cached prefix of a prompt, capped as vLLM caps a prefix hit).
+                   (each pod's longest cached prefix of a prompt, capped as vLLM caps a prefix hit) and
+                   `route_tiers` (the same across a pod's media: which tier would serve it).
+  * `tiers`        the media in speed order (GPU, CPU, DISK / STORAGE) and the tier-by-tier walk.
   * `metrics`      parsing a server's /metrics (prefix-cache counters, KV usage, requests, capacity,
                    residency histograms) and the hit rate between two scrapes.
 

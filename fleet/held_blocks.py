@@ -25,8 +25,9 @@ from __future__ import annotations
 
 from array import array
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from fleet.events import BlockHash, BlockStored
 
@@ -64,6 +65,14 @@ class HeldBlock:
     block_size: int  # tokens per block
     first_stored: float  # publisher time of the store that made it held (its copies went 0 -> 1)
     last_stored: float  # publisher time of the latest store of any copy
+
+
+class Reach(NamedTuple):
+    """Where a walk of a prompt through a group got to."""
+
+    blocks: int  # blocks it matched (beyond where it started)
+    tokens: int  # prompt tokens matched from the prompt's start, where it started included
+    ends: tuple[BlockHash | None, ...]  # the hashes of its last blocks (several: twins with the same tokens)
 
 
 class BlockGroup:
@@ -131,10 +140,26 @@ class BlockGroup:
         Returns:
             (blocks, tokens) of the deepest match; (0, 0) if the first block misses.
         """
-        best_blocks = best_tokens = 0
+        reach = self.walk_from(prompt, ((None, 0),))
+        return reach.blocks, reach.tokens
+
+    def walk_from(self, prompt: bytes, starts: Sequence[tuple[BlockHash | None, int]]) -> Reach:
+        """The longest run of held blocks matching `prompt` (packed) on from any of `starts`.
+
+        Args:
+            prompt: the packed prompt.
+            starts: (parent hash, tokens matched so far) pairs, all with the same token count: the run
+                hangs from one of the parents (None: the root) and matches the prompt from that token on.
+
+        Returns:
+            The deepest match: its new blocks, the tokens matched from the prompt's start, and the hashes
+            it ends at (the starts' parents when nothing more matched).
+        """
+        start_tokens = starts[0][1] if starts else 0
+        best = Reach(0, start_tokens, tuple(parent for parent, _ in starts))
         num_prompt_tokens = len(prompt) // TOKEN_BYTES
         sizes = tuple(self.block_sizes)
-        stack: list[tuple[BlockHash | None, int, int]] = [(None, 0, 0)]  # (parent, tokens, blocks)
+        stack: list[tuple[BlockHash | None, int, int]] = [(parent, tokens, 0) for parent, tokens in starts]
         while stack:
             parent, start, depth = stack.pop()
             by_tokens = self.children.get(parent)
@@ -145,10 +170,12 @@ class BlockGroup:
                 if end > num_prompt_tokens:
                     continue
                 for block_hash in by_tokens.get(prompt[start * TOKEN_BYTES : end * TOKEN_BYTES], ()):
-                    if end > best_tokens:
-                        best_blocks, best_tokens = depth + 1, end
+                    if end > best.tokens:
+                        best = Reach(depth + 1, end, (block_hash,))
+                    elif end == best.tokens and block_hash not in best.ends:  # a twin: the next tier may hang from it
+                        best = best._replace(ends=(*best.ends, block_hash))
                     stack.append((block_hash, end, depth + 1))
-        return best_blocks, best_tokens
+        return best
 
 
 def check_group(where: str, group: BlockGroup) -> None:

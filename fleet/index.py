@@ -11,7 +11,8 @@ Per pod, per (medium, KV group), the held blocks by hash, with their copies (`fl
 A BlockRemoved of a hash the pod does not hold is counted (`num_unknown_removals`: a feed joined late,
 or a gap that could not be recovered) and changes nothing. AllBlocksCleared and a PodReset drop
 everything the pod holds. Across pods, `prefix_tree` merges the groups by token content
-(`fleet.prefix_tree`); `route` walks a prompt through each pod's group.
+(`fleet.prefix_tree`); `route` walks a prompt through each pod's group, `route_tiers` through each pod's
+media of a group, fastest first (`fleet.tiers`: which tier would serve it).
 
 Besides the blocks, per pod: the collector's latest `PodStatus` (its link, which with the silence
 since the last batch gives the pod's health, `fleet.health`) and its recent `/metrics` scrapes
@@ -42,6 +43,7 @@ from fleet.health import PodHealth, pod_health
 from fleet.held_blocks import BlockGroup, check_group, pack_tokens, unpack_tokens
 from fleet.prefix_tree import PrefixTree, build_prefix_tree
 from fleet.source import PodSource
+from fleet.tiers import PodTierMatch, TieredRoute, tiered_reach
 
 DEFAULT_STALE_AFTER_S = 60.0
 METRICS_KEPT = 720  # a pod's latest scrapes kept for the live view (an hour at one per 5 s)
@@ -359,6 +361,24 @@ class FleetIndex:
                 matches.append(PodMatch(name, blocks, tokens, self._health(pod, now).stale))
         matches.sort(key=lambda match: (-match.matched_tokens, match.pod))
         return RouteResult(len(token_ids), max_cached, medium, group_idx, tuple(matches))
+
+    def route_tiers(self, token_ids: Sequence[int], group_idx: int = 0, now: float | None = None) -> TieredRoute:
+        """Which tier of each pod would serve a prompt: its media of one KV group walked fastest first,
+        each on from where the faster ones stopped (fleet.tiers), capped as `route` caps a match.
+
+        Raises:
+            OverflowError: a token id is negative or not below 2**32.
+        """
+        max_cached = max(0, len(token_ids) - 1)
+        prompt = pack_tokens(token_ids[:max_cached])
+        now = self._clock() if now is None else now
+        with self._lock:
+            matches = []
+            for name, pod in self._pods.items():
+                groups = [(medium, group) for (medium, idx), group in pod.groups.items() if idx == group_idx]
+                matches.append(PodTierMatch(name, tiered_reach(groups, prompt), self._health(pod, now).stale))
+        matches.sort(key=lambda match: (-match.matched_tokens, match.pod))
+        return TieredRoute(len(token_ids), max_cached, group_idx, tuple(matches))
 
     def prefix_tree(self, medium: str = DEFAULT_MEDIUM, group_idx: int = 0, max_nodes: int = 10_000) -> PrefixTree:
         """The prefixes every pod holds in one (medium, group), merged by token content (fleet.prefix_tree).
