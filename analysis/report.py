@@ -10,10 +10,10 @@
      "misses": {"compulsory", "partial", "namespace"},   # tokens every cache misses, whatever its size
      "by_type": [{"type", "requests", "input_tokens", "hit_tokens", "hit_ratio"}, ...],  # infinite cache
      "top_prefixes": [{"first_block", "last_block", "depth", "requests", "tokens_saved"}, ...],  # infinite
-     "tiers": [{"pool_tokens", "pool_blocks", "tier_gib", "tier_blocks", "pool_hit_ratio", "hit_ratio",
-                "floor_hit_ratio", "simulated_hit_ratio", "tier_hit_tokens", "loaded_blocks", "prefill_s_saved",
-                "load_s", "net_prefill_s", "net_prefill_s_per_trace_hour", "pool_alone_tokens",
-                "pool_alone_kv_gib", "answer"}, ...],   # empty unless disk tiers were asked for
+     "tiers": [{"pool_tokens", "pool_blocks", "tier_gib", "tier_blocks", "pool_hit_tokens", "hit_tokens",
+                "pool_hit_ratio", "hit_ratio", "floor_hit_ratio", "simulated_hit_ratio", "tier_hit_tokens",
+                "loaded_blocks", "prefill_s_saved", "load_s", "net_prefill_s", "net_prefill_s_per_trace_hour",
+                "pool_alone_tokens", "pool_alone_kv_gib", "answer"}, ...],   # empty unless disk tiers were asked for
      "disk": null | {"kv_bytes_per_token", "disk_gbps"},
      "seconds"}
 
@@ -87,6 +87,8 @@ def _tier_point(point: TierPoint) -> dict[str, Any]:
         "pool_blocks": point.pool_blocks,
         "tier_gib": point.size.tier_gib,
         "tier_blocks": point.tier_blocks,
+        "pool_hit_tokens": point.pool_hit_tokens,
+        "hit_tokens": point.hit_tokens,
         "pool_hit_ratio": point.ratio(point.pool_hit_tokens),
         "hit_ratio": point.ratio(point.hit_tokens),
         "floor_hit_ratio": point.ratio(point.floor_hit_tokens),

@@ -10,7 +10,10 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
+import io
+
 from analysis.analyzer import AnalysisConfig, Mode, analyze
+from analysis.own_workloads import Keying, read_run_trace
 from analysis.policies import Policy
 from analysis.readers import load_trace
 from analysis.report import to_json
@@ -21,6 +24,7 @@ from analysis.tiers import Served, TierRule, TwoTierCache, simulate_tiers
 from analysis.timed import ServiceModel
 from cli.__main__ import main
 from tests.analysis_support import CONVERSATION_SAMPLE, any_chains, prefix_chains, trace_of
+from tests.own_workload_support import NAMESPACE, token_prompts
 
 BLOCK = 4  # tests/analysis_support.py's block size
 
@@ -220,3 +224,23 @@ def test_loaded_blocks_count_the_references_the_tier_adds():
     point = tier_point(curve, TierSize(51_200, 1.0), DiskModel(46_080), ServiceModel())
     exclusive = simulate_tiers(trace, point.pool_blocks, point.tier_blocks, TierRule.EXCLUSIVE)
     assert point.loaded_blocks == int(np.sum(exclusive.tier_hit_blocks)) == exclusive.loaded_blocks
+
+
+def test_an_own_workload_keyed_as_the_engine_keys_it_gets_the_same_two_tier_answers():
+    """A run-trace workload (the engine's chain keys, full blocks only, tenant salts): the curve gives the
+    exclusive tier exactly and bounds the engine's, and the analysis's rows split the tokens by tier."""
+    lines = [{"op": "submit", "id": f"r{i}", "tokens": tokens, **({"salt": salt} if salt else {})}
+             for i, (tokens, salt) in enumerate(token_prompts(60, seed=3))]  # fmt: skip
+    trace = read_run_trace(io.BytesIO("\n".join(map(json.dumps, lines)).encode()), Keying(NAMESPACE, None))
+    curve = lru_curve(trace)
+    for pool, tier in ((2, 3), (4, 2), (0, 5)):
+        exclusive = simulate_tiers(trace, pool, tier, TierRule.EXCLUSIVE)
+        assert exclusive.hit_blocks.tolist() == curve.hit_blocks(pool + tier).tolist()
+        inclusive = simulate_tiers(trace, pool, tier, TierRule.INCLUSIVE).hit_blocks
+        assert (curve.hit_blocks(max(pool, tier)) <= inclusive).all() and (inclusive <= curve.hit_blocks(pool + tier)).all()
+    disk = DiskModel(1000)
+    analysis = analyze(trace, AnalysisConfig((8,), (Policy.LRU,), tiers=TierConfig((3 * 4000 / GIB,), disk)))
+    row = to_json(analysis)["tiers"][0]
+    assert (row["pool_blocks"], row["tier_blocks"]) == (2, 3)
+    assert row["pool_hit_tokens"] == curve.hit_tokens(2) and row["hit_tokens"] == curve.hit_tokens(5)
+    assert row["tier_hit_tokens"] == row["hit_tokens"] - row["pool_hit_tokens"] > 0
