@@ -20,6 +20,9 @@ from engine.core.snapshot import BlockView
 GRID_WIDTH_PX = 900  # the width the grid's cell size is computed for
 WEBGL_ABOVE = 2048  # pools larger than this render with scattergl
 TEXT_UP_TO = 512  # pools up to this size print the reference count in each referenced cell
+PROMOTED_NAME = "promoted from disk"  # the grid's trace of blocks the disk tier filled
+PROMOTED_COLOUR = "#7c3aed"
+PROMOTED_MARK_PX = 8
 COLOURS = {
     FREE: "#e5e7eb",
     CACHED: "#60a5fa",
@@ -51,6 +54,7 @@ def block_grid(
     selected: int | None = None,
     highlight: Sequence[int] = (),
     statuses: dict[str, str] | None = None,
+    promoted: Sequence[int] = (),
 ) -> go.Figure:
     """Every physical block as one square cell, coloured by state; block id = row * columns + column.
 
@@ -60,6 +64,7 @@ def block_grid(
         selected: the block the inspector shows (outlined black).
         highlight: blocks to outline in blue (a request's, picked on the page).
         statuses: request statuses by id, so the hover names each holder with its status.
+        promoted: blocks whose K/V were read from the disk tier in their current life (a purple corner mark).
 
     The figure has a fixed pixel size (cells stay square); draw it with `width="content"`. The legend
     is left to the page (`category_order` and `COLOURS`), so narrow grids stay readable.
@@ -116,6 +121,21 @@ def block_grid(
                 marker={"symbol": "square-open", "size": cell, "color": "#2563eb", "line": {"width": 3}},
                 name="highlighted",
                 hoverinfo="skip",
+            )
+        )
+    from_disk = [b for b in promoted if 0 <= b < n]
+    if from_disk:
+        size = max(4, min(PROMOTED_MARK_PX, cell - 2))
+        corner = 0.5 - 0.5 * size / cell  # the mark sits in the cell's top-right corner
+        fig.add_trace(
+            go.Scatter(
+                x=[b % cols + corner for b in from_disk],
+                y=[b // cols - corner for b in from_disk],
+                mode="markers",
+                marker={"symbol": "triangle-ne", "size": size, "color": PROMOTED_COLOUR, "line": {"width": 0}},
+                name=PROMOTED_NAME,
+                hovertext=[f"block {b} · promoted from the disk tier" for b in from_disk],
+                hovertemplate="%{hovertext}<extra></extra>",
             )
         )
     if selected is not None and 0 <= selected < n:

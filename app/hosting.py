@@ -69,6 +69,8 @@ ENV_KV_EVENTS_REPLAY = "PREFIX_CONSOLE_KV_EVENTS_REPLAY_ENDPOINT"  # and its rep
 ENV_KV_EVENTS_TOPIC = "PREFIX_CONSOLE_KV_EVENTS_TOPIC"  # the feed's topic
 ENV_METRICS_PORT = "PREFIX_CONSOLE_METRICS_PORT"  # vLLM-named /metrics on 127.0.0.1:PORT
 ENV_ENGINE = "PREFIX_CONSOLE_ENGINE"  # attach to the engine server at this URL (`make run` sets it)
+ENV_OFFLOAD_DIR = "PREFIX_CONSOLE_OFFLOAD_DIR"  # the embedded engine's disk KV tier: its directory
+ENV_OFFLOAD_GIB = "PREFIX_CONSOLE_OFFLOAD_GIB"  # and its size in GiB (both, or neither: no tier)
 
 HISTORY_SAMPLES = 3600  # PoolStats samples kept for the Overview charts
 HISTORY_INTERVAL_S = 0.5  # at most one sample per this many seconds
@@ -83,7 +85,8 @@ def config_from_env(environ: Mapping[str, str] | None = None) -> EngineConfig:
     Reads PREFIX_CONSOLE_MODEL (default "smollm2"), PREFIX_CONSOLE_NUM_BLOCKS, PREFIX_CONSOLE_BLOCK_SIZE,
     PREFIX_CONSOLE_DEVICE, PREFIX_CONSOLE_DTYPE, PREFIX_CONSOLE_DATA_DIR and the opt-in feeds
     PREFIX_CONSOLE_KV_EVENTS_ENDPOINT, PREFIX_CONSOLE_KV_EVENTS_REPLAY_ENDPOINT, PREFIX_CONSOLE_KV_EVENTS_TOPIC,
-    PREFIX_CONSOLE_METRICS_PORT; unset means the EngineConfig default.
+    PREFIX_CONSOLE_METRICS_PORT, and the disk KV tier PREFIX_CONSOLE_OFFLOAD_DIR with PREFIX_CONSOLE_OFFLOAD_GIB;
+    unset means the EngineConfig default.
 
     Raises:
         ValueError: a variable that is not a valid value (the message names it).
@@ -111,6 +114,13 @@ def config_from_env(environ: Mapping[str, str] | None = None) -> EngineConfig:
             fields[key] = env[name]
     if env.get(ENV_DATA_DIR):
         fields["data_dir"] = Path(env[ENV_DATA_DIR]).resolve()
+    if env.get(ENV_OFFLOAD_DIR):
+        fields["offload_dir"] = Path(env[ENV_OFFLOAD_DIR]).resolve()
+    if env.get(ENV_OFFLOAD_GIB):
+        try:
+            fields["offload_gib"] = float(env[ENV_OFFLOAD_GIB])
+        except ValueError:
+            raise ValueError(f"{ENV_OFFLOAD_GIB} must be a number of GiB, got {env[ENV_OFFLOAD_GIB]!r}") from None
     try:
         return EngineConfig(**fields)
     except ValueError as exc:

@@ -40,6 +40,7 @@ from engine.core.request_invariants import check_request_state
 from engine.core.request_table import RequestTable
 from engine.core.scheduler import SchedulerOutput
 from engine.core.snapshot import EngineSnapshot, PoolStats, RequestView, block_views, pool_stats
+from engine.core.tier_view import PromotionMarks, tier_view
 from engine.engine_parts import build_parts
 from engine.runner.model_loading import LoadedModel, load_model
 from engine.step_thread import StepThread
@@ -76,6 +77,7 @@ class Engine:
         self.vocab_size, self.max_model_len = self.limits
         self._generators: dict[str, torch.Generator] = {}  # seeded sampling of running requests
         self._listeners: list[Listener] = []
+        self._promotions = PromotionMarks.of(self.kv)  # pool blocks the disk tier filled; None without a tier
         self._lock = threading.RLock()
         self._work = threading.Condition(self._lock)
         self._thread: StepThread | None = None  # None: not started, or stopped
@@ -395,7 +397,8 @@ class Engine:
     def snapshot(self) -> EngineSnapshot:
         """Every block of every KV group, the requests `requests()` lists and the counters, all from the same moment."""
         with self._lock:
-            return EngineSnapshot(time.time(), self.stats(), block_views(self.kv), tuple(self.requests()))
+            tier = tier_view(self.kv, self._promotions)
+            return EngineSnapshot(time.time(), self.stats(), block_views(self.kv), tuple(self.requests()), tier)
 
     def check_invariants(self) -> None:
         """Raise InvariantError if a KV invariant is broken, a request's table disagrees with its status,
@@ -410,6 +413,8 @@ class Engine:
         return RequestView.of(request, tables or request.final_block_tables)
 
     def _publish(self, events: list[Event], changed: list[Request]) -> None:
+        if self._promotions is not None:
+            self._promotions.on_events(events)
         if not self._listeners:
             return
         views = [self._view(r) for r in changed]

@@ -11,8 +11,10 @@ from app.frames import align_tables, block_category, block_counts
 from app.hosting import get_host
 from app.prompting import decode, token_pieces
 from app.scenario import ScenarioError, ScenarioRun, SharingScenario
+from app.tiers import TIER_OFF, disk_blocks_frame, occupancy_text
 from app.ui import REFRESH_S, SLOW_REFRESH_S, age, fmt_clock, fmt_time, kept, read_history, wait_for_history
 from engine.core.snapshot import newest_first
+from engine.core.tier_view import PromotedBlock
 from storage.read import queries
 
 LARGE_POOL = 4096  # pools above this refresh less often
@@ -222,21 +224,58 @@ def pool_view() -> None:
             marked = view.block_tables.get(group, ())
             held = "holds" if view.holds_blocks else f"is {view.status} and holds nothing; it ended with"
             st.caption(f"**{highlight}** {held} blocks {', '.join(map(str, marked)) or '—'} (outlined in blue).")
-    st.markdown(charts.legend_markdown(block_counts(blocks)), unsafe_allow_html=True)
+    tier = snapshot.tier
+    promoted = {p.block_id: p for p in tier.promoted} if tier is not None and tier.group == group else {}
+    legend = charts.legend_markdown(block_counts(blocks))
+    if promoted:
+        legend += f' &nbsp; <span style="color:{charts.PROMOTED_COLOUR}">◥</span> **{charts.PROMOTED_NAME}**: {len(promoted):,}'
+    st.markdown(legend, unsafe_allow_html=True)
+    grid = charts.block_grid(blocks, block_size, selected=state.get("blocks_inspect_id"), highlight=marked,
+                             statuses=statuses, promoted=sorted(promoted))  # fmt: skip
     st.plotly_chart(
-        charts.block_grid(blocks, block_size, selected=state.get("blocks_inspect_id"), highlight=marked, statuses=statuses),
+        grid,
         key="blocks_grid",
         on_select=on_grid_select,
         selection_mode="points",
         width="content",
         config={"displayModeBar": False, "scrollZoom": False},
     )
+    disk_tier(snapshot)
     block_id = st.number_input("Block id", 0, num_blocks - 1, step=1, width=240, **kept("blocks_inspect_id", 0))
-    inspect(blocks[int(block_id)], snapshot.time, statuses)
+    inspect(blocks[int(block_id)], snapshot.time, statuses, promoted.get(int(block_id)))
     block_life(int(block_id))  # in this fragment, so a new selection redraws its life at once
 
 
-def inspect(block, now: float, statuses: dict[str, str]) -> None:
+def disk_tier(snapshot) -> None:
+    """The second KV tier beside the pool: its occupancy, the pool blocks it filled, and the blocks it holds."""
+    with st.container(border=True, key="blocks_disk_tier"):
+        st.markdown("#### Disk tier")
+        stats, view = snapshot.stats.tier, snapshot.tier
+        if stats is None or view is None:
+            st.info(TIER_OFF)
+            return
+        c = st.columns(4)
+        c[0].metric("Ready blocks", f"{stats.ready_blocks:,}", help="On disk, checksummed: found by lookups past the pool's hit")
+        c[1].metric("Being written", f"{stats.writing_blocks:,}", help="Stores the writer thread has not confirmed yet: never served")
+        c[2].metric("Slots", f"{stats.num_slots:,}", help="Blocks the tier's files hold; a full tier gives up its least recently used block")
+        c[3].metric("Promoted blocks", f"{stats.loads:,}", help="Blocks read from disk into the pool instead of computed")
+        st.caption(occupancy_text(stats) + f" · {stats.drops:,} dropped · {stats.corrupt:,} corrupt loads")
+        if view.promoted:
+            ids = ", ".join(str(p.block_id) for p in view.promoted)
+            st.markdown(f"Pool blocks promoted from disk in their current life ({view.group} group): **{ids}** "
+                        f"(marked ◥ on the grid)")  # fmt: skip
+        else:
+            st.caption("No pool block holds K/V promoted from disk now.")
+        if not view.blocks:
+            st.caption("The tier holds no block yet: blocks arrive when the pool evicts a cached full block.")
+            return
+        shown = len(view.blocks)
+        st.caption(f"The {shown:,} most recently used of its {stats.ready_blocks:,} ready blocks; rank 1 is the last it gives up.")
+        st.dataframe(disk_blocks_frame(view, tokenizer), hide_index=True, height=min(320, 38 + 35 * shown))
+
+
+def inspect(block, now: float, statuses: dict[str, str], promotion: PromotedBlock | None = None) -> None:
+    """The selected block's numbers and tokens; `promotion` (a `PromotedBlock`) when the disk tier filled it."""
     st.markdown(f"#### Block {block.block_id} — {block_category(block)}")
     c = st.columns(4)
     c[0].metric("Reference count", block.ref_count)
@@ -253,6 +292,11 @@ def inspect(block, now: float, statuses: dict[str, str]) -> None:
         f"holders: {holders}  \nkey `{block.key or '— (not in the prefix index)'}`  \n"
         f"parent key `{block.parent_key or '—'}`"
     )
+    if promotion is not None:
+        st.markdown(
+            f"**Promoted from the disk tier** at step {promotion.step} (tier slot {promotion.slot}, key "
+            f"`{promotion.key}…`): its K/V were read from disk, not computed, when it was handed out."
+        )
     if block.num_tokens:
         with st.expander("Decoded tokens"):
             st.code(decode(tokenizer, block.token_ids), language=None, wrap_lines=True)

@@ -10,6 +10,7 @@ import streamlit as st
 from app import charts
 from app.frames import Headline, capacity_evictions, headline, history_frame, window_drops
 from app.hosting import get_host
+from app.tiers import TIER_OFF, hits_by_tier, idle_tier_warning, tier_table
 from app.ui import REFRESH_S, SLOW_REFRESH_S, fmt_duration, kept, read_history, wait_for_history
 from engine.core.snapshot import PoolStats
 from storage.read import queries
@@ -33,6 +34,9 @@ def reuse_numbers(stats: PoolStats, numbers: Headline) -> None:
         "after a preemption are not lookups and are not in it; replayed tokens are not hits.",
     )
     c[0].caption(f"{stats.prefix_hit_tokens:,} of {stats.prefix_query_tokens:,} prompt tokens")
+    by_tier = hits_by_tier(stats)
+    if by_tier is not None:
+        c[0].caption(f"from {by_tier}")
     c[1].metric(
         "Fork sharing",
         f"{stats.fork_share_rate:.1%}",
@@ -70,6 +74,25 @@ def reuse_numbers(stats: PoolStats, numbers: Headline) -> None:
     c[2].caption(f"of {stats.preempted_query_tokens:,} tokens looked up again after preemption")
 
 
+def kv_tiers(stats: PoolStats) -> None:
+    """Each KV tier's occupancy, hits, traffic and losses side by side; a disk tier that stores and never
+    loads is flagged."""
+    st.subheader("KV tiers")
+    warning = idle_tier_warning(stats.tier)
+    if warning is not None:
+        st.warning(warning, icon="⚠️")
+    st.table(tier_table(stats))
+    if stats.tier is None:
+        st.caption(TIER_OFF)
+    else:
+        st.caption(
+            "Hit tokens: prefix-hit tokens each tier served (memory: found in the pool; disk: promoted into it). "
+            "Stores: evicted blocks written to disk; loads: blocks read back. Drops: evicted blocks the tier "
+            "did not take (full of blocks being written, or its writer behind); corrupt: loads whose checksum "
+            "failed (recomputed, never served)."
+        )
+
+
 @st.fragment(run_every=REFRESH_S * 2)
 def headline_numbers() -> None:
     console = host.console
@@ -104,6 +127,7 @@ def headline_numbers() -> None:
             )
         )
 
+    kv_tiers(stats)
     reuse_numbers(stats, numbers)
 
     st.subheader("Churn and queue")

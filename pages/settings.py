@@ -12,6 +12,7 @@ import streamlit as st
 from sqlalchemy import make_url
 
 from app.hosting import get_host
+from app.tiers import MAX_CONSOLE_OFFLOAD_GIB, check_offload
 from app.ui import api_text, expect_in_history, fmt_duration, fmt_time, threads_text
 from engine.core.config import DTYPES, MAX_BATCHED_TOKENS, MAX_BLOCK_SIZE, MAX_NUM_BLOCKS, EngineConfig
 from engine.core.eviction import EvictionPolicyName
@@ -47,6 +48,13 @@ def new_bytes_per_block(new: EngineConfig) -> int | None:
     return bytes_per_block(new.dtype, new.block_size)
 
 
+def tier_text(running: EngineConfig, tier) -> str:
+    """The running engine's disk tier: off, or its directory, size and slots."""
+    if running.offload_dir is None or tier is None:
+        return "off (evicted blocks are dropped)"
+    return f"{running.offload_dir}, {running.offload_gib:g} GiB ({tier.num_slots:,} blocks)"
+
+
 st.title("Settings")
 if "settings_flash" in state:
     kind, message = state.pop("settings_flash")
@@ -61,8 +69,8 @@ st.table(
         {
             "setting": [
                 "model", "weights revision", "device", "dtype", "forward", "attention kernels", "pool", "eviction policy", "KV pool memory",
-                "max batched tokens", "max running requests", "forward threads", "seed", "data directory", "run",
-                "started", "OpenAI-compatible API",
+                "disk KV tier", "max batched tokens", "max running requests", "forward threads", "seed", "data directory",
+                "run", "started", "OpenAI-compatible API",
             ],
             "value": [
                 loaded.model_id,
@@ -75,6 +83,7 @@ st.table(
                 + (f" per KV group ({', '.join(groups)})" if len(groups) > 1 else ""),
                 config.eviction_policy.value,
                 f"{pool_bytes(engine.num_blocks, bytes_per_block(config.dtype, config.block_size)) / 2**20:,.1f} MiB",
+                tier_text(config, engine.stats().tier),
                 f"{config.max_num_batched_tokens:,}",
                 f"{config.max_num_seqs:,}",
                 threads_text(engine.forward_threads(), engine.forward_time_at_threads()),
@@ -181,6 +190,16 @@ with st.form("settings_form"):
         )
         approximate = c[2].checkbox("Allow approximate replay", config.allow_approximate_replay, key="settings_approximate")
         verify = c[2].checkbox("Verify approximate replays", config.verify_replay, key="settings_verify")
+    with st.expander("Disk KV tier", expanded=config.offload_dir is not None):
+        c = st.columns([3, 1])
+        offload_dir = c[0].text_input(
+            "Directory (blank: no disk tier)", value="" if config.offload_dir is None else str(config.offload_dir),
+            key="settings_offload_dir",
+            help="Evicted full blocks are written here and read back on a hit; a restart on the same directory "
+            "with the same model starts warm. Made if missing; it must be writable.",
+        )
+        offload_gib = c[1].number_input("Size (GiB)", value=float(config.offload_gib or 1.0), step=0.5, format="%g", key="settings_offload_gib",
+                                        help=f"More than 0, at most {MAX_CONSOLE_OFFLOAD_GIB:,}; the disk must have the room")  # fmt: skip
     asked = st.form_submit_button("Restart with these settings…")
 
 if asked:
@@ -192,6 +211,7 @@ if asked:
             raise ValueError(f"seed must be in [0, {2**31 - 1}], got {seed}")
         if layout and not 1 <= window <= MAX_BATCHED_TOKENS:
             raise ValueError(f"the window must be in [1, {MAX_BATCHED_TOKENS}] tokens, got {window}")
+        offload = check_offload(offload_dir, float(offload_gib))
         new = dataclasses.replace(  # fields this form does not show keep their running values
             config,
             model=name,
@@ -208,6 +228,8 @@ if asked:
             window_backtrack=int(backtrack),
             allow_approximate_replay=approximate,
             verify_replay=verify,
+            offload_dir=None if offload is None else offload[0],
+            offload_gib=None if offload is None else offload[1],
         )
         per_block = new_bytes_per_block(new)
         if per_block is not None and resolve_device(device).type == "cpu":
@@ -231,8 +253,9 @@ if state.get("settings_confirm") == "restart" and "settings_pending" in state:
            f"{LAYOUT_LABELS[new.attention_override.partition(':')[0]]} ({new.attention_override.partition(':')[2]}-token window, "
            f"backtrack {new.window_backtrack})")  # fmt: skip
         + (f" (about {needed / 2**20:,.0f} MiB of KV)" if needed is not None else "")
+        + (", no disk tier" if new.offload_dir is None else f", a {new.offload_gib:g} GiB disk tier in `{new.offload_dir}`")
         + "? For every operator: unfinished requests end aborted, retained ones are released and the cache "
-        "starts empty."
+        + ("starts empty." if new.offload_dir is None else "pool starts empty (the disk tier's files keep their blocks for the same model).")
     )
     c = st.columns([1, 1, 4])
     if c[0].button("Confirm restart", type="primary", key="settings_restart_confirm"):

@@ -1,7 +1,8 @@
 """The console's door into an engine server: `/engine/...` routes beside the OpenAI-compatible API.
 
     GET  /engine/info              the engine's fixed facts, its boot id and its failure (if any)
-    GET  /engine/snapshot          every block and live or recent request, at most a second old
+    GET  /engine/snapshot          every block and live or recent request, and the disk tier's newest blocks
+                                   with the pool blocks it filled (`TierView`), at most a second old
                                    (?after_commands=true: taken after every command sent so far)
     GET  /engine/stats             the newest counters (with the history writer's progress) and the
                                    bounded ring of samples the Overview draws

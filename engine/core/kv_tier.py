@@ -35,6 +35,7 @@ from __future__ import annotations
 import queue
 from collections import OrderedDict
 from dataclasses import dataclass
+from itertools import islice
 from typing import NamedTuple, Sequence
 
 from engine.core.block import Block
@@ -295,6 +296,11 @@ class TierIndex:
             self._log.emit(EventKind.TIER_EVICT, detail, request_id=load.request_id, tokens=self.block_size)
 
     # ------------------------------------------------------------------ inspection
+    def entries(self, limit: int) -> list[TierEntry]:
+        """The ready entries, most recently used first, at most `limit` of them (for the console's views).
+        Changes nothing; the entries are the index's own: read them, never change them."""
+        return list(islice(reversed(self._lru.values()), max(0, limit)))
+
     def stats(self) -> TierStats:
         ready = len(self._lru)
         return TierStats(

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Iterable, Mapping, NamedTuple, Sequence
 from engine.core.block_pool import BlockState
 from engine.core.kv_tier import TierStats
 from engine.core.request import Request, RequestStatus, TokenLogprobs, can_release
+from engine.core.tier_view import TierView
 
 if TYPE_CHECKING:
     from engine.core.single_type_kv_cache_manager import SingleTypeKVCacheManager
@@ -260,6 +261,7 @@ class EngineSnapshot:
     stats: PoolStats
     blocks: tuple[BlockView, ...]  # every block of every group, group by group in block-id order
     requests: tuple[RequestView, ...]  # every request the engine has seen
+    tier: TierView | None = None  # the disk tier's newest blocks and the pool blocks promoted from it; None without one
 
 
 # ---------------------------------------------------------------------------------------------- assembly
