@@ -9,6 +9,7 @@ import streamlit as st
 
 from app import fleet_charts
 from app.fleet_hosting import ENV_FLEET_PODS, get_fleet_host
+from app.fleet_tiers import tier_frame
 from app.fleet_view import history_pods, live_pods, metrics_frame, metrics_summary, scrapes_from_history
 from app.hosting import get_host
 from app.ui import LIVE, SLOW_REFRESH_S, fleet_source, fmt_duration, kept, read_history
@@ -104,6 +105,24 @@ def pods() -> None:
         frame, hide_index=True, column_config=columns, column_order=shown, key="fleet_pods_table", width="stretch"
     )
     st.caption("Feed counters (batches, catch-ups, errors, lag) per pod: in Feed health below.")
+    tiers = tier_frame(frame)
+    if tiers["tier"].nunique() > 1:  # a server with a second tier (vLLM's offloading, this engine's disk tier)
+        st.subheader("Held blocks per tier")
+        st.caption(
+            "Each KV event names the medium its blocks live in: GPU or CPU for a server's pool, CPU (vLLM's "
+            "offloading connector), DISK (this engine's disk tier) or STORAGE (vLLM's file tier) for a second "
+            "tier. Share of pod: of the pod's held blocks; share of tier: of every pod's blocks in that tier."
+        )
+        share = {"format": "percent", "min_value": 0.0, "max_value": 1.0}
+        st.dataframe(
+            tiers,
+            hide_index=True,
+            column_config={
+                "share of pod": st.column_config.ProgressColumn("share of pod", **share),
+                "share of tier": st.column_config.ProgressColumn("share of tier", **share),
+            },
+            key="fleet_pods_tiers",
+        )
     if view == LIVE and watch is not None:
         with_metrics = [name for name, found in scrapes.items() if found]
     else:

@@ -9,6 +9,7 @@ import streamlit as st
 from app.fleet_hosting import get_fleet_host
 from app.fleet_prompts import chat_token_ids, encode_with, local_chat_template, local_tokenizer, parse_chat_messages
 from app.fleet_prompts import prompt_token_ids
+from app.fleet_tiers import served_sentence, tier_route_frame
 from app.fleet_view import index_from_history, media_and_groups, route_frame
 from app.hosting import get_host
 from app.ui import LIVE, fleet_source, kept, read_history
@@ -100,4 +101,18 @@ if go or state.get("fleet_route_done"):
         column_config={"share of prompt": st.column_config.ProgressColumn("share of prompt", format="percent")},
         key="fleet_route_table",
     )
+    tiers = index.route_tiers(token_ids, group_idx, now)
+    if len({medium for medium, group in places if group == group_idx}) > 1:  # some pod has a second tier
+        st.subheader(f"Which tier would serve it (group {group_idx})")
+        st.caption(
+            "Per pod, its fastest tier from the prompt's start, then each slower tier from where the faster "
+            "ones stopped: how vLLM's offloading connector and this engine's disk tier continue a pool's hit."
+        )
+        st.markdown("\n".join(f"- {served_sentence(match)}" for match in tiers.matches))
+        st.dataframe(
+            tier_route_frame(tiers),
+            hide_index=True,
+            column_config={"share of prompt": st.column_config.ProgressColumn("share of prompt", format="percent")},
+            key="fleet_route_tiers",
+        )
     st.caption(f"{len(token_ids):,} token ids: {token_ids[:24]}{' …' if len(token_ids) > 24 else ''}")
