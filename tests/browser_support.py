@@ -92,10 +92,12 @@ def _stop(process: subprocess.Popen) -> None:
 
 @contextlib.contextmanager
 def engine_server(
-    db_path: Path, num_blocks: int = 24, attention: str | None = None, log_name: str = "engine-server.log"
+    db_path: Path, num_blocks: int = 24, attention: str | None = None, log_name: str = "engine-server.log",
+    serve_args: tuple[str, ...] = (),
 ) -> Iterator[tuple[str, int]]:
     """`python -m cli serve` on tiny-chat (its attention overridden when `attention` says, e.g. "hybrid:64"),
-    a free loopback port and the SQLite history at `db_path`; yields (url, pid) once it answers."""
+    a free loopback port and the SQLite history at `db_path`, with `serve_args` added (e.g. a disk tier's
+    "--offload-dir", DIR, "--offload-gib", G); yields (url, pid) once it answers."""
     ARTIFACTS.mkdir(exist_ok=True)
     port = free_port()
     env = {**os.environ, "PREFIX_CONSOLE_DATA_DIR": str(TEST_DATA_DIR), "HF_HUB_OFFLINE": "1"}
@@ -103,6 +105,7 @@ def engine_server(
                "--num-blocks", str(num_blocks), "--port", str(port), "--db", f"sqlite:///{db_path}"]  # fmt: skip
     if attention is not None:
         command += ["--attention", attention]
+    command += serve_args
     with open(ARTIFACTS / log_name, "w") as log:
         process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
         url = f"http://127.0.0.1:{port}"
@@ -143,12 +146,14 @@ def console_server(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[C
 
 @contextlib.contextmanager
 def serve_console(
-    tmp_path: Path, extra_env: dict[str, str] | None = None, num_blocks: int = 24, attention: str | None = None
+    tmp_path: Path, extra_env: dict[str, str] | None = None, num_blocks: int = 24, attention: str | None = None,
+    serve_args: tuple[str, ...] = (),
 ) -> Iterator[ConsoleServer]:
-    """An engine server with a pool of `num_blocks` blocks of 16 and `streamlit run app` attached to it, on free
-    loopback ports, with `extra_env` added to the console's environment; yields the console server."""
+    """An engine server with a pool of `num_blocks` blocks of 16 (and `serve_args`) and `streamlit run app`
+    attached to it, on free loopback ports, with `extra_env` added to the console's environment; yields the
+    console server."""
     require_chromium()
-    with engine_server(tmp_path / "history.sqlite", num_blocks, attention) as (engine_url, engine_pid):
+    with engine_server(tmp_path / "history.sqlite", num_blocks, attention, serve_args=serve_args) as (engine_url, engine_pid):
         with _console(tmp_path, engine_url, extra_env) as (url, pid):
             yield ConsoleServer(url, pid, engine_url, engine_pid)
 
