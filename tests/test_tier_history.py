@@ -33,7 +33,9 @@ from storage.read.tier_history import key_moves, request_promotions, tier_counts
 from storage.schema import REQUESTS, TIER_MOVES
 from storage.write.recorder import record_engine
 from storage.write.writer import EventWriter
+from storage.read.why import find_request
 from tests.engine_support import tokens
+from tests.test_app_support import console_env, host, open_page, wait_for  # noqa: F401
 from tests.storage_support import BASE_TIME, RUN_INFO, request_view
 
 BS = 4
@@ -225,6 +227,30 @@ def test_tier_events_do_not_change_the_replayed_reference_counts(recorded) -> No
         assert life.complete
         assert (life.rows[-1].ref_count if life.rows else 0) == block.ref_count
         assert (life.rows[-1].state if life.rows else "free") == pool.state_of(block)
+
+
+def test_the_why_page_says_served_from_disk(console_env, tmp_path: Path, monkeypatch) -> None:  # noqa: F811
+    console_env(num_blocks=SMALL_POOL, block_size=BS)
+    monkeypatch.setenv("PREFIX_CONSOLE_OFFLOAD_DIR", str(tmp_path / "tier"))
+    monkeypatch.setenv("PREFIX_CONSOLE_OFFLOAD_GIB", str(TIER_GIB))
+    engine = host().console.engine
+    def run(seed: int) -> str:
+        rid = engine.submit(tokens(30, seed), GREEDY)
+        wait_for(lambda: engine.get(rid).status == "finished", f"request {rid}")
+        return rid
+
+    run(1)
+    run(2)  # evicts A's blocks into the tier
+    engine.stop()  # waits for the tier's writer, so A's next lookup finds every store; then steps go on
+    engine.start()
+    rid = run(1)
+    assert engine.get(rid).disk_cached_tokens > 0, "the page test's premise: A's second run reads from disk"
+    host().writer.flush(timeout_s=30)
+    wait_for(lambda: find_request(host().db, rid) is not None, f"{rid} in the history")
+    at = open_page("why")
+    at.text_input(key="why_typed").set_value(rid).run()
+    assert not at.exception
+    assert any(f"Served from disk: {engine.get(rid).disk_cached_tokens} tokens" in md.value for md in at.markdown)
 
 
 def _cli(args: list[str]) -> str:
