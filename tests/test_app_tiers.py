@@ -10,6 +10,7 @@ import time
 import pytest
 
 from app.charts import PROMOTED_NAME
+from app.hosting import config_from_env
 from app.tiers import IDLE_TIER_STORES, TIER_OFF, check_offload, idle_tier_warning
 from engine.core.kv_tier import TierStats
 from engine.core.request import SamplingParams
@@ -180,3 +181,13 @@ def test_a_blank_directory_means_no_tier_and_checking_makes_nothing(tmp_path):
     assert check_offload("  ", 5.0) is None
     assert check_offload(str(tmp_path / "x" / "y"), 0.001) == (tmp_path / "x" / "y", 0.001)
     assert not (tmp_path / "x").exists()
+
+
+def test_the_embedded_engine_takes_its_disk_tier_from_the_environment(tmp_path):
+    config = config_from_env({"PREFIX_CONSOLE_OFFLOAD_DIR": str(tmp_path / "t"), "PREFIX_CONSOLE_OFFLOAD_GIB": "0.5"})
+    assert (config.offload_dir, config.offload_gib) == (tmp_path / "t", 0.5)
+    assert config_from_env({}).offload_dir is None  # off by default
+    with pytest.raises(ValueError, match="PREFIX_CONSOLE_OFFLOAD_GIB must be a number of GiB, got 'lots'"):
+        config_from_env({"PREFIX_CONSOLE_OFFLOAD_DIR": str(tmp_path), "PREFIX_CONSOLE_OFFLOAD_GIB": "lots"})
+    with pytest.raises(ValueError, match="together"):
+        config_from_env({"PREFIX_CONSOLE_OFFLOAD_DIR": str(tmp_path)})
