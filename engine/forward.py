@@ -90,8 +90,7 @@ class StepForward:
         """Store every block cached in the pool into the disk tier and wait for the writer (an engine
         stopping); nothing without a tier."""
         if self.tier is not None:
-            self.tier.execute(self.kv.write_back_tier())
-            self.tier.drain()
+            self.tier.write_back(self.kv.write_back_tier())
 
     def _non_finite(
         self,

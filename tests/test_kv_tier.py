@@ -186,39 +186,76 @@ def test_run_trace_refuses_an_unwritable_tier_clearly(tmp_path, capsys):
     assert "not a writable directory" in capsys.readouterr().err
 
 
-def test_a_slow_disk_drops_stores_instead_of_stalling_the_step(tmp_path):
-    """The writer is stuck on its first store: the queue takes one more, and the third is dropped at once."""
+def small_disk_tier(tmp_path, queue_blocks: int) -> tuple[DiskTier, torch.Tensor]:
+    """A DiskTier over random block memory of 5 blocks (2 layers, 2 heads, head dim 16)."""
     kv = torch.randn(2, 2, 2, 5, BS, 16)
     namespace = CacheNamespace("m", "w", "float32", BS, ("full", "full"))
-    geometry = TierGeometry.sized((2, 2, 2, BS, 16), 4, TIER_GIB)
-    files = TierFiles(tmp_path, namespace, geometry)
-    entered, stuck, data = threading.Event(), threading.Event(), files.data
+    files = TierFiles(tmp_path, namespace, TierGeometry.sized((2, 2, 2, BS, 16), 4, TIER_GIB))
+    return DiskTier(files, kv, queue_blocks=queue_blocks), kv
 
-    class SlowData:
-        def __setitem__(self, slot, row):
-            entered.set()
-            stuck.wait(timeout=10)
-            data[slot] = row
 
-        def __getitem__(self, slot):
-            return data[slot]
+def stuck_writes(disk: DiskTier) -> tuple[threading.Event, threading.Event]:
+    """(entered, release): the writer's first write waits for `release`; `entered` says it got there."""
+    entered, release, write_slot = threading.Event(), threading.Event(), disk.files.write_slot
 
-        def flush(self):
-            data.flush()
+    def slow_write(store, raw, checksum):
+        entered.set()
+        release.wait(timeout=10)
+        write_slot(store, raw, checksum)
 
-    files.data = SlowData()
-    disk = DiskTier(files, kv, queue_blocks=1)
-    stores = [TierStore(b, b, bytes([b]) * 16, ROOT, (b,) * BS, b) for b in range(3)]
+    disk.files.write_slot = slow_write
+    return entered, release
+
+
+def stores_of(blocks: range) -> list[TierStore]:
+    return [TierStore(b, b, bytes([b]) * 16, ROOT, (b,) * BS, b) for b in blocks]
+
+
+def test_a_slow_disk_drops_stores_instead_of_stalling_the_step(tmp_path):
+    """The writer is stuck on its first store: the second takes the last staging row, the third is dropped at once."""
+    disk, kv = small_disk_tier(tmp_path, queue_blocks=2)
+    entered, release = stuck_writes(disk)
+    stores = stores_of(range(3))
     disk.execute(TierTransfers(stores[:1], []))
     assert entered.wait(timeout=10)
-    disk.execute(TierTransfers(stores[1:], []))  # returns at once: one queued, one dropped
+    disk.execute(TierTransfers(stores[1:], []))  # returns at once: one staged, one dropped
     dropped = disk.writes.get(timeout=1)
     assert dropped.checksum is None and dropped.slot == 2
-    stuck.set()
+    release.set()
     disk.drain()
     written = [disk.writes.get(timeout=1) for _ in range(2)]
     assert [w.slot for w in written] == [0, 1] and all(w.checksum is not None for w in written)
-    assert torch.equal(torch.from_numpy(np.array(data[1])).view(torch.float32).view(2, 2, 2, BS, 16), kv[:, :, :, 1])
+    raw = np.empty(disk.files.geometry.slot_bytes, np.uint8)
+    disk.files.read_slot(1, raw)
+    assert torch.equal(torch.from_numpy(raw).view(torch.float32).view(2, 2, 2, BS, 16), kv[:, :, :, 1])
+
+
+def test_an_engine_stopping_waits_for_the_writer_instead_of_dropping(tmp_path):
+    """`write_back` (stop) stores every block through one staging row, however slow the writer."""
+    disk, kv = small_disk_tier(tmp_path, queue_blocks=1)
+    entered, release = stuck_writes(disk)
+    threading.Timer(0.2, release.set).start()  # the writer is stuck while the write-back asks for rows
+    disk.write_back(TierTransfers(stores_of(range(4)), []))
+    written = [disk.writes.get(timeout=1) for _ in range(4)]
+    assert [w.slot for w in written] == [0, 1, 2, 3] and all(w.checksum is not None for w in written)
+    raw = np.empty(disk.files.geometry.slot_bytes, np.uint8)
+    for block in range(4):
+        disk.files.read_slot(block, raw)
+        assert torch.equal(torch.from_numpy(raw).view(torch.float32).view(2, 2, 2, BS, 16), kv[:, :, :, block])
+
+
+def test_a_truncated_tier_file_is_detected_and_its_blocks_recomputed(tmp_path):
+    """A data file cut short (a copy that stopped, a full disk) fails the loads it cannot give back whole."""
+    expected = first_prompt_again(engine(tmp_path / "r", tier=False))
+    tiered = engine(tmp_path / "t", tier=True)
+    run(tiered, tokens(30, 1))
+    run(tiered, tokens(30, 2))
+    tiered.stop()
+    with open(tmp_path / "t" / "tier" / DATA, "r+b") as data:
+        data.truncate(0)
+    again = run(tiered, tokens(30, 1))
+    assert tiered.stats().tier.corrupt > 0
+    assert again.output_token_ids == expected.output_token_ids and again.disk_cached_tokens == 0
 
 
 @pytest.mark.parametrize("attention", [None, f"hybrid:{HYBRID_WINDOW}"])

@@ -2,8 +2,10 @@
 
     DIR/kv-tier.json   the identity: the cache namespace (model, weights, dtype, block size, attention spec,
                        KV layout) and the geometry (slot shape, slot count); written once, when the tier is made
-    DIR/kv-tier.data   numpy memmap, uint8 [num_slots, slot_bytes]: slot s holds one block's K/V of every
-                       full-attention layer, laid out as the runner's block ([layer, K|V, kv_head, slot, dim])
+    DIR/kv-tier.data   uint8 [num_slots, slot_bytes], read and written a slot at a time (pread/pwrite at
+                       slot * slot_bytes: no page faults on a mapping, and the GIL let go while the kernel
+                       copies): slot s holds one block's K/V of every full-attention layer, laid out as the
+                       runner's block ([layer, K|V, kv_head, slot, dim])
     DIR/kv-tier.meta   numpy memmap, one record per slot: valid flag, chain key, parent key, the block's
                        token ids, the bytes' xxh3-64 checksum and the store's stamp (the LRU order)
 
@@ -25,7 +27,7 @@ from pathlib import Path
 import numpy as np
 
 from engine.core.errors import KVTierError
-from engine.core.kv_tier import TierEntry
+from engine.core.kv_tier import TierEntry, TierStore
 from engine.core.namespace import CacheNamespace
 
 FORMAT = "prefix-console kv tier 1"
@@ -83,7 +85,8 @@ def meta_dtype(block_size: int) -> np.dtype:
 
 
 class TierFiles:
-    """The opened tier: its memmaps (`data`, `meta`) and the entries a previous engine left (`restored`)."""
+    """The opened tier: its data file (by slot), its records (`meta`, a memmap) and the entries a previous
+    engine left (`restored`)."""
 
     def __init__(self, directory: Path, namespace: CacheNamespace, geometry: TierGeometry) -> None:
         """Open (or make) the tier in `directory` for an engine of `namespace`.
@@ -109,7 +112,7 @@ class TierFiles:
         if not fresh:
             _check_identity(header, identity)
         records = meta_dtype(self.block_size)
-        self.data = _memmap(directory / DATA, np.dtype("u1"), (geometry.num_slots, geometry.slot_bytes), fresh)
+        self._data_fd = _open_data(directory / DATA, geometry.num_slots * geometry.slot_bytes, fresh)
         self.meta = _memmap(directory / META, records, (geometry.num_slots,), fresh)
         if fresh:  # the header last: a tier whose files were never made whole is made again
             header.write_text(json.dumps(identity, indent=1, sort_keys=True))
@@ -134,10 +137,47 @@ class TierFiles:
                 found[key] = entry
         return list(found.values())
 
+    def write_slot(self, store: TierStore, raw: np.ndarray, checksum: int) -> None:
+        """Write one block's bytes into its slot, crash-consistently: the record's flag cleared, the bytes,
+        then the record with its checksum and the flag.
+
+        Raises:
+            OSError: the disk refused the bytes (the slot is left invalid).
+        """
+        record = self.meta[store.slot]
+        record["valid"] = 0
+        _pwrite_all(self._data_fd, raw, store.slot * self.geometry.slot_bytes)
+        record["key"] = np.frombuffer(store.key, np.uint8)
+        record["parent"] = np.frombuffer(store.parent_key, np.uint8)
+        record["tokens"] = store.token_ids
+        record["checksum"] = checksum
+        record["stamp"] = store.stamp
+        record["valid"] = 1
+
+    def read_slot(self, slot: int, out: np.ndarray) -> None:
+        """Read slot `slot`'s bytes into `out` (uint8, `slot_bytes` long).
+
+        Raises:
+            OSError: the read failed or came back short (a truncated file).
+        """
+        offset, done = slot * self.geometry.slot_bytes, 0
+        view = memoryview(out).cast("B")
+        while done < len(view):
+            got = os.preadv(self._data_fd, [view[done:]], offset + done)
+            if got == 0:
+                raise OSError(f"the KV tier's data file ends inside slot {slot}")
+            done += got
+
     def flush(self) -> None:
-        """Push the memmaps' dirty pages to the files."""
-        self.data.flush()
+        """Push the data file's and the records' dirty pages to the disk."""
+        os.fdatasync(self._data_fd)
         self.meta.flush()
+
+
+def _pwrite_all(fd: int, raw: np.ndarray, offset: int) -> None:
+    view, done = memoryview(raw).cast("B"), 0
+    while done < len(view):
+        done += os.pwrite(fd, view[done:], offset + done)
 
 
 def _check_writable(directory: Path) -> None:
@@ -173,14 +213,31 @@ def _check_identity(header: Path, identity: dict[str, object]) -> None:
 
 
 def _memmap(path: Path, dtype: np.dtype, shape: tuple[int, ...], fresh: bool) -> np.memmap:
-    """The file as a writable memmap; a fresh one is made at its full size with its blocks reserved
-    (`posix_fallocate`), so a full disk refuses the tier now instead of failing a write later."""
+    """The file as a writable memmap (made first when fresh, `_reserve`)."""
     size = int(np.prod(shape)) * dtype.itemsize
     try:
-        if fresh or not path.exists() or path.stat().st_size != size:
-            with open(path, "wb") as file:
-                os.posix_fallocate(file.fileno(), 0, size)
+        _reserve(path, size, fresh)
         return np.memmap(path, dtype=dtype, mode="r+", shape=shape)
     except OSError as exc:
-        why = exc.strerror or exc
-        raise TierUnavailableError(f"cannot make the KV tier file {path} of {size} bytes: {why}") from exc
+        raise _unavailable(path, size, exc) from exc
+
+
+def _open_data(path: Path, size: int, fresh: bool) -> int:
+    """The data file opened for reading and writing by offset (made first when fresh, `_reserve`)."""
+    try:
+        _reserve(path, size, fresh)
+        return os.open(path, os.O_RDWR | getattr(os, "O_CLOEXEC", 0))
+    except OSError as exc:
+        raise _unavailable(path, size, exc) from exc
+
+
+def _reserve(path: Path, size: int, fresh: bool) -> None:
+    """Make the file at its full size with its blocks reserved (`posix_fallocate`) when it is fresh or not
+    that size, so a full disk refuses the tier now instead of failing a write later."""
+    if fresh or not path.exists() or path.stat().st_size != size:
+        with open(path, "wb") as file:
+            os.posix_fallocate(file.fileno(), 0, size)
+
+
+def _unavailable(path: Path, size: int, exc: OSError) -> TierUnavailableError:
+    return TierUnavailableError(f"cannot make the KV tier file {path} of {size} bytes: {exc.strerror or exc}")
