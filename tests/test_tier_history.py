@@ -335,3 +335,32 @@ def test_revision_0010_gives_older_requests_zero_disk_tokens(db_url: str, engine
     with engine.connect() as connection:
         assert connection.scalar(select(REQUESTS.c.disk_cached_tokens)) == 0
         assert connection.scalar(select(TIER_MOVES.c.id)) is None
+
+
+def test_block_timelines_read_the_tier_moves_back_on_both_backends(db_url: str, make_writer, engine_for) -> None:
+    """Pool block 3's life ends demoted to disk (its DEMOTE comes after the block's next ALLOCATE, as the
+    engine plans stores at the end of the step); block 5's begins promoted from disk."""
+    full = {"group": "full"}
+    t = BASE_TIME
+    events = [
+        Event(EventKind.ALLOCATE, 1, t, "req-0", 3, 4, {"block_ids": [3], **full}),
+        Event(EventKind.CACHE, 1, t, "req-0", 3, 4, {"block_ids": [3], "keys": ["aa" * 16], **full}),
+        Event(EventKind.RELEASE, 2, t + 1, "req-0", 3, 0, {"block_ids": [3], "freed": 1, **full}),
+        Event(EventKind.EVICT, 3, t + 2, "req-1", 3, 4, {"reason": "lru", "key": "aa" * 16, **full}),
+        Event(EventKind.ALLOCATE, 3, t + 2, "req-1", 3, 4, {"block_ids": [3, 5], **full}),
+        Event(EventKind.PROMOTE, 3, t + 2, "req-1", 5, 4, {"block_ids": [5], "keys": ["bb" * 16], "slots": [1]}),
+        Event(EventKind.DEMOTE, 3, t + 2, None, 3, 4, {"key": "aa" * 16, "parent_key": "00" * 16, "slot": 0,
+                                                       "token_ids": [1, 2, 3, 4]}),
+    ]  # fmt: skip
+    writer = make_writer(db_url)
+    run = writer.start_run(RUN_INFO)
+    writer.submit(events)
+    assert writer.flush(timeout_s=20)
+    timelines = queries.block_timelines(engine_for(db_url), run, [3, 5])
+    three, five = timelines[3].rows, timelines[5].rows
+    assert three["event"].tolist() == ["allocate", "cache", "release", "demote", "allocate"]
+    assert three["change"].iloc[3] == "evicted (lru): demoted to disk at step 3 (tier slot 0)"
+    assert three["ref_count"].tolist() == [1, 1, 0, 0, 1]
+    assert five["event"].tolist() == ["promote"] and five["ref_count"].tolist() == [1]
+    assert five["change"].iloc[0] == "allocated to req-1: promoted from disk for req-1 (tier slot 1)"
+    assert queries.block_timelines(engine_for(db_url), run, [3], group="sliding")[3].rows.empty

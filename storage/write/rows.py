@@ -60,10 +60,11 @@ _READ_REQUIRED = operator.itemgetter(*(RequestView._fields.index(name) for name 
 _PROMPT_FIELD = RequestView._fields.index("prompt_token_ids")
 # Enum `.value` is a slow descriptor; event rows are the hot path of the writer.
 _KIND_VALUES = {kind: kind.value for kind in EventKind}
-# The events with rows of their own besides `events` (a tuple: `in` compares in C, where a set would hash
-# each kind through Enum.__hash__, in Python).
+# The events with rows of their own besides `events`, found by the identity of their kind: a set of ids
+# (ints, hashed in C) where a set of kinds would hash each through Enum.__hash__, in Python, and a tuple
+# compares each event's kind with all five (on 512 events: +30 us over the EVICT-only pass, +80 us).
 _TIER_KINDS = (EventKind.DEMOTE, EventKind.PROMOTE, EventKind.TIER_EVICT, EventKind.TIER_DROP)
-_LOGGED_KINDS = (EventKind.EVICT, *_TIER_KINDS)
+_LOGGED_KIND_IDS = frozenset(map(id, (EventKind.EVICT, *_TIER_KINDS)))
 _EVENT_TYPE = frozenset({Event})
 
 
@@ -183,7 +184,7 @@ def encode_events(events: Sequence[Event]) -> EncodedEvents:
 
     A WriterProcess sends events this way: its child neither rebuilds nor re-encodes the others.
     """
-    logged = [event for event in events if event.kind in _LOGGED_KINDS]
+    logged = [event for event in events if id(event.kind) in _LOGGED_KIND_IDS]
     evictions = tuple(event for event in logged if event.kind is EventKind.EVICT)
     tier_moves = tuple(event for event in logged if event.kind is not EventKind.EVICT)
     return EncodedEvents(encode_json(list(map(tuple, events))), len(events), evictions, tier_moves)
