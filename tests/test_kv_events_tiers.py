@@ -7,6 +7,7 @@ the next prompt evicts most of the last one's) and a disk tier of TIER_SLOTS slo
 
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter
 
 import msgspec
@@ -26,14 +27,18 @@ from engine.feeds.kv_events import (
     KVEventTranslator,
     external_hash,
 )
-from engine.feeds.outbound import translator_for
+from engine.feeds.outbound import open_feeds, translator_for
+from fleet.collector import Collector, CollectorConfig
 from fleet.decode import BatchDecoder
 from fleet.events import BatchOrigin, PodBatch
 from fleet.index import FleetIndex
+from fleet.source import PodSource
 from tests.engine_support import tokens
+from tests.fleet_support import wait_until
 
 BS = 4
 GREEDY = SamplingParams(max_new_tokens=4, ignore_eos=True)
+COLLECTOR = CollectorConfig(replay_idle_timeout_s=1.0, poll_interval_s=0.02)
 TIER_SLOTS = 24  # the five prompts below store about 40 blocks: the tier evicts
 
 
@@ -154,6 +159,44 @@ def test_the_tiers_events_decode_with_vllms_own_types(tmp_path) -> None:
     disk = [event for event in theirs.events if isinstance(event, kv_events.BlockStored) and event.medium == "DISK"]
     assert disk and all(event.group_idx == 0 and event.kv_cache_spec_kind == "full_attention" for event in disk)
     assert {event.medium for event in theirs.events} == {"CPU", "DISK"}
+
+
+def test_a_restarted_engines_feed_opens_with_its_warm_tier_and_routes_to_it(tmp_path) -> None:
+    """Blocks found in the tier's files have no event: the feed's first batch announces them, and a later
+    tier eviction of one is published (the feed follows them like demoted blocks). A restored entry does
+    not say whether it starts a context, so the chain's first block names its root's hash: a route from
+    the prompt's start reaches the warm tier once the first request has cached the chain's start again."""
+    first = tiered_engine(tmp_path, TIER_SLOTS)
+    a = tokens(30, 1)
+    run(first, a)
+    first.stop()  # the pool's cached blocks go to disk
+    feed = dict(kv_events_endpoint="tcp://127.0.0.1:0", kv_events_replay_endpoint="tcp://127.0.0.1:0")
+    second = Engine(dataclasses.replace(first.config, **feed))
+    feeds = open_feeds(second)
+    publisher, index = feeds.publisher, FleetIndex()
+    source = PodSource("engine", publisher.endpoint, publisher.replay_endpoint)
+    try:
+        with Collector([source], [index], COLLECTOR) as collector:
+            wait_until(lambda: collector.stats()["engine"].ready, "the start-up replay")
+            wait_until(lambda: index.pod_names() and index.pod("engine").last_seq == 0, "the warm tier's batch")
+            assert index.copies("engine") == truth(second) != {}
+            assert index.route_tiers(a).matches[0].served == ()
+            again = run(second, a)
+            assert again.disk_cached_tokens == 28, "the restarted engine serves a's prefix from disk"
+            wait_until(lambda: index.pod("engine").last_seq == publisher.stats().num_published - 1, "a's batches")
+            assert [(s.medium, s.tokens) for s in index.route_tiers(a).matches[0].served] == [("CPU", 28)]
+            for seed in (2, 3, 4, 5):  # the restored blocks are given up in their turn
+                run(second, tokens(30, seed))
+            second.stop()
+            second.kv.settle_tier()
+            publisher.on_step(second.log.take(), [])  # the stop's write-back (see `settle`)
+            assert second.stats().tier.evictions > 0
+            published = publisher.stats().num_published
+            wait_until(lambda: index.pod("engine").last_seq == published - 1, "every batch")
+            assert index.copies("engine") == truth(second)
+            assert index.pod("engine").num_unknown_removals == 0
+    finally:
+        feeds.close()
 
 
 # ---------------------------------------------------------------- the translation, event by event

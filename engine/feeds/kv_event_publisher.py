@@ -31,7 +31,7 @@ import msgspec
 import zmq
 
 from engine.core.events import Event
-from engine.feeds.kv_events import EventBatch, KVEventTranslator
+from engine.feeds.kv_events import DiskBlock, EventBatch, KVEventTranslator
 
 logger = logging.getLogger(__name__)
 
@@ -119,6 +119,17 @@ class KVEventPublisher:
         kv_events = self.translator.translate(events)
         if kv_events:
             self.publish(EventBatch(ts=time.time(), events=kv_events, data_parallel_rank=0))
+
+    def announce_disk(self, blocks: list[DiskBlock]) -> int | None:
+        """Publish the blocks a restarted engine found in its disk tier (`kv_events.disk_blocks`) as one batch,
+        before the engine steps (the translator is the engine thread's once it does).
+
+        Returns:
+            The batch's sequence number; None when there are no blocks.
+        """
+        if not blocks:
+            return None
+        return self.publish(EventBatch(ts=time.time(), events=self.translator.announce_disk(blocks), data_parallel_rank=0))
 
     def publish(self, batch: EventBatch) -> int:
         """Give `batch` the next sequence number, buffer it for replay and queue it to be sent.

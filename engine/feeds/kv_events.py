@@ -22,8 +22,12 @@ pool's medium), so it is then held in both. A DEMOTE is published when the tier 
 (the tier's `writing` state, found by no lookup until the writer confirms it); a failed write is its
 TIER_DROP, published as the removal. A reset empties the pool only: its per-block BlockRemoved say so,
 and an engine with a disk tier never sends AllBlocksCleared (the event names no medium, and consumers
-drop every medium on it). Blocks a restarted engine finds in its tier's files are not announced
-(no event names them); their later TIER_EVICT is not published either.
+drop every medium on it). Blocks a restarted engine finds in its tier's files have no event: the feed
+opens with them (`announce_disk`, from `disk_blocks`), a BlockStored "DISK" each, followed from then on
+like demoted ones. A restored entry does not say whether its parent key is a namespace root, so each
+names its parent's hash (a context's first block: its root's, which no block has): the counts are
+exact, but a consumer walking from a prompt's start reaches a warm tier's blocks only from a block held
+elsewhere (the pool's, once the first request promoted and cached the chain's start).
 
 Field by field, as vLLM's BlockPool fills them:
     block_hashes       the low 64 bits of the engine's 128-bit chain key, an unsigned int
@@ -50,13 +54,14 @@ imports nothing from vLLM or from fleet/ (tests/test_kv_event_publisher.py compa
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import msgspec
 
 from engine.core.events import Event, EventKind
+from engine.core.kv_tier import TierIndex
 
 MEDIUM_GPU = "GPU"
 MEDIUM_CPU = "CPU"
@@ -118,6 +123,21 @@ KVEvent = BlockStored | BlockRemoved | AllBlocksCleared
 def external_hash(key_hex: str) -> int:
     """The published hash of a chain key (hex): its low 64 bits, unsigned."""
     return int(key_hex, 16) & _LOW_64
+
+
+class DiskBlock(NamedTuple):
+    """A block the disk tier holds, as the feed announces it."""
+
+    key: str  # its chain key (hex)
+    parent_key: str | None  # its parent's key (hex); None under a namespace root
+    token_ids: list[int]  # its tokens
+
+
+def disk_blocks(tier: TierIndex) -> list[DiskBlock]:
+    """The blocks `tier` holds and serves, least recently used first (a restarted engine's warm tier), each
+    under its parent's key (a namespace root's for a first block: an entry does not say which it is).
+    Read while no step runs (before the engine starts)."""
+    return [DiskBlock(e.key.hex(), e.parent_key.hex(), list(e.token_ids)) for e in tier.entries(tier.num_slots)[::-1]]
 
 
 @dataclass(frozen=True)
@@ -198,18 +218,31 @@ class KVEventTranslator:
                     out.append(BlockRemoved([external_hash(key)], MEDIUM_DISK, self._full))
         return out
 
+    def announce_disk(self, blocks: Iterable[DiskBlock]) -> list[BlockStored]:
+        """BlockStored "DISK" events for blocks the disk tier holds that no event announced (a restarted
+        engine's warm tier); from now on they are followed like demoted blocks."""
+        stored = []
+        for block in blocks:
+            self._on_disk.add(block.key)
+            stored.append(self._disk_stored(block))
+        return stored
+
     def _demoted(self, detail: dict, evicted_first: set[str]) -> BlockStored:
         """The BlockStored of one block the disk tier took (the full group's, from the pool or its write-back)."""
-        if self._full is None:
-            raise ValueError("a DEMOTE from an engine without a full-attention group")
         key = detail["key"]
         first = key in evicted_first or key in self._pool_first
         self._on_disk.add(key)
+        return self._disk_stored(DiskBlock(key, None if first else detail["parent_key"], list(detail["token_ids"])))
+
+    def _disk_stored(self, block: DiskBlock) -> BlockStored:
+        """One block on the disk tier as a BlockStored (the full-attention group's: the tier holds no other)."""
+        if self._full is None:
+            raise ValueError("a disk-tier block from an engine without a full-attention group")
         group = self.groups[self._full]
         return BlockStored(
-            block_hashes=[external_hash(key)],
-            parent_block_hash=None if first else external_hash(detail["parent_key"]),
-            token_ids=list(detail["token_ids"]),
+            block_hashes=[external_hash(block.key)],
+            parent_block_hash=None if block.parent_key is None else external_hash(block.parent_key),
+            token_ids=block.token_ids,
             block_size=self.block_size,
             lora_id=None,
             medium=MEDIUM_DISK,

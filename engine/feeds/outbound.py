@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from engine.feeds.kv_event_publisher import KVEventPublisher
-from engine.feeds.kv_events import MEDIUM_CPU, MEDIUM_GPU, GroupSpec, KVEventTranslator
+from engine.feeds.kv_events import MEDIUM_CPU, MEDIUM_GPU, GroupSpec, KVEventTranslator, disk_blocks
 from engine.feeds.metrics_server import MetricsServer
 
 
@@ -49,7 +49,7 @@ class EngineFeeds:
 
 
 def open_feeds(engine: Any) -> EngineFeeds:
-    """Start the feeds `engine.core.config` asks for and attach them to the engine.
+    """Start the feeds `engine.core.config` asks for and attach them to the engine (before it starts stepping).
 
     Raises:
         zmq.ZMQError, OSError: an endpoint or port that cannot be bound; nothing stays open.
@@ -64,6 +64,8 @@ def open_feeds(engine: Any) -> EngineFeeds:
                 config.kv_events_replay_endpoint,
                 config.kv_events_topic,
             )
+            if engine.kv.tier is not None:  # a warm tier's blocks have no event: the feed opens with them
+                publisher.announce_disk(disk_blocks(engine.kv.tier))
             engine.add_listener(publisher.on_step)
         if config.metrics_port is not None:
             metrics = MetricsServer(engine, config.metrics_port)
