@@ -35,7 +35,8 @@ def two_tier_pod(console_env, monkeypatch):
     publisher = KVEventPublisher(
         KVEventTranslator([GroupSpec("full", None)], BS, "CPU"), "tcp://127.0.0.1:0", "tcp://127.0.0.1:0", "kv-events"
     )
-    publisher.publish(EventBatch(ts=time.time(), events=[stored(1, 4, "DISK"), stored(1, 2, "CPU")], data_parallel_rank=0))
+    events = [stored(1, 4, "DISK"), stored(1, 2, "CPU")]
+    publisher.publish(EventBatch(ts=time.time(), events=events, data_parallel_rank=0))
     spec = f"engine={publisher.endpoint},replay={publisher.replay_endpoint},topic=kv-events"
     monkeypatch.setenv("PREFIX_CONSOLE_FLEET_PODS", spec)
     yield publisher

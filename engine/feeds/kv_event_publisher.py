@@ -129,7 +129,8 @@ class KVEventPublisher:
         """
         if not blocks:
             return None
-        return self.publish(EventBatch(ts=time.time(), events=self.translator.announce_disk(blocks), data_parallel_rank=0))
+        events = self.translator.announce_disk(blocks)
+        return self.publish(EventBatch(ts=time.time(), events=events, data_parallel_rank=0))
 
     def publish(self, batch: EventBatch) -> int:
         """Give `batch` the next sequence number, buffer it for replay and queue it to be sent.

@@ -2,7 +2,8 @@
 
 vLLM, SGLang, llm-d's KV-cache indexer and NVIDIA Dynamo's KV router speak one feed (see
 engine/feeds/kv_event_publisher.py for the sockets). This module makes its messages from the engine's own
-`Event`s, so the feed is a pure function of what the engine's listeners (and the history) receive:
+`Event`s, so the feed is a pure function of what the engine's listeners (and the history) receive, after
+an opening batch for a restarted engine's warm disk tier (below):
 
     CACHE  (blocks entered the prefix index)   -> BlockStored per run of chained blocks, the pool's medium
     EVICT  (a cached block lost its key)       -> BlockRemoved, one per block (as vLLM sends them)
