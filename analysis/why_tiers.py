@@ -111,13 +111,15 @@ def still_on_disk_note(tier: dict[str, Any]) -> str:
             "but its write had not completed when this request looked it up")  # fmt: skip
 
 
-def tier_words(tier: dict[str, Any]) -> str:
-    """A lost block's two evictions in words: when the pool evicted it, when and why the tier lost it."""
-    if tier["kind"] == "tier_drop":
-        gone = f"dropped by the disk tier at step {tier['step']} ({tier['reason']}): never stored"
-        if tier["demoted_at"] is not None:
-            gone = f"demoted at step {tier['demoted_step']}, then dropped ({tier['reason']}): its write failed"
-    else:
+def tier_words(tier: dict[str, Any], clock: Callable[[float], str]) -> str:
+    """A lost block's two evictions in words: when the pool evicted it, when and why the tier lost it (times
+    shown by `clock`)."""
+    at, step, reason = clock(tier["at"]), tier["step"], tier["reason"]
+    if tier["kind"] != "tier_drop":
         gone = (f"demoted to disk at step {tier['demoted_step']} (tier slot {tier['slot']}), evicted from it at step "
-                f"{tier['step']} ({tier['reason']})")  # fmt: skip
-    return f"evicted from both tiers: from the pool, then {gone}"
+                f"{step}, {at} ({reason})")  # fmt: skip
+    elif tier["demoted_at"] is None:
+        gone = f"dropped by the disk tier at step {step}, {at} ({reason}: it was never stored)"
+    else:
+        gone = f"demoted at step {tier['demoted_step']}, dropped at step {step}, {at} ({reason}: its write failed)"
+    return f"evicted from both tiers: from the pool at {clock(tier['pool_evicted_at'])}, then {gone}"

@@ -195,7 +195,7 @@ def render(result: dict[str, Any]) -> str:
         lines.append(f"  evicted at {e['at']:.3f} ({e['reason']}), block {e['block']}")
     tier = result.get("tier")
     if tier and tier["lost"]:
-        lines.append(f"  {tier_words(tier)}: the pool at {tier['pool_evicted_at']:.3f}, the tier at {tier['at']:.3f}")
+        lines.append(f"  {tier_words(tier, lambda at: f'{at:.3f}')}")
     if result["namespace"]:
         lines += [f"  {name}: ours {pair[0]!r}, theirs {pair[1]!r}" for name, pair in result["namespace"].items()]
     if result["wait"]:

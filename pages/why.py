@@ -125,8 +125,7 @@ def show(answer: dict) -> None:
         st.markdown(f"Evicted at **{fmt_time(e['at'])}** ({e['reason']}), block {e['block']} of group {e['group']}.")
     tier = answer.get("tier")
     if tier and tier["lost"]:
-        st.markdown(f"**{tier_words(tier)}**: the pool at {fmt_time(tier['pool_evicted_at'])}, the disk tier at "
-                    f"{fmt_time(tier['at'])}.")  # fmt: skip
+        st.markdown(f"**{tier_words(tier, fmt_time)}**.")
     if answer["namespace"]:
         differs = [{"field": k, "this request": v[0], "the other": v[1]} for k, v in answer["namespace"].items()]
         st.table(pd.DataFrame(differs))

@@ -171,7 +171,7 @@ def test_a_block_pushed_out_of_a_tiny_tier_is_evicted_from_both_tiers(recorded) 
     assert tier["pool_evicted_at"] == answer["eviction"]["at"] <= tier["at"]
     moves = key_moves(h.db(), h.run_id, [answer["eviction"]["key"]])
     assert tier["kind"] in moves["kind"].tolist()
-    assert "evicted from both tiers: from the pool, then " in h.why(again)
+    assert "evicted from both tiers: from the pool at " in h.why(again)
     summary = json.loads(_cli(["why", "--db", h.url, "--run", h.run_id, "--summary", "--json"]))
     assert summary["by_cause"]["both_tiers"]["requests"] >= 1
 
@@ -229,28 +229,50 @@ def test_tier_events_do_not_change_the_replayed_reference_counts(recorded) -> No
         assert (life.rows[-1].state if life.rows else "free") == pool.state_of(block)
 
 
-def test_the_why_page_says_served_from_disk(console_env, tmp_path: Path, monkeypatch) -> None:  # noqa: F811
-    console_env(num_blocks=SMALL_POOL, block_size=BS)
-    monkeypatch.setenv("PREFIX_CONSOLE_OFFLOAD_DIR", str(tmp_path / "tier"))
-    monkeypatch.setenv("PREFIX_CONSOLE_OFFLOAD_GIB", str(TIER_GIB))
-    engine = host().console.engine
+def console_with_tier(configure, directory: Path, monkeypatch, gib: float) -> Engine:
+    """The console's embedded engine with a 12-block pool and a disk tier of `gib` GiB in `directory`."""
+    configure(num_blocks=SMALL_POOL, block_size=BS)
+    monkeypatch.setenv("PREFIX_CONSOLE_OFFLOAD_DIR", str(directory))
+    monkeypatch.setenv("PREFIX_CONSOLE_OFFLOAD_GIB", str(gib))
+    return host().console.engine
+
+
+def explained_on_the_page(engine: Engine, seeds: tuple[int, ...]):
+    """Run a 30-token prompt per seed, let the tier's writer finish, run the first one again and open the Why
+    page on it; returns the page and the request's view."""
+
     def run(seed: int) -> str:
         rid = engine.submit(tokens(30, seed), GREEDY)
         wait_for(lambda: engine.get(rid).status == "finished", f"request {rid}")
         return rid
 
-    run(1)
-    run(2)  # evicts A's blocks into the tier
-    engine.stop()  # waits for the tier's writer, so A's next lookup finds every store; then steps go on
+    for seed in seeds:
+        run(seed)
+    engine.stop()  # waits for the tier's writer, so the next lookup finds every store; then steps go on
     engine.start()
-    rid = run(1)
-    assert engine.get(rid).disk_cached_tokens > 0, "the page test's premise: A's second run reads from disk"
+    rid = run(seeds[0])
     host().writer.flush(timeout_s=30)
     wait_for(lambda: find_request(host().db, rid) is not None, f"{rid} in the history")
     at = open_page("why")
     at.text_input(key="why_typed").set_value(rid).run()
     assert not at.exception
-    assert any(f"Served from disk: {engine.get(rid).disk_cached_tokens} tokens" in md.value for md in at.markdown)
+    return at, engine.get(rid)
+
+
+def test_the_why_page_says_served_from_disk(console_env, tmp_path: Path, monkeypatch) -> None:  # noqa: F811
+    engine = console_with_tier(console_env, tmp_path / "tier", monkeypatch, TIER_GIB)
+    at, view = explained_on_the_page(engine, (1, 2))  # B evicts A's blocks into the tier
+    assert view.disk_cached_tokens > 0, "the page test's premise: A's second run reads from disk"
+    assert any(f"Served from disk: {view.disk_cached_tokens} tokens" in md.value for md in at.markdown)
+
+
+def test_the_why_page_says_evicted_from_both_tiers(console_env, tmp_path: Path, monkeypatch) -> None:  # noqa: F811
+    slot_bytes = console_with_tier(console_env, tmp_path / "probe", monkeypatch, TIER_GIB).kv.tier.slot_bytes
+    engine = console_with_tier(console_env, tmp_path / "tier", monkeypatch, 2 * slot_bytes / (1 << 30))
+    at, view = explained_on_the_page(engine, (1, 2, 3, 4))
+    assert view.cached_tokens == 0 and at.metric[0].value == "both_tiers"
+    assert any("Evicted from both tiers" in info.value for info in at.info)
+    assert any("evicted from both tiers: from the pool at " in md.value for md in at.markdown)
 
 
 def _cli(args: list[str]) -> str:
