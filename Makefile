@@ -143,6 +143,8 @@ $(LLAMACPP_STAMP): requirements-peer-llamacpp.txt
 $(OPENVINO_STAMP): requirements-peer-openvino.txt
 	python3 -m venv $(OPENVINO_VENV)
 	$(OPENVINO_VENV)/bin/pip install -q --only-binary :all: -r requirements-peer-openvino.txt
+	# The torchvision it pulls does not match the torch on disk, and breaks transformers' imports.
+	$(OPENVINO_VENV)/bin/pip uninstall -q -y torchvision
 	touch $(OPENVINO_STAMP)
 
 # This engine against vLLM's CPU build, llama.cpp's server and OpenVINO GenAI, quiet and beside a neighbour

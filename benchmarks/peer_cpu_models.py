@@ -16,9 +16,11 @@ whole; nothing that exists is made again. Run with the project's interpreter (`m
 
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -36,13 +38,27 @@ def llamacpp_converter() -> Path:
     return found[0]
 
 
+def converter_input(safetensors_dir: Path, folder: Path) -> None:
+    """The safetensors folder as the converter's transformers can read it, in `folder` (links, one file rewritten).
+
+    transformers 5 (this project's) names the tokenizer class `TokenizersBackend`, which the transformers
+    release llama.cpp's converter pins does not know; `PreTrainedTokenizerFast` reads the same tokenizer.json.
+    """
+    for name in ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json"):
+        (folder / name).symlink_to(safetensors_dir / name)
+    tokenizer_config = json.loads((safetensors_dir / "tokenizer_config.json").read_text())
+    tokenizer_config["tokenizer_class"] = "PreTrainedTokenizerFast"
+    (folder / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
+
+
 def make_gguf(safetensors_dir: Path, target: Path, outtype: str) -> None:
     staging = target.with_name(target.name + ".partial")
-    subprocess.run(
-        [str(LLAMACPP_PYTHON), str(llamacpp_converter()), str(safetensors_dir),
-         "--outtype", outtype, "--outfile", str(staging)],
-        check=True,
-    )
+    with tempfile.TemporaryDirectory(prefix="peer-cpu-hf-") as folder:
+        converter_input(safetensors_dir, Path(folder))
+        subprocess.run(
+            [str(LLAMACPP_PYTHON), str(llamacpp_converter()), folder, "--outtype", outtype, "--outfile", str(staging)],
+            check=True,
+        )
     staging.rename(target)
 
 
