@@ -94,8 +94,9 @@ def show(answer: dict) -> None:
     st.info(CAUSES[answer["cause"]])
     if answer.get("disk"):
         d = answer["disk"]
-        st.markdown(f"**Served from disk: {d['tokens']} tokens** (tokens {d['start']}–{d['end'] - 1}, read from tier "
-                    f"slots {d['slots']} into pool blocks {d['blocks']}); {d['memory_tokens']} from memory.")  # fmt: skip
+        st.markdown(f"**Served from disk: {d['tokens']} tokens** (tokens {d['start']}–{d['end'] - 1}, read from "
+                    f"tier slots {d['slots']} into pool blocks {d['blocks']}); {d['memory_tokens']} from "
+                    "memory.")  # fmt: skip
     if answer["match"]:
         m = answer["match"]
         shared = m["shared_tokens"]

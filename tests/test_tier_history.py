@@ -282,7 +282,7 @@ def _cli(args: list[str]) -> str:
     return out.getvalue()
 
 
-# ---------------------------------------------------------------------------------------------- the writer, both backends
+# ------------------------------------------------------------------------------------ the writer, both backends
 def tier_events(t: float) -> list[Event]:
     """A block's trip through the tier: demoted from pool block 3, promoted into block 5 for req-1, demoted
     again, evicted from the tier (lru); and another block dropped because the tier was full."""
@@ -386,3 +386,24 @@ def test_block_timelines_read_the_tier_moves_back_on_both_backends(db_url: str, 
     assert five["event"].tolist() == ["promote"] and five["ref_count"].tolist() == [1]
     assert five["change"].iloc[0] == "allocated to req-1: promoted from disk for req-1 (tier slot 1)"
     assert queries.block_timelines(engine_for(db_url), run, [3], group="sliding")[3].rows.empty
+
+
+def test_a_tier_drop_names_its_eviction_and_a_write_back_is_a_row_of_its_own() -> None:
+    """Block 7's eviction was not stored (the tier was full); block 2, still cached when an engine stopped,
+    was copied to disk without leaving the pool."""
+    full = {"group": "full"}
+    events = [
+        StoredEvent(1, 1, 1.0, "allocate", "a", 7, {"block_ids": [7, 2], **full}),
+        StoredEvent(2, 1, 1.0, "cache", "a", 7, {"block_ids": [7, 2], "keys": ["77", "22"], **full}),
+        StoredEvent(3, 2, 2.0, "release", "a", 7, {"block_ids": [2, 7], **full}),
+        StoredEvent(4, 3, 3.0, "evict", "b", 7, {"reason": "lru", "key": "77", **full}),
+        StoredEvent(5, 3, 3.0, "tier_drop", None, 7, {"key": "77", "reason": "full"}),
+        StoredEvent(6, 4, 4.0, "demote", None, 2, {"key": "22", "slot": 0}),
+    ]
+    lives = replay(events, [7, 2])
+    seven, two = lives[7].rows, lives[2].rows
+    assert [row.event for row in seven] == ["allocate", "cache", "release", "tier_drop"]
+    assert seven[-1].change == "evicted (lru): left the prefix index, not stored on disk (full)"
+    assert [row.event for row in two] == ["allocate", "cache", "release", "demote"]
+    assert two[-1].change == "copied to disk (tier slot 0): still cached in the pool"
+    assert (two[-1].ref_count, two[-1].state, seven[-1].state) == (0, "evictable", "free")

@@ -22,7 +22,8 @@ The disk tier's events come after the changes they name (a DEMOTE is planned at 
 allocation evicted the block, so it may follow the block's next ALLOCATE), and never change a count.
 
 A copy-on-write and its RELEASE (source) or ALLOCATE (destination), a window release and its RELEASE, a
-promotion and its ALLOCATE, and a demotion or a tier drop and its EVICT are one row: the row of the change, named by the event that explains it. Every other event
+promotion and its ALLOCATE, and a demotion or a tier drop and its EVICT are one row: the row of the change,
+named by the event that explains it. Every other event
 that touches the block is a row of its own.
 
 Invariants of a history built from a complete, ordered event stream (the property tests in
@@ -186,12 +187,11 @@ class _Replay:
         evicted = self.evicted
         if evicted is not None and evicted[1] is not None and evicted[1] == detail.get("key"):
             (row, _, reason), self.evicted = evicted, None
+            row.event, slot, why = kind, detail.get("slot"), detail.get("reason")
             if kind == DEMOTE:
-                row.event = DEMOTE
-                row.change = f"evicted ({reason}): demoted to disk at step {event.step} (tier slot {detail.get('slot')})"
+                row.change = f"evicted ({reason}): demoted to disk at step {event.step} (tier slot {slot})"
             else:
-                row.event = TIER_DROP
-                row.change = f"evicted ({reason}): left the prefix index, not stored on disk ({detail.get('reason')})"
+                row.change = f"evicted ({reason}): left the prefix index, not stored on disk ({why})"
         elif kind == DEMOTE:
             self._row(event, f"copied to disk (tier slot {detail.get('slot')}): still cached in the pool")
 

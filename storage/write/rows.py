@@ -161,7 +161,8 @@ def tier_move_values(run_id: str, event: Event) -> list[tuple[Any, ...]]:
         return [row]
     block_ids, keys, slots = detail.get("block_ids") or [], detail.get("keys") or [], detail.get("slots") or []
     if not len(block_ids) == len(keys) == len(slots):
-        raise ValueError(f"a PROMOTE of {event.request_id} lists {len(block_ids)} blocks, {len(keys)} keys, {len(slots)} slots")
+        lists = f"{len(block_ids)} blocks, {len(keys)} keys, {len(slots)} slots"
+        raise ValueError(f"a PROMOTE of {event.request_id} lists {lists}")
     each = event.tokens // len(block_ids) if block_ids else 0
     return [
         (run_id, event.step, event.time, kind, key.lower(), block_id, event.request_id, slot, None, each)
