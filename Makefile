@@ -66,7 +66,7 @@ CONSOLE := $(VENV)/bin/streamlit run app --server.address $(HOST) --server.port 
 run: install
 ifeq ($(ENGINE),)
 	@mkdir -p data
-	$(PY) -m cli serve --model $(MODEL) --port $(API_PORT) --db $(DB) & server=$$!; \
+	$(PY) -m cli serve --model $(MODEL) --port $(API_PORT) --db $(DB) $(if $(OFFLOAD_DIR),--offload-dir $(OFFLOAD_DIR) --offload-gib $(or $(OFFLOAD_GIB),8)) & server=$$!; \
 	trap 'kill $$server 2>/dev/null; wait $$server' EXIT INT TERM; \
 	echo "engine server starting on http://127.0.0.1:$(API_PORT) (the API answers once the model is loaded)"; \
 	until PREFIX_CONSOLE_ENGINE=http://127.0.0.1:$(API_PORT) $(CONSOLE); do kill -0 $$server || exit 1; sleep 1; done

@@ -27,7 +27,6 @@ from __future__ import annotations
 import threading
 import time
 from contextlib import nullcontext
-from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -39,7 +38,7 @@ from engine.core.request import HitSource, Request, RequestStatus, SamplingParam
 from engine.core.request_invariants import check_request_state
 from engine.core.request_table import RequestTable
 from engine.core.scheduler import SchedulerOutput
-from engine.core.snapshot import EngineSnapshot, PoolStats, RequestView, block_views, pool_stats
+from engine.core.snapshot import EngineSnapshot, PoolStats, RequestView, ResetResult, block_views, pool_stats
 from engine.core.tier_view import PromotionMarks, tier_view
 from engine.engine_parts import build_parts
 from engine.runner.model_loading import LoadedModel, load_model
@@ -48,17 +47,6 @@ from engine.warm_up import WARM_UP_TOKENS, warm_up
 
 
 Listener = Callable[[list[Event], list[RequestView]], None]
-
-
-@dataclass(frozen=True)
-class ResetResult:
-    dropped_blocks: int  # unreferenced cached blocks evicted
-    kept_blocks: int  # cached blocks kept because running or retained requests hold them
-
-    @property
-    def ok(self) -> bool:
-        """True when the prefix cache is now empty."""
-        return self.kept_blocks == 0
 
 
 class Engine:
@@ -359,6 +347,7 @@ class Engine:
             thread.stop()
         with self._lock:
             self._forward.write_back()
+            self._publish(self.log.take(), [])  # the write-back's DEMOTE events reach the history and the feed
 
     def _failed(self, exc: BaseException) -> None:
         self.failure = exc
@@ -385,8 +374,7 @@ class Engine:
         return self.thread_governor.threads if self.thread_governor is not None else torch.get_num_threads()
 
     def forward_time_at_threads(self) -> dict[int, float]:
-        """Seconds the forward stepped at each thread count (the governor's `time_at_threads`; empty where
-        none governs)."""
+        """Seconds the forward stepped at each thread count (empty where no governor governs)."""
         return self.thread_governor.time_at_threads() if self.thread_governor is not None else {}
 
     def stats(self) -> PoolStats:

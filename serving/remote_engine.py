@@ -25,8 +25,8 @@ import requests
 
 from engine.core.config import EngineConfig
 from engine.core.request import SamplingParams
-from engine.core.snapshot import EngineSnapshot, PoolStats, RequestView
-from engine.engine import RequestRejected, ResetResult
+from engine.core.snapshot import EngineSnapshot, PoolStats, RequestView, ResetResult
+from engine.engine import RequestRejected
 from engine.engine_process import EngineInfo, PublishedStats
 from serving.console_routes import MSGPACK, ForkCommand, StatsAnswer, SubmitCommand, decode, encode
 

@@ -128,6 +128,18 @@ def test_the_historys_counts_by_tier_equal_the_engines_tier_counters(recorded) -
     assert counts.evictions.get("lru", 0) == stats.evictions and counts.evictions.get("corrupt", 0) == stats.corrupt
 
 
+def test_a_stopping_engine_publishes_the_demotions_of_its_write_back(recorded) -> None:
+    """`stop()` copies the pool's cached blocks to disk: their DEMOTE events reach the listeners (the history,
+    the KV-event feed) at once, not with a next step a stopped engine may never take."""
+    h = recorded()
+    h.run(tokens(30, 1))  # fits the pool: nothing evicted, nothing stored yet
+    assert not [e for e in h.events if e.kind is EventKind.DEMOTE]
+    h.engine.stop()
+    stats = h.engine.stats().tier
+    demoted = [e for e in h.events if e.kind is EventKind.DEMOTE]
+    assert demoted and len(demoted) == stats.stores + stats.writing_blocks
+
+
 def test_a_request_served_partly_from_disk_has_its_disk_tokens_in_its_row(recorded) -> None:
     h = recorded()
     again = first_prompt_again(h)

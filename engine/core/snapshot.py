@@ -256,6 +256,19 @@ class PoolStats:
 
 
 @dataclass(frozen=True, slots=True)
+class ResetResult:
+    """What a prefix-cache reset did (`Engine.reset_cache`)."""
+
+    dropped_blocks: int  # unreferenced cached blocks evicted
+    kept_blocks: int  # cached blocks kept because running or retained requests hold them
+
+    @property
+    def ok(self) -> bool:
+        """True when the prefix cache is now empty."""
+        return self.kept_blocks == 0
+
+
+@dataclass(frozen=True, slots=True)
 class EngineSnapshot:
     time: float  # when it was taken (epoch s)
     stats: PoolStats
