@@ -120,31 +120,35 @@ def disk_read_bytes() -> int:
 
 
 class TierTimer:
-    """Wraps a DiskTier's `_store` and `_load` to add up the seconds a step spends in each."""
+    """Wraps a DiskTier's `execute`, `_store` and `_load` to add up the seconds a step spends storing
+    (copying evicted blocks out) and loading (promoting blocks in), and to count the steps that store."""
 
     def __init__(self, disk) -> None:
         self.store_s = self.load_s = 0.0
         self.store_steps = self.store_blocks = self.load_blocks = 0
-        store, load = disk._store, disk._load
+        execute, store, load = disk.execute, disk._store, disk._load
 
-        def timed_store(stores):
+        def counted_execute(transfers):
+            self.store_steps += bool(transfers.stores)
+            return execute(transfers)
+
+        def timed_store(*args, **kwargs):
             started = time.perf_counter()
             try:
-                return store(stores)
+                return store(*args, **kwargs)
             finally:
                 self.store_s += time.perf_counter() - started
-                self.store_steps += 1
-                self.store_blocks += len(stores)
+                self.store_blocks += 1
 
-        def timed_load(one):
+        def timed_load(*args, **kwargs):
             started = time.perf_counter()
             try:
-                return load(one)
+                return load(*args, **kwargs)
             finally:
                 self.load_s += time.perf_counter() - started
                 self.load_blocks += 1
 
-        disk._store, disk._load = timed_store, timed_load
+        disk.execute, disk._store, disk._load = counted_execute, timed_store, timed_load
 
 
 def build_engine(dtype: str, num_blocks: int, tier_dir: Path | None, gib: float):
