@@ -34,6 +34,7 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
@@ -60,12 +61,14 @@ class LlamaServer:
     def __init__(self, model_path: str, dtype: str, threads: int) -> None:
         cache_type = {"float32": "f32", "bfloat16": "bf16"}[dtype]
         self.port = _free_port()
+        self.slot_dir = tempfile.TemporaryDirectory(prefix="peer-cpu-slots-")  # slot actions need one; none saved
         self.server = subprocess.Popen(
             [
                 str(LLAMA_SERVER), "--model", model_path, "--host", "127.0.0.1", "--port", str(self.port),
                 "--threads", str(threads), "--threads-batch", str(threads),
                 "--parallel", str(MAX_REQUESTS), "--kv-unified", "--ctx-size", str(MAX_REQUESTS * MAX_CONTEXT),
                 "--cache-type-k", cache_type, "--cache-type-v", cache_type, "--no-webui",
+                "--slot-save-path", self.slot_dir.name,
             ],
             stdout=sys.stderr,
             stderr=sys.stderr,
@@ -114,6 +117,7 @@ class LlamaServer:
         self.pool.shutdown()
         self.server.terminate()
         self.server.wait(timeout=30)
+        self.slot_dir.cleanup()
 
 
 class OpenVinoPipeline:
