@@ -43,7 +43,7 @@ from sqlalchemy import Engine as DbEngine
 from sqlalchemy.exc import SQLAlchemyError
 
 from app.loading import ENV_MODEL, HOST_STARTED
-from engine.core.config import DEFAULT_MODEL, EngineConfig
+from engine.core.config import DEFAULT_MODEL, EngineConfig, shares_disk_tier
 from engine.engine import Engine
 from engine.core.events import Event
 from engine.feeds.outbound import EngineFeeds, open_feeds
@@ -223,22 +223,44 @@ class ConsoleHost:
         (retained ones released), recorded under the old run, so no block of it stays held; a session
         that still holds it is refused with a message when it submits. The new engine's generated ids
         continue past the old one's and the history's.
+
+        A new engine on the old one's disk tier directory takes the tier over: the old engine stops and
+        closes it first (its pool's cached blocks written back), then the new one opens it warm; when the
+        new one fails to build, an engine of the old configuration is started again on the same tier
+        (warm) and the error propagates.
         """
         with self._lock:
             if self._closed:
                 raise RuntimeError("the console host is shut down")
             old = self._console
-            engine = Engine(config, first_request_number=self._first_request_number())
-            old.engine.stop()
-            old.engine.retire(RESTART_REASON)  # its listener is still active: the ends are recorded
+            first_number = self._first_request_number()
+            if shares_disk_tier(old.engine.config, config):
+                old.engine.close()
+                try:
+                    engine = Engine(config, first_request_number=first_number)
+                except BaseException:
+                    self._retire(old)
+                    number = max(first_number, old.engine.next_request_number)
+                    self._console = self._launch(old.engine.config, Engine(old.engine.config, first_request_number=number))
+                    raise
+            else:
+                engine = Engine(config, first_request_number=first_number)
+            self._retire(old)
             # Past the old engine's ids too, now that it claims no more: it served while the new one loaded,
             # and its newest requests may not be written yet.
             engine.next_request_number = max(engine.next_request_number, old.engine.next_request_number)
-            old.active = False
-            if old.feeds is not None:
-                old.feeds.close()  # after the ends are published; frees the endpoints for the new engine's feeds
             self._console = self._launch(config, engine)
             return self._console
+
+    @staticmethod
+    def _retire(old: Console) -> None:
+        """Stop the old console's engine and end its requests (recorded under its run: its listener is still
+        active), then silence its listener and close its feeds (freeing their endpoints for the next engine)."""
+        old.engine.stop()
+        old.engine.retire(RESTART_REASON)
+        old.active = False
+        if old.feeds is not None:
+            old.feeds.close()  # after the ends are published
 
     def shutdown(self) -> None:
         """Stop the engine thread, mark the run stopped and flush the writer. Safe to call twice."""
@@ -246,8 +268,8 @@ class ConsoleHost:
             if self._closed:
                 return
             self._closed = True
+            self._console.engine.close()  # its write-back to the disk tier is recorded, then nothing more
             self._console.active = False
-            self._console.engine.stop()
             if self._console.feeds is not None:
                 self._console.feeds.close()
         self.writer.close(timeout_s=10)

@@ -349,6 +349,14 @@ class Engine:
             self._forward.write_back()
             self._publish(self.log.take(), [])  # the write-back's DEMOTE events reach the history and the feed
 
+    def close(self) -> None:
+        """`stop()`, then close the disk tier's files and give up its lock, so that a replacing engine may open
+        them (a console restarting its engine; an engine process exiting). The engine is done: a step that
+        would store or load a block raises."""
+        self.stop()
+        with self._lock:
+            self._forward.close_tier()
+
     def _failed(self, exc: BaseException) -> None:
         self.failure = exc
 

@@ -349,7 +349,7 @@ class _EngineLoop:
                               None if writer is None else writer.stats())  # fmt: skip
 
     def close(self) -> None:
-        self.engine.stop()
+        self.engine.close()
         if self.feeds is not None:
             self.feeds.close()
         if self.history is not None:

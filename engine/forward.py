@@ -88,9 +88,14 @@ class StepForward:
 
     def write_back(self) -> None:
         """Store every block cached in the pool into the disk tier and wait for the writer (an engine
-        stopping); nothing without a tier."""
-        if self.tier is not None:
+        stopping); nothing without a tier or with a closed one."""
+        if self.tier is not None and not self.tier.closed:
             self.tier.write_back(self.kv.write_back_tier())
+
+    def close_tier(self) -> None:
+        """Close the disk tier's files and give up its lock (an engine retired); nothing without a tier."""
+        if self.tier is not None:
+            self.tier.close()
 
     def _non_finite(
         self,

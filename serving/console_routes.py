@@ -32,7 +32,7 @@ import msgspec
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
-from engine.core.config import EngineConfig
+from engine.core.config import EngineConfig, shares_disk_tier
 from engine.core.request import SamplingParams
 from engine.core.snapshot import PoolStats
 from engine.engine_process import WRITER_MARK, PublishedStats
@@ -101,14 +101,27 @@ class EngineHolder:
     def restart(self, config: EngineConfig) -> EngineClient:
         """A new engine process from `config`; the old one ends its requests and stops once the new one is up.
 
+        On the old one's disk tier directory the order turns round (the tier opens in one process at a time):
+        the old one stops first, writing its pool's cached blocks to the tier, then the new one starts warm;
+        when it cannot, an engine of the old configuration is started again (warm) before the error.
+
         Raises:
-            EngineGone: the new one could not start (the old one keeps serving).
+            EngineGone: the new one could not start (the old one, or one of its configuration, serves on).
         """
         with self._restart_lock:
-            new = EngineClient.start(config, db_url=self.db_url)
-            old, self._client = self._client, new
-        old.close(reason=RESTART_REASON)
-        return new
+            old = self._client
+            if not shares_disk_tier(old.config, config):
+                new = EngineClient.start(config, db_url=self.db_url)
+                self._client = new
+                old.close(reason=RESTART_REASON)
+                return new
+            old.close(reason=RESTART_REASON)
+            try:
+                self._client = EngineClient.start(config, db_url=self.db_url)
+            except EngineGone:
+                self._client = EngineClient.start(old.config, db_url=self.db_url)
+                raise
+            return self._client
 
     def close(self) -> None:
         self._client.close()

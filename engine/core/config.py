@@ -108,3 +108,11 @@ class EngineConfig:
     @property
     def resolved_data_dir(self) -> Path:
         return self.data_dir if self.data_dir is not None else default_data_dir()
+
+
+def shares_disk_tier(a: EngineConfig, b: EngineConfig) -> bool:
+    """Whether two configurations name the same disk tier directory: the second engine can open it only after
+    the first closed it (`Engine.close`), so a restart between them hands the tier over in that order."""
+    if a.offload_dir is None or b.offload_dir is None:
+        return False
+    return Path(a.offload_dir).resolve() == Path(b.offload_dir).resolve()

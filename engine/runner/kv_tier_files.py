@@ -8,6 +8,11 @@
                        runner's block ([layer, K|V, kv_head, slot, dim])
     DIR/kv-tier.meta   numpy memmap, one record per slot: valid flag, chain key, parent key, the block's
                        token ids, the bytes' xxh3-64 checksum and the store's stamp (the LRU order)
+    DIR/kv-tier.lock   a POSIX write lock held while an engine process has the tier open (its pid inside):
+                       an engine in another process is refused until the first `close`s it or exits (the
+                       kernel drops the lock with the process). POSIX locks belong to the process, so
+                       engines of one process (a console restarting its own engine, tests) are not refused:
+                       they hand the tier over in order (the old one stopped and closed first, app/hosting.py)
 
 Crash-consistent per slot: a store clears the slot's valid flag, writes the bytes, then the record with its
 checksum and the flag; a torn store leaves the slot invalid (ignored at start), and bytes changed after
@@ -18,6 +23,8 @@ with an error naming what differs; so is a directory that is missing and cannot 
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import json
 import os
 import tempfile
@@ -31,7 +38,7 @@ from engine.core.kv_tier import TierEntry, TierStore
 from engine.core.namespace import CacheNamespace
 
 FORMAT = "prefix-console kv tier 1"
-HEADER, DATA, META = "kv-tier.json", "kv-tier.data", "kv-tier.meta"
+HEADER, DATA, META, LOCK = "kv-tier.json", "kv-tier.data", "kv-tier.meta", "kv-tier.lock"
 KEY_BYTES = 16
 GIB = 1 << 30
 
@@ -92,14 +99,23 @@ class TierFiles:
         """Open (or make) the tier in `directory` for an engine of `namespace`.
 
         Raises:
-            TierUnavailableError: the directory is missing and cannot be made, is read-only, or the disk
-                has no room for the tier's files.
+            TierUnavailableError: the directory is missing and cannot be made, is read-only, the disk
+                has no room for the tier's files, or another engine has the tier open.
             TierMismatchError: it holds a tier of another identity.
         """
         self.directory = directory
         self.geometry = geometry
         self.block_size = namespace.block_size
         _check_writable(directory)
+        self._lock_fd: int | None = _take_lock(directory)
+        try:
+            self._open(namespace, geometry)
+        except BaseException:
+            self._release_lock()
+            raise
+
+    def _open(self, namespace: CacheNamespace, geometry: TierGeometry) -> None:
+        directory = self.directory
         identity = {
             "format": FORMAT,
             "namespace": {**asdict(namespace), "attention_spec": list(namespace.attention_spec)},
@@ -172,6 +188,45 @@ class TierFiles:
         """Push the data file's and the records' dirty pages to the disk."""
         os.fdatasync(self._data_fd)
         self.meta.flush()
+
+    def close(self) -> None:
+        """Flush, close the data file and give up the directory's lock, so another engine may open the tier
+        (an engine being replaced). Nothing is read or written afterwards. Safe to call twice."""
+        if self._lock_fd is None:
+            return
+        self.flush()
+        os.close(self._data_fd)
+        self._data_fd = -1  # a late read or write fails (EBADF), never lands in a file that reused the number
+        self._release_lock()
+
+    def _release_lock(self) -> None:
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)  # closing the descriptor drops the lock
+            self._lock_fd = None
+
+
+def _take_lock(directory: Path) -> int:
+    """Hold the tier's lock file exclusively (its descriptor), with this process's pid written in it.
+
+    Raises:
+        TierUnavailableError: another engine holds it.
+    """
+    fd = os.open(directory / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as exc:
+        if exc.errno not in (errno.EACCES, errno.EAGAIN):
+            os.close(fd)
+            raise TierUnavailableError(f"the KV tier in {directory} cannot be locked: {exc}") from exc
+        holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+        os.close(fd)
+        raise TierUnavailableError(
+            f"the KV tier in {directory} is open in another engine process (pid {holder}): stop it first, "
+            "or give this one another directory"
+        ) from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, str(os.getpid()).encode(), 0)
+    return fd
 
 
 def _pwrite_all(fd: int, raw: np.ndarray, offset: int) -> None:

@@ -70,7 +70,7 @@ class DiskTier:
         self._free_rows: queue.SimpleQueue[int] = queue.SimpleQueue()
         for row in range(rows):
             self._free_rows.put(row)
-        self._queue: queue.Queue[tuple[TierStore, int]] = queue.Queue()  # bounded by the rows it carries
+        self._queue: queue.Queue[tuple[TierStore, int] | None] = queue.Queue()  # bounded by the rows it carries
         self._load_bytes = np.empty(geometry.slot_bytes, np.uint8)
         self._copy_out, self._copy_in = self._block_copies()
         self._thread = threading.Thread(target=self._write_loop, name="kv-tier-writer", daemon=True)
@@ -101,7 +101,13 @@ class DiskTier:
 
     @torch.inference_mode()
     def execute(self, transfers: TierTransfers) -> list[TierLoad]:
-        """The step's stores, then its loads. Returns the loads whose bytes failed their checksum."""
+        """The step's stores, then its loads. Returns the loads whose bytes failed their checksum.
+
+        Raises:
+            RuntimeError: the tier is closed and the step has transfers for it.
+        """
+        if (transfers.stores or transfers.loads) and self.closed:
+            raise RuntimeError("the disk tier was closed (its engine was retired)")
         for store in transfers.stores:
             self._store(store, wait_s=None)
         return [load for load in transfers.loads if not self._load(load)]
@@ -146,9 +152,13 @@ class DiskTier:
         return True
 
     def _write_loop(self) -> None:
-        """The writer thread: each queued store into its slot, reported, its row freed; for ever (a daemon)."""
+        """The writer thread: each queued store into its slot, reported, its row freed; until `close`."""
         while True:
-            store, row = self._queue.get()
+            item = self._queue.get()
+            if item is None:  # `close`: everything before it is written
+                self._queue.task_done()
+                return
+            store, row = item
             try:
                 raw = self._staging_bytes[row]
                 checksum = xxhash.xxh3_64_intdigest(raw)
@@ -165,3 +175,16 @@ class DiskTier:
         """Wait until every queued store is written, then flush the files (an engine stopping)."""
         self._queue.join()
         self.files.flush()
+
+    def close(self) -> None:
+        """Write what is queued, end the writer thread and close the files (an engine retired: another engine
+        may open the tier now). A closed tier takes no transfers. Safe to call twice."""
+        if not self._thread.is_alive():
+            return
+        self._queue.put(None)
+        self._thread.join()
+        self.files.close()
+
+    @property
+    def closed(self) -> bool:
+        return not self._thread.is_alive()
