@@ -18,7 +18,8 @@ line first), and so are this engine's and vLLM's drivers, imported from there. T
 - OpenVINO GenAI: `ContinuousBatchingPipeline` over the IR that optimum-intel exported from the same
   safetensors, with `enable_prefix_caching`, dynamic split-fuse (its default), 64 sequences and 2,048
   batched tokens a step, `INFERENCE_NUM_THREADS` 2, `INFERENCE_PRECISION_HINT` and `KV_CACHE_PRECISION`
-  set to the dtype (its CPU default KV cache is u8, which would change fp32 outputs).
+  set to the dtype (its CPU default KV cache is u8, which would change fp32 outputs); on a CPU without
+  bf16 instructions both are f32 (its paged attention refuses a bf16 KV cache there).
 
 Every engine decodes greedily with EOS ignored from the same token ids. "reset" empties what each engine
 lets a client empty: this engine's and vLLM's prefix caches, llama-server's slots (`action=erase`; its
@@ -129,6 +130,8 @@ class OpenVinoPipeline:
         import openvino_genai
 
         precision = {"float32": "f32", "bfloat16": "bf16"}[dtype]
+        if "BF16" not in openvino.Core().get_property("CPU", "OPTIMIZATION_CAPABILITIES"):
+            precision = "f32"  # its paged attention takes only an f32 KV cache there, and its bf16 hint reads f32
         scheduler = openvino_genai.SchedulerConfig()
         scheduler.enable_prefix_caching = True
         scheduler.cache_size = 2  # GB of KV blocks: far more than any cell needs
