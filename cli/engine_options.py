@@ -8,11 +8,12 @@ from typing import Any
 
 from engine.core.config import DEFAULT_MODEL, DTYPES, EngineConfig
 from engine.core.eviction import EvictionPolicyName
+from engine.core.kv_tier import TIER_POLICIES
 
 
 def add_engine_options(parser: argparse.ArgumentParser) -> None:
     """--model, --block-size, --num-blocks, --eviction-policy, --device, --dtype, --seed, --attention,
-    --offload-dir, --offload-gib."""
+    --offload-dir, --offload-gib, --offload-policy."""
     parser.add_argument("--model", default=DEFAULT_MODEL, help="preset name or local model directory")
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--num-blocks", type=int, default=None)
@@ -32,6 +33,10 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
         help="a second KV tier on local disk: evicted blocks kept in files here (with --offload-gib)",
     )  # fmt: skip
     parser.add_argument("--offload-gib", type=float, default=None, help="the disk tier's size in GiB")
+    parser.add_argument(
+        "--offload-policy", choices=TIER_POLICIES, default="lru",
+        help="the disk tier's eviction order: lru, or reuse-lru (blocks promoted before are kept longer)",
+    )  # fmt: skip
 
 
 def engine_config(args: argparse.Namespace, **more: Any) -> EngineConfig:
@@ -51,5 +56,6 @@ def engine_config(args: argparse.Namespace, **more: Any) -> EngineConfig:
         attention_override=args.attention,
         offload_dir=args.offload_dir,
         offload_gib=args.offload_gib,
+        offload_policy=args.offload_policy,
         **more,
     )

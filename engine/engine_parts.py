@@ -85,6 +85,6 @@ def open_disk_tier(
     block_shape = (kv.shape[0], kv.shape[1], kv.shape[2], kv.shape[4], kv.shape[5])
     geometry = TierGeometry.sized(block_shape, kv.element_size(), config.offload_gib)
     disk = DiskTier(TierFiles(config.offload_dir, namespace, geometry), kv)
-    index = TierIndex(geometry.num_slots, config.block_size, geometry.slot_bytes, disk.writes, log)
+    index = TierIndex(geometry.num_slots, config.block_size, geometry.slot_bytes, disk.writes, log, config.offload_policy)
     index.restore(disk.files.restored)
     return disk, index

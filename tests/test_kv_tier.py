@@ -258,14 +258,18 @@ def test_a_truncated_tier_file_is_detected_and_its_blocks_recomputed(tmp_path):
     assert again.output_token_ids == expected.output_token_ids and again.disk_cached_tokens == 0
 
 
-@pytest.mark.parametrize("attention", [None, f"hybrid:{HYBRID_WINDOW}"])
-def test_a_mixed_workload_through_both_tiers_answers_as_a_large_pool_does(tmp_path, attention):
+@pytest.mark.parametrize(
+    "attention, policy", [(None, "lru"), (f"hybrid:{HYBRID_WINDOW}", "lru"), (None, "reuse-lru")]
+)
+def test_a_mixed_workload_through_both_tiers_answers_as_a_large_pool_does(tmp_path, attention, policy):
     """Shared prefixes, batches, chunked prefill and a pool that keeps evicting: every answer equals the
     answer of a pool that never evicts, and every invariant holds after every step."""
     rng = random.Random(7)
     prefixes = [tokens(rng.randrange(8, 24), seed) for seed in range(3)]
     prompts = [rng.choice(prefixes) + tokens(rng.randrange(1, 9), 100 + i) for i in range(14)]
-    small = engine(tmp_path / "t", tier=True, attention_override=attention, max_num_batched_tokens=16)
+    small = engine(
+        tmp_path / "t", tier=True, attention_override=attention, max_num_batched_tokens=16, offload_policy=policy
+    )
     large = engine(tmp_path / "l", tier=False, num_blocks=256, attention_override=attention)
     answers: dict[str, list] = {"small": [], "large": []}
     for name, e in (("small", small), ("large", large)):
@@ -292,11 +296,13 @@ KEYS = [chain_key(ROOT, [i, i]) for i in range(8)]  # one-block contexts [i, i] 
 class TierIndexMachine(RuleBasedStateMachine):
     """Offers, stores, writer reports, lookups, loads and corrupt loads in any order keep the index whole."""
 
+    policy = "lru"
+
     def __init__(self) -> None:
         super().__init__()
         self.writes: queue.SimpleQueue[TierWrite] = queue.SimpleQueue()
         self.log = EventLog()
-        self.index = TierIndex(3, 2, 64, self.writes, self.log)
+        self.index = TierIndex(4, 2, 64, self.writes, self.log, self.policy)
         self.in_flight: list = []
         self.events: list = []
         self.planned_stores = 0
@@ -356,6 +362,43 @@ class TierIndexMachine(RuleBasedStateMachine):
 
 TestTierIndex = TierIndexMachine.TestCase
 TestTierIndex.settings = settings(max_examples=60, stateful_step_count=30, deadline=None)
+
+
+class ReuseTierIndexMachine(TierIndexMachine):
+    policy = "reuse-lru"
+
+
+TestReuseTierIndex = ReuseTierIndexMachine.TestCase
+TestReuseTierIndex.settings = settings(max_examples=60, stateful_step_count=30, deadline=None)
+
+
+@pytest.mark.parametrize("policy, kept", [("lru", False), ("reuse-lru", True)])
+def test_reuse_lru_keeps_a_promoted_block_through_a_scan_of_blocks_stored_once(policy, kept):
+    """A 4-slot tier: block 0 is stored and promoted once, then six blocks are stored once each. LRU lets
+    the scan push block 0 out; reuse-LRU keeps it (victims come from the never-promoted blocks first)."""
+    writes: queue.SimpleQueue[TierWrite] = queue.SimpleQueue()
+    index = TierIndex(4, 2, 64, writes, policy=policy)
+    keys = ChainKeys(ROOT, 2)
+
+    def store(i: int) -> None:
+        index.offer(Block(i, token_ids=[i, i], key=KEYS[i], parent_key=ROOT))
+        for s in index.take_transfers().stores:
+            writes.put(TierWrite(s.slot, s.key, 7))
+        index.settle()
+
+    store(0)
+    index.plan_loads("r", index.find(keys, [0, 0], 0, 1), [0])
+    index.take_transfers()
+    for i in range(1, 7):
+        store(i)
+        index.check_invariants()
+    assert bool(index.find(keys, [0, 0], 0, 1)) is kept
+    assert index.stats().ready_blocks == 4
+
+
+def test_an_unknown_tier_policy_is_refused():
+    with pytest.raises(ValueError, match="offload_policy must be one of lru, reuse-lru"):
+        EngineConfig(model="tiny-llama", offload_policy="fifo")
 
 
 def test_the_api_reports_cached_tokens_by_tier(tmp_path, test_data_dir):

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from engine.core.eviction import EvictionPolicyName
 from engine.core.kv_memory import DTYPE_BYTES
+from engine.core.kv_tier import TIER_POLICIES
 
 DEFAULT_MODEL = "smollm2"
 DTYPES = tuple(DTYPE_BYTES)
@@ -61,6 +62,7 @@ class EngineConfig:
     # this directory, up to `offload_gib` GiB, and promoted back on a hit. None: no second tier (the default).
     offload_dir: Path | None = None
     offload_gib: float | None = None  # the tier's size; required with `offload_dir`
+    offload_policy: str = "lru"  # the tier's eviction order: "lru" or "reuse-lru" (engine/core/kv_tier.py)
 
     def __post_init__(self) -> None:
         try:  # a name ("reuse-lru") is accepted and stored as the enum
@@ -98,6 +100,8 @@ class EngineConfig:
             raise ValueError(f"kv_events_topic must be at most {MAX_TOPIC_BYTES} bytes")
         if (self.offload_dir is None) != (self.offload_gib is None):
             raise ValueError("give offload_dir and offload_gib together (a disk tier needs both), or neither")
+        if self.offload_policy not in TIER_POLICIES:
+            raise ValueError(f"offload_policy must be one of {', '.join(TIER_POLICIES)}, got {self.offload_policy!r}")
         if self.offload_dir is not None:
             object.__setattr__(self, "offload_dir", Path(self.offload_dir))
             if not 0 < float(self.offload_gib or 0) <= MAX_OFFLOAD_GIB:

@@ -25,7 +25,14 @@ Invariants (checked by `check_invariants`):
   * an entry is found only under its own key, parent key and token ids: the chain key folds in the
     namespace (model, weights, dtype, block size, attention spec) and the salt, exactly as in the pool.
 
-A full tier evicts its least recently used ready entry for a new store; when none is ready (every slot is
+Eviction order (`TIER_POLICIES`, `EngineConfig.offload_policy`):
+  * lru (the default): the least recently used ready entry (stored, promoted or re-offered) goes first;
+  * reuse-lru: a segmented LRU, the tier's form of the pool's reuse-LRU: an entry promoted at least once
+    moves to a protected segment (at most PROTECTED_SHARE of the slots; its oldest overflow goes back to
+    the newest end of the other one), and victims come from the unprotected entries first, so a stream of
+    blocks stored once and never reused cannot push out the blocks that are.
+
+A full tier evicts the policy's first unpinned ready entry for a new store; when none is ready (every slot is
 being written) or the writer's queue is full, the store is dropped and counted: the pool's eviction goes on
 as plain eviction and no step waits for the disk.
 """
@@ -34,6 +41,7 @@ from __future__ import annotations
 
 import queue
 from collections import OrderedDict
+from itertools import chain
 from dataclasses import dataclass
 from itertools import islice
 from typing import NamedTuple, Sequence
@@ -112,6 +120,10 @@ class TierStats:
     evictions: int  # ready blocks the tier gave up for newer ones
 
 
+TIER_POLICIES = ("lru", "reuse-lru")
+PROTECTED_SHARE = 0.75  # reuse-lru: the most of the tier's slots the promoted-at-least-once entries keep
+
+
 class TierIndex:
     """The disk tier's bookkeeping: entries by key, free slots, the LRU order, pending stores and loads."""
 
@@ -122,6 +134,7 @@ class TierIndex:
         slot_bytes: int,
         writes: queue.SimpleQueue[TierWrite],
         log: EventLog | None = None,
+        policy: str = "lru",
     ) -> None:
         """Args:
             num_slots: blocks the tier's files hold (>= 1).
@@ -130,16 +143,24 @@ class TierIndex:
             writes: where the writer thread reports each store (`settle` drains it).
             log: where the tier's DEMOTE, PROMOTE, TIER_EVICT and TIER_DROP events go (engine/core/events.py);
                 None: a log that keeps nothing.
+            policy: the eviction order, one of TIER_POLICIES (see the module docstring).
         """
         if num_slots < 1 or block_size < 1 or slot_bytes < 1:
             raise ValueError("a tier needs at least one slot, a block size and a slot size")
+        if policy not in TIER_POLICIES:
+            raise ValueError(f"the disk tier's policy is one of {', '.join(TIER_POLICIES)}, got {policy!r}")
+        self.policy = policy
+        self._protected_cap = int(num_slots * PROTECTED_SHARE) if policy == "reuse-lru" else 0
         self.num_slots = num_slots
         self.block_size = block_size
         self.slot_bytes = slot_bytes
         self._writes = writes
         self._log = log if log is not None else EventLog(recording=False)
         self._entries: dict[bytes, TierEntry] = {}  # key -> entry, writing or ready
-        self._lru: OrderedDict[bytes, TierEntry] = OrderedDict()  # the ready entries, least recently used first
+        # The ready entries, least recently used first, in two segments: `_protected` (reuse-lru: promoted at
+        # least once; always empty under lru) and `_lru` (the others).
+        self._lru: OrderedDict[bytes, TierEntry] = OrderedDict()
+        self._protected: OrderedDict[bytes, TierEntry] = OrderedDict()
         self._free: list[int] = list(range(num_slots - 1, -1, -1))  # free slots, popped from the end
         self._pending: list[tuple[int, bytes, bytes, tuple[int, ...]]] = []  # offered since the last take
         self._pinned: set[bytes] = set()  # keys of entries a planned load reads
@@ -174,9 +195,10 @@ class TierIndex:
         key, parent_key = block.key, block.parent_key
         if key is None or parent_key is None or len(block.token_ids) != self.block_size:
             return
-        entry = self._lru.get(key)
-        if entry is not None:
+        if key in self._lru:
             self._lru.move_to_end(key)
+        elif key in self._protected:
+            self._protected.move_to_end(key)
         elif key not in self._entries:
             self._pending.append((block.block_id, key, parent_key, tuple(block.token_ids)))
 
@@ -190,7 +212,7 @@ class TierIndex:
         found: list[TierEntry] = []
         for i in range(first, end):
             key = keys.key(i, token_ids)
-            entry = self._lru.get(key)
+            entry = self._ready(key)
             parent = keys.key(i - 1, token_ids) if i else keys.root_key
             if entry is None or entry.parent_key != parent or list(entry.token_ids) != token_ids[i * bs : (i + 1) * bs]:
                 break
@@ -206,9 +228,9 @@ class TierIndex:
         """
         require(len(entries) == len(block_ids), f"{request_id}: {len(entries)} tier entries, {len(block_ids)} blocks")
         for entry in entries:
-            require(self._lru.get(entry.key) is entry, f"{request_id}: a planned tier load is not ready")
+            require(self._ready(entry.key) is entry, f"{request_id}: a planned tier load is not ready")
         for entry, block_id in zip(entries, block_ids):
-            self._lru.move_to_end(entry.key)
+            self._used(entry)
             self._pinned.add(entry.key)
             self._loads.append(TierLoad(request_id, entry.slot, block_id, entry.key, entry.checksum or 0))
         self.loads += len(entries)
@@ -249,9 +271,9 @@ class TierIndex:
         """A free slot, or the least recently used unpinned ready entry's (evicted); None when neither."""
         if self._free:
             return self._free.pop()
-        for key, entry in self._lru.items():
+        for key, entry in chain(self._lru.items(), self._protected.items()):
             if key not in self._pinned:
-                del self._lru[key]
+                self._forget_ready(key)
                 del self._entries[key]
                 self.evictions += 1
                 detail = {"key": key.hex(), "slot": entry.slot, "reason": TierReason.LRU.value}
@@ -287,22 +309,45 @@ class TierIndex:
     def discard(self, load: TierLoad) -> None:
         """A load's bytes did not match their checksum: the entry is gone (its block is recomputed)."""
         self.corrupt += 1
-        entry = self._lru.get(load.key)
+        entry = self._ready(load.key)
         if entry is not None and entry.slot == load.slot:
-            del self._lru[load.key]
+            self._forget_ready(load.key)
             del self._entries[load.key]
             self._free.append(load.slot)
             detail = {"key": load.key.hex(), "slot": load.slot, "reason": TierReason.CORRUPT.value}
             self._log.emit(EventKind.TIER_EVICT, detail, request_id=load.request_id, tokens=self.block_size)
 
+    # ------------------------------------------------------------------ the eviction order
+    def _ready(self, key: bytes) -> TierEntry | None:
+        entry = self._lru.get(key)
+        return entry if entry is not None else self._protected.get(key)
+
+    def _used(self, entry: TierEntry) -> None:
+        """A promoted entry becomes the most recently used: of the protected segment under reuse-lru (its
+        oldest overflow back to the newest end of the other), of the only one under lru."""
+        if not self._protected_cap:
+            self._lru.move_to_end(entry.key)
+            return
+        self._lru.pop(entry.key, None)
+        self._protected[entry.key] = entry
+        self._protected.move_to_end(entry.key)
+        while len(self._protected) > self._protected_cap:
+            key, oldest = self._protected.popitem(last=False)
+            self._lru[key] = oldest
+
+    def _forget_ready(self, key: bytes) -> None:
+        if self._lru.pop(key, None) is None:
+            del self._protected[key]
+
     # ------------------------------------------------------------------ inspection
     def entries(self, limit: int) -> list[TierEntry]:
         """The ready entries, most recently used first, at most `limit` of them (for the console's views).
         Changes nothing; the entries are the index's own: read them, never change them."""
-        return list(islice(reversed(self._lru.values()), max(0, limit)))
+        newest = chain(reversed(self._protected.values()), reversed(self._lru.values()))
+        return list(islice(newest, max(0, limit)))
 
     def stats(self) -> TierStats:
-        ready = len(self._lru)
+        ready = len(self._lru) + len(self._protected)
         return TierStats(
             num_slots=self.num_slots,
             ready_blocks=ready,
@@ -325,10 +370,12 @@ class TierIndex:
         require(set(slots).isdisjoint(self._free), "a tier slot is both free and held")
         require(len(slots) + len(self._free) == self.num_slots, "tier slots lost or invented")
         require(all(0 <= s < self.num_slots for s in [*slots, *self._free]), "a tier slot out of range")
+        require(set(self._lru).isdisjoint(self._protected), "a tier entry in both segments")
+        require(len(self._protected) <= self._protected_cap, "the protected segment outgrew its share")
         for key, entry in self._entries.items():
             require(entry.key == key, "a tier entry under another key")
-            require((entry.checksum is not None) == (key in self._lru), "ready tier entries and the LRU disagree")
-            if key in self._lru:
-                require(self._lru[key] is entry, "the LRU holds another entry for a key")
-        require(set(self._lru) <= set(self._entries), "the LRU holds an entry the index lost")
-        require(self._pinned <= set(self._lru), "a pinned tier entry is not ready")
+            ready = self._ready(key)
+            require((entry.checksum is not None) == (ready is not None), "ready tier entries and the LRU disagree")
+            require(ready is None or ready is entry, "the LRU holds another entry for a key")
+        require(set(self._lru) | set(self._protected) <= set(self._entries), "the LRU holds an entry the index lost")
+        require(all(self._ready(key) is not None for key in self._pinned), "a pinned tier entry is not ready")
