@@ -54,7 +54,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.append(str(ROOT / "benchmarks"))  # after the repository: benchmarks/storage.py must not hide storage/
 
-from peer_vllm import wait_until_quiet  # noqa: E402  (benchmarks/: wait for a settled machine)
+from peer_vllm import neighbour_loop, wait_until_quiet  # noqa: E402  (benchmarks/: a settled machine, a neighbour)
 
 PREFIX_TOKENS = 1024
 SUFFIX_TOKENS = 32
@@ -292,16 +292,6 @@ HEADER = (
 )
 
 
-def neighbour() -> None:
-    """Busy-loops 50 ms of every 200 ms on one core, for ever (a daemon process)."""
-    os.sched_setaffinity(0, {0})
-    while True:
-        until = time.perf_counter() + 0.05
-        while time.perf_counter() < until:
-            pass
-        time.sleep(0.15)
-
-
 def tiers_cell(args: argparse.Namespace, scratch: Path, max_busy: float) -> int:
     """The interleaved runs and their table; returns how many requests' outputs differ between the configurations."""
     runs: dict[str, list[dict]] = {name: [] for name in CONFIGURATIONS}
@@ -404,7 +394,7 @@ def main() -> None:
     for name, default in zip(("repeats", "prefixes", "pool_prefixes", "rounds"), defaults):
         if getattr(args, name) is None:
             setattr(args, name, default)
-    busy = multiprocessing.Process(target=neighbour, daemon=True) if args.neighbour else None
+    busy = multiprocessing.Process(target=neighbour_loop, daemon=True) if args.neighbour else None
     max_busy = 0.3 if busy is not None else 0.05
     print(f"SmolLM2-135M {args.dtype} on the CPU ({os.cpu_count()} cores), block size {BLOCK_SIZE}; {args.prefixes} "
           f"prefixes of {PREFIX_TOKENS} tokens x {args.rounds} rounds, own {SUFFIX_TOKENS}-token suffixes, "

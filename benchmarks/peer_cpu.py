@@ -41,14 +41,16 @@ import multiprocessing
 import os
 import signal
 import statistics
-import subprocess
 import sys
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 from peer_cpu_models import GGUF_NAMES, OPENVINO_NAME
-from peer_vllm import CELLS, PREFIX_TOKENS, QUICK_CELLS, SUFFIX_TOKENS, VLLM_BLOCK_SIZE, Cell, prompts_for, wait_until_quiet
+from peer_vllm import (
+    CELLS, PREFIX_TOKENS, QUICK_CELLS, SUFFIX_TOKENS, VLLM_BLOCK_SIZE, Cell, Worker, neighbour_loop, prompts_for,
+    wait_until_quiet,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = ROOT / "benchmarks" / "peer_cpu_worker.py"
@@ -72,39 +74,6 @@ def model_path(engine: str, dtype: str, safetensors_dir: Path, peer_dir: Path) -
     return safetensors_dir
 
 
-class Worker:
-    """A resident engine process answering one JSON command per line (see peer_cpu_worker.py)."""
-
-    def __init__(self, engine: str, args: list[str], env: dict[str, str]) -> None:
-        self.engine = engine
-        self.log_path = ROOT / "artifacts" / f"peer-cpu-{engine}.log"
-        self.log = self.log_path.open("w")  # the engine's own output
-        self.process = subprocess.Popen(
-            [str(PYTHONS[engine]), str(WORKER), "--engine", engine, *args],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True, env=env,
-        )
-
-    def ask(self, command: dict | None) -> dict:
-        """Send a command (None: only read, as for the ready line) and return the worker's reply."""
-        if command is not None:
-            self.process.stdin.write(json.dumps(command) + "\n")
-            self.process.stdin.flush()
-        line = self.process.stdout.readline()
-        if not line:
-            raise RuntimeError(f"the {self.engine} worker ended (see {self.log_path})")
-        return json.loads(line)
-
-    def close(self) -> None:
-        if self.process.poll() is None:
-            self.process.stdin.write(json.dumps({"op": "quit"}) + "\n")
-            self.process.stdin.close()
-            try:
-                self.process.wait(timeout=120)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-        self.log.close()
-
-
 def start_workers(engines: list[str], dtype: str, models: tuple[Path, Path], threads: int) -> dict[str, Worker]:
     """One worker per engine for one dtype, started together, returned once all are ready."""
     from engine.openmp import OPENMP_SETTINGS, set_openmp_defaults  # main() put the repository on the path
@@ -120,20 +89,11 @@ def start_workers(engines: list[str], dtype: str, models: tuple[Path, Path], thr
     for engine in engines:
         args = ["--model-dir", str(model_path(engine, dtype, *models)), "--dtype", dtype, "--threads", str(threads),
                 "--block-size", str(block_sizes.get(engine, THIS_BLOCK_SIZE))]
-        workers[engine] = Worker(engine, args, envs.get(engine, dict(os.environ)))
+        env = envs.get(engine, dict(os.environ))
+        workers[engine] = Worker(engine, PYTHONS[engine], args, env, script=WORKER, log_name="peer-cpu")
     for worker in workers.values():
-        worker.ask(None)
+        worker.wait_ready()
     return workers
-
-
-def neighbour_loop() -> None:
-    """Busy-loops 50 ms of every 200 ms on one core, for ever (a daemon process, paused between turns)."""
-    os.sched_setaffinity(0, {0})
-    while True:
-        until = time.perf_counter() + 0.05
-        while time.perf_counter() < until:
-            pass
-        time.sleep(0.15)
 
 
 @dataclass(frozen=True)

@@ -42,7 +42,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Callable
 
-from peer_vllm_worker import Backend, ThisEngine, VllmEngine
+from peer_vllm_worker import Backend, ThisEngine, VllmEngine, serve
 
 ROOT = Path(__file__).resolve().parents[1]
 LLAMA_SERVER = ROOT / ".venv-llamacpp" / "bin" / "llama-server"
@@ -181,20 +181,7 @@ def main() -> None:
     backend = BACKENDS[args.engine](args)
     replies.write(json.dumps({"ready": True, "engine": args.engine, "threads": args.threads}) + "\n")
     try:
-        for line in sys.stdin:
-            command = json.loads(line)
-            if command["op"] == "quit":
-                return
-            if command["op"] == "reset":
-                backend.reset()
-                reply: dict[str, object] = {}
-            else:
-                started = time.perf_counter()
-                outputs = backend.run(command["prompts"], command["max_tokens"])
-                reply = {"outputs": outputs, "seconds": time.perf_counter() - started}
-                if isinstance(backend, ThisEngine):
-                    reply["threads"] = backend.threads()
-            replies.write(json.dumps(reply) + "\n")
+        serve(backend, replies)
     finally:
         if isinstance(backend, LlamaServer):
             backend.close()

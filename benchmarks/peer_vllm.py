@@ -84,14 +84,30 @@ CELLS = (
 QUICK_CELLS = tuple(c for c in CELLS if c.num_requests * c.new_tokens <= 512)
 
 
+def neighbour_loop() -> None:
+    """Busy-loops 50 ms of every 200 ms on one core, for ever (a daemon process, paused between turns)."""
+    os.sched_setaffinity(0, {0})
+    while True:
+        until = time.perf_counter() + 0.05
+        while time.perf_counter() < until:
+            pass
+        time.sleep(0.15)
+
+
 class Worker:
     """A resident engine process answering one JSON command per line (see peer_vllm_worker.py)."""
 
-    def __init__(self, engine: str, python: Path, args: list[str], env: dict[str, str]) -> None:
+    def __init__(
+        self, engine: str, python: Path, args: list[str], env: dict[str, str], *, script: Path = WORKER,
+        log_name: str = "peer-vllm",
+    ) -> None:
+        """`script`: the worker program (peer_vllm_worker.py, or peer_cpu_worker.py for benchmarks/peer_cpu.py);
+        its stderr goes to artifacts/<log_name>-<engine>.log."""
         self.engine = engine
-        self.log = (ROOT / "artifacts" / f"peer-vllm-{engine}.log").open("w")  # the engine's own output
+        self.log_path = ROOT / "artifacts" / f"{log_name}-{engine}.log"
+        self.log = self.log_path.open("w")  # the engine's own output
         self.process = subprocess.Popen(
-            [str(python), str(WORKER), "--engine", engine, *args],
+            [str(python), str(script), "--engine", engine, *args],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=self.log,
@@ -121,7 +137,7 @@ class Worker:
     def _reply(self) -> dict:
         line = self.process.stdout.readline()
         if not line:
-            raise RuntimeError(f"the {self.engine} worker ended (see artifacts/peer-vllm-{self.engine}.log)")
+            raise RuntimeError(f"the {self.engine} worker ended (see {self.log_path})")
         return json.loads(line)
 
 

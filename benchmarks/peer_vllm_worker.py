@@ -144,6 +144,12 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     backend = BACKENDS[args.engine](args.model_dir, args.dtype, args.block_size)
     replies.write(json.dumps({"ready": True, "engine": args.engine, "threads": torch.get_num_threads()}) + "\n")
+    serve(backend, replies)
+
+
+def serve(backend: Backend, replies) -> None:
+    """Answer one JSON command per stdin line until "quit" (or stdin's end): "reset" empties the backend's
+    cache; any other op runs `prompts` for `max_tokens` and replies with the outputs and the seconds taken."""
     for line in sys.stdin:
         command = json.loads(line)
         if command["op"] == "quit":
