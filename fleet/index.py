@@ -26,6 +26,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 from fleet.events import (
     DEFAULT_MEDIUM,
@@ -46,6 +47,7 @@ from fleet.source import PodSource
 from fleet.tiers import PodTierMatch, TieredRoute, tiered_reach
 
 DEFAULT_STALE_AFTER_S = 60.0
+_M = TypeVar("_M", "PodMatch", PodTierMatch)  # what `_match_pods` collects per pod
 METRICS_KEPT = 720  # a pod's latest scrapes kept for the live view (an hour at one per 5 s)
 
 
@@ -350,17 +352,13 @@ class FleetIndex:
         Raises:
             OverflowError: a token id is negative or not below 2**32.
         """
-        max_cached = max(0, len(token_ids) - 1)
-        prompt = pack_tokens(token_ids[:max_cached])
-        now = self._clock() if now is None else now
-        with self._lock:
-            matches = []
-            for name, pod in self._pods.items():
-                group = pod.groups.get((medium, group_idx))
-                blocks, tokens = group.walk(prompt) if group is not None else (0, 0)
-                matches.append(PodMatch(name, blocks, tokens, self._health(pod, now).stale))
-        matches.sort(key=lambda match: (-match.matched_tokens, match.pod))
-        return RouteResult(len(token_ids), max_cached, medium, group_idx, tuple(matches))
+        def match(name: str, pod: _Pod, prompt: bytes, stale: bool) -> PodMatch:
+            group = pod.groups.get((medium, group_idx))
+            blocks, tokens = group.walk(prompt) if group is not None else (0, 0)
+            return PodMatch(name, blocks, tokens, stale)
+
+        max_cached, matches = self._match_pods(token_ids, now, match)
+        return RouteResult(len(token_ids), max_cached, medium, group_idx, matches)
 
     def route_tiers(self, token_ids: Sequence[int], group_idx: int = 0, now: float | None = None) -> TieredRoute:
         """Which tier of each pod would serve a prompt: its media of one KV group walked fastest first,
@@ -369,16 +367,23 @@ class FleetIndex:
         Raises:
             OverflowError: a token id is negative or not below 2**32.
         """
+        def match(name: str, pod: _Pod, prompt: bytes, stale: bool) -> PodTierMatch:
+            groups = [(medium, group) for (medium, idx), group in pod.groups.items() if idx == group_idx]
+            return PodTierMatch(name, tiered_reach(groups, prompt), stale)
+
+        max_cached, matches = self._match_pods(token_ids, now, match)
+        return TieredRoute(len(token_ids), max_cached, group_idx, matches)
+
+    def _match_pods(self, token_ids: Sequence[int], now: float | None, match: Callable[..., _M]) -> tuple[int, tuple[_M, ...]]:
+        """`match(pod name, pod, packed prompt, stale)` for every pod under the lock, longest match first (then by
+        name), and the prompt's cap: its tokens before the last (what a server may report cached)."""
         max_cached = max(0, len(token_ids) - 1)
         prompt = pack_tokens(token_ids[:max_cached])
         now = self._clock() if now is None else now
         with self._lock:
-            matches = []
-            for name, pod in self._pods.items():
-                groups = [(medium, group) for (medium, idx), group in pod.groups.items() if idx == group_idx]
-                matches.append(PodTierMatch(name, tiered_reach(groups, prompt), self._health(pod, now).stale))
-        matches.sort(key=lambda match: (-match.matched_tokens, match.pod))
-        return TieredRoute(len(token_ids), max_cached, group_idx, tuple(matches))
+            matches = [match(name, pod, prompt, self._health(pod, now).stale) for name, pod in self._pods.items()]
+        matches.sort(key=lambda found: (-found.matched_tokens, found.pod))
+        return max_cached, tuple(matches)
 
     def prefix_tree(self, medium: str = DEFAULT_MEDIUM, group_idx: int = 0, max_nodes: int = 10_000) -> PrefixTree:
         """The prefixes every pod holds in one (medium, group), merged by token content (fleet.prefix_tree).
