@@ -16,7 +16,7 @@ from pathlib import Path
 
 import orjson
 import pytest
-from sqlalchemy import JSON, insert, select
+from sqlalchemy import JSON, func, insert, select
 from sqlalchemy import column as sql_column
 from sqlalchemy import table as sql_table
 
@@ -32,6 +32,7 @@ from storage.read.block_history import StoredEvent, replay
 from storage.read.tier_history import key_moves, request_promotions, tier_counts, tier_fate
 from storage.schema import REQUESTS, TIER_MOVES
 from storage.write.recorder import record_engine
+from storage.write.retention import RetentionPolicy, prune
 from storage.write.writer import EventWriter
 from storage.read.why import find_request
 from tests.engine_support import tokens
@@ -419,3 +420,20 @@ def test_a_tier_drop_names_its_eviction_and_a_write_back_is_a_row_of_its_own() -
     assert [row.event for row in two] == ["allocate", "cache", "release", "demote"]
     assert two[-1].change == "copied to disk (tier slot 0): still cached in the pool"
     assert (two[-1].ref_count, two[-1].state, seven[-1].state) == (0, "evictable", "free")
+
+
+def test_retention_keeps_the_newest_tier_moves_only(db_url: str, make_writer, engine_for) -> None:
+    """`tier_moves` grows with every block a tier moves: retention bounds it like the eviction log."""
+    writer = make_writer(db_url)
+    writer.start_run(RUN_INFO)
+    for trip in range(5):
+        writer.submit(tier_events(BASE_TIME + 10 * trip))
+    assert writer.flush(timeout_s=20)
+    db = engine_for(db_url)
+    with db.connect() as connection:
+        assert connection.scalar(select(func.count()).select_from(TIER_MOVES)) > 4
+    prune(db, RetentionPolicy(max_age_days=None, max_events=None, max_evictions=None, max_tier_moves=4),
+          now=BASE_TIME + 100)  # fmt: skip
+    with db.connect() as connection:
+        assert connection.scalar(select(func.count()).select_from(TIER_MOVES)) == 4
+        assert connection.scalar(select(func.min(TIER_MOVES.c.time))) >= BASE_TIME + 40
