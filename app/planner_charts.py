@@ -68,16 +68,7 @@ def hit_ratio_curves(lru: pd.DataFrame, points: pd.DataFrame, max_hit_ratio: flo
                           text=f"this engine's pool: {engine_tokens:,} tokens", font={"color": "#b45309"})  # fmt: skip
     xs = [*lru["capacity_tokens"], *points["capacity_tokens"], engine_tokens]
     low, high = max(min(xs), 1), max(max(xs), 1)
-    ticks = log_ticks(low, high)
-    figure.update_layout(
-        xaxis={"type": "log", "title": "cache capacity (tokens)", "tickvals": ticks,
-               "ticktext": [token_label(t) for t in ticks]},
-        yaxis={"title": "hit ratio (tokens)", "range": [0, 1.05], "tickformat": ".0%"},
-        legend={"orientation": "h", "y": -0.2},
-        margin={"l": 10, "r": 10, "t": 30, "b": 10},
-        height=460,
-    )  # fmt: skip
-    return figure
+    return _hit_ratio_axes(figure, low, high, "cache capacity (tokens)", height=460)
 
 
 def tier_curves(tiers: pd.DataFrame, tier_gib: float, max_hit_ratio: float, engine_tokens: int) -> go.Figure:
@@ -102,13 +93,18 @@ def tier_curves(tiers: pd.DataFrame, tier_gib: float, max_hit_ratio: float, engi
                      annotation_position="top left")  # fmt: skip
     figure.add_vline(x=engine_tokens, line={"dash": "dot", "color": ENGINE_COLOUR, "width": 2})
     low, high = max(min(tiers["capacity_tokens"].min(), engine_tokens), 1), max(tiers["capacity_tokens"].max(), engine_tokens, 1)
+    return _hit_ratio_axes(figure, low, high, "pool capacity (tokens)", height=420)
+
+
+def _hit_ratio_axes(figure: go.Figure, low: float, high: float, x_title: str, *, height: int) -> go.Figure:
+    """A hit-ratio-by-capacity figure's axes: capacity on a log axis with token ticks over [low, high], the
+    hit ratio from 0 to 105 %, the legend below."""
     ticks = log_ticks(low, high)
     figure.update_layout(
-        xaxis={"type": "log", "title": "pool capacity (tokens)", "tickvals": ticks,
-               "ticktext": [token_label(t) for t in ticks]},
+        xaxis={"type": "log", "title": x_title, "tickvals": ticks, "ticktext": [token_label(t) for t in ticks]},
         yaxis={"title": "hit ratio (tokens)", "range": [0, 1.05], "tickformat": ".0%"},
         legend={"orientation": "h", "y": -0.2},
         margin={"l": 10, "r": 10, "t": 30, "b": 10},
-        height=420,
+        height=height,
     )  # fmt: skip
     return figure
